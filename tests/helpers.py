@@ -1,0 +1,62 @@
+"""Tiny random models and a tiny tokenizer for fast unit tests (no assets needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?0123456789")
+
+
+def tiny_tokenizer(vocab_size: int = 64):
+    """A word-level tokenizer with a chat template; ids < vocab_size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "<eos>", "<bos>", "<user>", "<assistant>", "<system>", "<end>"]
+    words = special + CHARS
+    words += [f"w{i}" for i in range(vocab_size - len(words))]
+    vocab = {w: i for i, w in enumerate(words[:vocab_size])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.add_special_tokens(special)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<end>", bos_token="<bos>")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<end>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return fast
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 64, layers: int = 6, hidden: int = 32, **kw):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    cfg = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               tie_word_embeddings=False, pad_token_id=0, eos_token_id=6, bos_token_id=2)
+    cfg.update(kw)
+    return cls(**cfg)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, attn: str = "sdpa", **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **kw)
+    cfg._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_target(arch: str = "llama", seed: int = 0, attn: str = "sdpa", **kw):
+    from eaglekit.target import Target
+
+    vocab = kw.get("vocab_size", 64)
+    return Target(tiny_model(arch, seed, attn, **kw), tiny_tokenizer(vocab), name=f"tiny-{arch}")
+
+
+def save_tiny(path: Path, arch: str = "llama", seed: int = 0, **kw) -> Path:
+    model = tiny_model(arch, seed, **kw)
+    model.save_pretrained(path)
+    tiny_tokenizer(kw.get("vocab_size", 64)).save_pretrained(path)
+    return Path(path)

