@@ -1,0 +1,105 @@
+"""What both heads share: borrowing the target's frozen modules, the draft-vocabulary maps, save."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eaglekit.heads.config import HeadConfig
+from eaglekit.heads.layers import Rotary
+
+
+class DraftHead(nn.Module):
+    """Base of Eagle1Head / Eagle3Head.
+
+    The target's ``embed_tokens`` (and EAGLE-1's ``lm_head``) are *borrowed*: kept outside the module
+    tree, so they are neither trained, saved, nor moved by ``head.to``; ``bind`` sets them again.
+    """
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.rotary = Rotary(config)
+        self.__dict__["_borrowed"] = {}
+
+    # ---- borrowed target modules -------------------------------------------------------------
+    def bind(self, target) -> "DraftHead":
+        from eaglekit.heads.io import check_target
+
+        check_target(self.config, target, where=f"{type(self).__name__}.bind")
+        self._borrowed["embed_tokens"] = target.embed_tokens
+        self._borrowed["lm_head"] = target.lm_head
+        return self
+
+    def _target_module(self, name: str) -> nn.Module:
+        if name not in self._borrowed:
+            raise RuntimeError(f"{type(self).__name__} is not bound to a target: call head.bind(target) "
+                               "(build_head and load_head do this)")
+        return self._borrowed[name]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        emb = self._target_module("embed_tokens")
+        return emb(input_ids.to(emb.weight.device)).to(self.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    # ---- draft vocabulary ----------------------------------------------------------------------
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocabulary: ``target_id = i + d2t[i]``, ``t2d[t]`` = t is in the draft vocab."""
+        d2t, t2d = torch.as_tensor(d2t).long().flatten(), torch.as_tensor(t2d).bool().flatten()
+        vd, v = self.config.draft_vocab_size, self.config.target_vocab_size
+        if d2t.shape != (vd,) or t2d.shape != (v,):
+            raise ValueError(f"set_draft_vocab: expected d2t [{vd}] and t2d [{v}], got {list(d2t.shape)} "
+                             f"and {list(t2d.shape)}")
+        ids = torch.arange(vd) + d2t
+        if ids.min() < 0 or ids.max() >= v or ids.unique().numel() != vd:
+            raise ValueError("set_draft_vocab: d2t maps draft ids outside the target vocab or onto duplicates")
+        if int(t2d.sum()) != vd or not bool(t2d[ids].all()):
+            raise ValueError("set_draft_vocab: t2d does not mark exactly the target ids that d2t maps to")
+        self.d2t.copy_(d2t.to(self.d2t.device))
+        self.t2d.copy_(t2d.to(self.t2d.device))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]
+
+    def target_to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids of ``target_ids``; -1 where a token is not in the draft vocabulary."""
+        inverse = torch.full((self.config.target_vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
+        inverse[torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t] = \
+            torch.arange(self.d2t.numel(), device=self.d2t.device)
+        return inverse.to(target_ids.device)[target_ids]
+
+    # ---- features and steps ----------------------------------------------------------------------
+    def fuse_output(self, target_output) -> torch.Tensor:
+        """Fuse what the target returned (``TargetOutput``) into the head's input feature g."""
+        raise NotImplementedError
+
+    def _check_step(self, input_ids, g, position_ids, cache, attn_mask):
+        if position_ids is None:
+            raise ValueError("step: position_ids [B, S] are required")
+        B, S = input_ids.shape
+        if g.shape[:2] != (B, S) or g.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"step: g must be [{B}, {S}, {self.config.hidden_size}], got {list(g.shape)}")
+        if position_ids.shape != (B, S) and position_ids.shape != (1, S):
+            raise ValueError(f"step: position_ids must be [{B}, {S}], got {list(position_ids.shape)}")
+        if attn_mask is not None:
+            past = cache.length if cache is not None else 0
+            if attn_mask.dim() != 4 or attn_mask.shape[-2:] != (S, past + S):
+                raise ValueError(f"step: attn_mask must be [B or 1, 1, {S}, {past + S}] (cache holds {past}), "
+                                 f"got {list(attn_mask.shape)}")
+            if attn_mask.dtype == torch.bool:
+                raise ValueError("step: attn_mask must be an additive float mask (0 attend, finfo.min blocked)")
+
+    def forward(self, input_ids, g, position_ids, cache=None, attn_mask=None):
+        """Same as ``step`` (so DDP/FSDP wrappers can call the head)."""
+        return self.step(input_ids, g, position_ids, cache=cache, attn_mask=attn_mask)
+
+    def save_pretrained(self, path, **kw):
+        from eaglekit.heads.io import save_head
+
+        return save_head(self, path, **kw)

@@ -1,0 +1,119 @@
+"""The head's config: what it is, its shape, and which target it was trained for (JSON-serialisable)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+EAGLE1, EAGLE3 = "eagle1", "eagle3"
+DEFAULT_DRAFT_VOCAB = 32000
+
+
+def _version() -> str:
+    from eaglekit import __version__
+
+    return __version__
+
+
+def target_rope(cfg) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a transformers config; scaling is None for plain RoPE.
+
+    transformers 5 keeps both in ``rope_parameters``; older configs have ``rope_theta``/``rope_scaling``.
+    """
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = float(params.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    if not params:
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    return theta, (params if kind != "default" else None)
+
+
+@dataclass
+class HeadConfig:
+    kind: str = EAGLE3
+    num_layers: int = 1
+    hidden_size: int = 0  # = the target's hidden size (the head is as wide as the target)
+    target_vocab_size: int = 0
+    draft_vocab_size: int = 0  # EAGLE-1: = target_vocab_size
+    target_num_layers: int = 0
+    aux_layer_ids: list[int] = field(default_factory=list)  # EAGLE-3 taps (layer inputs); [] for EAGLE-1
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    norm_before_residual: bool = False  # EAGLE-3: residual is g itself (SpecForge/SafeAILab), not norm(g)
+    target_name: str = ""
+    target_fingerprint: str = ""
+    eaglekit_version: str = field(default_factory=_version)
+
+    def __post_init__(self):
+        if self.kind not in (EAGLE1, EAGLE3):
+            raise ValueError(f"HeadConfig.kind must be 'eagle1' or 'eagle3', got {self.kind!r}")
+        if self.num_layers < 1:
+            raise ValueError(f"HeadConfig.num_layers must be >= 1, got {self.num_layers}")
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        if self.kind == EAGLE1:
+            self.draft_vocab_size = self.target_vocab_size
+            self.aux_layer_ids = []
+
+    @classmethod
+    def from_target(cls, target, kind: str = EAGLE3, num_layers: int = 1, draft_vocab_size: int | None = None,
+                    aux_layer_ids=None, **overrides) -> "HeadConfig":
+        """A head shaped like one of the target's decoder layers (heads, kv heads, head_dim, MLP, RoPE)."""
+        tc = target.config
+        heads = tc.num_attention_heads
+        theta, scaling = target_rope(tc)
+        vocab = target.vocab_size
+        if kind == EAGLE3:
+            aux = list(aux_layer_ids if aux_layer_ids is not None else target.aux_layer_ids)
+            dv = draft_vocab_size if draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, vocab)
+        else:
+            aux, dv = [], vocab
+        cfg = dict(
+            kind=kind, num_layers=num_layers, hidden_size=target.hidden_size, target_vocab_size=vocab,
+            draft_vocab_size=dv, target_num_layers=target.num_layers, aux_layer_ids=aux,
+            num_attention_heads=heads, num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
+            intermediate_size=tc.intermediate_size, rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+            target_name=getattr(target, "name", ""), target_fingerprint=target.fingerprint())
+        cfg.update(overrides)
+        return cls(**cfg)
+
+    def validate(self) -> None:
+        if self.kind == EAGLE3:
+            if not 0 < self.draft_vocab_size <= self.target_vocab_size:
+                raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.target_vocab_size}")
+            bad = [i for i in self.aux_layer_ids if not 0 <= i < self.target_num_layers]
+            if not self.aux_layer_ids or bad:
+                raise ValueError(f"aux_layer_ids {self.aux_layer_ids} must be non-empty layer indices "
+                                 f"< target_num_layers={self.target_num_layers}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "config") -> "HeadConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown head config key(s) {unknown}")
+        return cls(**data)
+
+    def rope_parameters(self) -> dict:
+        return {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+
+    def llama_config(self, **extra):
+        """The head's decoder shape as a transformers LlamaConfig (RoPE init, export configs)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, vocab_size=self.target_vocab_size,
+            rope_parameters=self.rope_parameters(), tie_word_embeddings=False, **extra)

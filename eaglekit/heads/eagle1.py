@@ -1,0 +1,46 @@
+"""EAGLE-1 head (Li et al. 2024): predicts the target's next last-layer feature; the target's lm_head reads it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eaglekit.heads.base import DraftHead
+from eaglekit.heads.cache import HeadCache
+from eaglekit.heads.config import EAGLE1, HeadConfig
+from eaglekit.heads.layers import DecoderLayer
+
+
+class Eagle1Head(DraftHead):
+    def __init__(self, config: HeadConfig):
+        if config.kind != EAGLE1:
+            raise ValueError(f"Eagle1Head needs kind='eagle1', got {config.kind!r}")
+        super().__init__(config)
+        H = config.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=True)
+        # the first layer has no input norm: fc's output goes straight into attention (as in EAGLE-1)
+        self.layers = nn.ModuleList([DecoderLayer(config, i, input_norm=i > 0) for i in range(config.num_layers)])
+        # the draft vocabulary is the target's: identity maps, not saved
+        self.register_buffer("d2t", torch.zeros(config.target_vocab_size, dtype=torch.long), persistent=False)
+        self.register_buffer("t2d", torch.ones(config.target_vocab_size, dtype=torch.bool), persistent=False)
+
+    def fuse(self, last: torch.Tensor) -> torch.Tensor:
+        """EAGLE-1 reads the target's last hidden state (after its final norm) as is."""
+        return last.to(self.dtype)
+
+    def fuse_output(self, target_output) -> torch.Tensor:
+        return self.fuse(target_output.last)
+
+    def set_draft_vocab(self, d2t, t2d) -> None:
+        raise ValueError("Eagle1Head predicts over the full target vocabulary; it has no draft vocabulary")
+
+    def step(self, input_ids, g, position_ids, cache: HeadCache | None = None, attn_mask=None):
+        """→ (predicted next feature f̂ [B,S,H], logits over the target vocab [B,S,V] via target.lm_head)."""
+        self._check_step(input_ids, g, position_ids, cache, attn_mask)
+        dtype = self.dtype
+        cos, sin = self.rotary(position_ids.to(self.device), dtype)
+        mask = None if attn_mask is None else attn_mask.to(self.device, dtype)
+        x = self.fc(torch.cat([self.embed(input_ids), g.to(dtype)], dim=-1))
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, mask)
+        lm_head = self._target_module("lm_head")
+        return x, lm_head(x.to(lm_head.weight.dtype))

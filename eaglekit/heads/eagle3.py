@@ -1,0 +1,80 @@
+"""EAGLE-3 head (Li et al. 2025): fused low/mid/high taps, one wide decoder layer, its own draft lm_head."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eaglekit.heads.base import DraftHead
+from eaglekit.heads.cache import HeadCache
+from eaglekit.heads.config import EAGLE3, HeadConfig
+from eaglekit.heads.layers import MLP, Attention, DecoderLayer, RMSNorm
+
+
+class Eagle3FirstLayer(nn.Module):
+    """q/k/v read ``[input_layernorm(embed); hidden_norm(g)]`` (2H); the residual stream is g.
+
+    ``norm_before_residual=True`` makes the residual ``hidden_norm(g)`` instead (vLLM's flag of that name).
+    """
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 2 * H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, g, cos, sin, cache=None, mask=None):
+        normed = self.hidden_norm(g)
+        residual = normed if self.norm_before_residual else g
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        x = residual + self.self_attn(x, cos, sin, 0, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Head(DraftHead):
+    def __init__(self, config: HeadConfig):
+        if config.kind != EAGLE3:
+            raise ValueError(f"Eagle3Head needs kind='eagle3', got {config.kind!r}")
+        config.validate()
+        super().__init__(config)
+        H, taps = config.hidden_size, len(config.aux_layer_ids)
+        self.fc = nn.Linear(taps * H, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3FirstLayer(config)] +
+                                    [DecoderLayer(config, i) for i in range(1, config.num_layers)])
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        # until set_draft_vocab: the draft vocab is the first Vd target ids (zero offsets)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """[.., taps*H] concatenated layer inputs → g [.., H]."""
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def fuse_output(self, target_output) -> torch.Tensor:
+        if target_output.aux is None:
+            raise ValueError("Eagle3Head.fuse_output: the target output has no aux taps (use kind='eagle3')")
+        return self.fuse(target_output.aux)
+
+    def step(self, input_ids, g, position_ids, cache: HeadCache | None = None, attn_mask=None):
+        """One head pass over S (feature, next token) pairs → (hidden before norm [B,S,H], logits [B,S,Vd])."""
+        self._check_step(input_ids, g, position_ids, cache, attn_mask)
+        dtype = self.dtype
+        cos, sin = self.rotary(position_ids.to(self.device), dtype)
+        mask = None if attn_mask is None else attn_mask.to(self.device, dtype)
+        x = self.layers[0](self.embed(input_ids), g.to(dtype), cos, sin, cache, mask)
+        for layer in self.layers[1:]:
+            x = layer(x, cos, sin, cache, mask)
+        return x, self.lm_head(self.norm(x))
+
+    def init_lm_head_from_target(self) -> None:
+        """Start the draft lm_head from the target's rows for the draft vocabulary (optional warm start)."""
+        w = self._target_module("lm_head").weight
+        ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        with torch.no_grad():
+            self.lm_head.weight.copy_(w[ids.to(w.device)].to(self.lm_head.weight))

@@ -1,0 +1,235 @@
+"""Heads: shapes, cache/mask semantics, draft vocab, save/load, target checks (tiny random targets)."""
+import pytest
+import torch
+from helpers import tiny_target
+
+from eaglekit.heads import (Eagle1Head, Eagle3Head, HeadCache, HeadConfig, build_head, causal_mask, load_head,
+                            ttt_mask)
+
+KINDS = [("eagle1", 1), ("eagle1", 2), ("eagle3", 1), ("eagle3", 2)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(layers=6, hidden=32, vocab_size=64)
+
+
+def make_head(target, kind, layers, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = HeadConfig.from_target(target, kind=kind, num_layers=layers, **kw)
+    head = build_head(cfg, target)
+    with torch.no_grad():  # random norms too, so swapped or skipped norms change the output
+        for n, p in head.named_parameters():
+            if n.endswith("norm.weight") or "layernorm" in n:
+                p.uniform_(0.5, 1.5)
+    return head
+
+
+def features(target, head, ids):
+    out = target.forward(ids, kind=head.config.kind)
+    return head.fuse_output(out)
+
+
+def test_heads_config_from_target_copies_shape(target):
+    cfg = HeadConfig.from_target(target, kind="eagle3")
+    tc = target.config
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (32, tc.num_attention_heads,
+                                                                                  tc.num_key_value_heads)
+    assert cfg.head_dim == 32 // tc.num_attention_heads and cfg.intermediate_size == tc.intermediate_size
+    assert cfg.draft_vocab_size == 64 and cfg.aux_layer_ids == [2, 3, 3]
+    assert cfg.target_fingerprint == target.fingerprint() and cfg.target_num_layers == 6
+    assert HeadConfig.from_dict(cfg.to_dict()) == cfg
+    assert HeadConfig.from_target(target, kind="eagle1").draft_vocab_size == 64
+
+
+@pytest.mark.parametrize("kind,layers", KINDS)
+def test_heads_step_shapes(target, kind, layers):
+    head = make_head(target, kind, layers, draft_vocab_size=40 if kind == "eagle3" else None)
+    ids = torch.randint(0, 64, (2, 7))
+    g = features(target, head, ids)
+    assert g.shape == (2, 7, 32)
+    hidden, logits = head.step(ids, g, torch.arange(7).expand(2, 7))
+    vd = 40 if kind == "eagle3" else 64
+    assert hidden.shape == (2, 7, 32) and logits.shape == (2, 7, vd)
+    assert torch.isfinite(logits).all()
+    # only head weights are trainable/saved; the borrowed target modules are not part of the head
+    names = set(head.state_dict())
+    assert not any("embed" in n for n in names) and all(not n.startswith("lm_head") or kind == "eagle3" for n in names)
+    assert len(head.layers) == layers
+    if kind == "eagle3":
+        assert head.fc.weight.shape == (32, 96) and head.fc.bias is None
+        assert head.layers[0].self_attn.q_proj.weight.shape[1] == 64
+    else:
+        assert head.fc.weight.shape == (32, 64) and head.fc.bias is not None
+        assert not hasattr(head.layers[0], "input_layernorm")
+
+
+@pytest.mark.parametrize("kind,layers", KINDS)
+def test_heads_cache_one_at_a_time_equals_full(target, kind, layers):
+    head = make_head(target, kind, layers)
+    ids = torch.randint(0, 64, (2, 9))
+    g = features(target, head, ids)
+    pos = torch.arange(9).expand(2, 9)
+    full_h, full_l = head.step(ids, g, pos)
+    cache = HeadCache()
+    hs, ls = [], []
+    for t in range(9):
+        h, lg = head.step(ids[:, t:t + 1], g[:, t:t + 1], pos[:, t:t + 1], cache=cache)
+        hs.append(h)
+        ls.append(lg)
+        assert cache.length == t + 1
+    torch.testing.assert_close(torch.cat(hs, 1), full_h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(ls, 1), full_l, atol=1e-5, rtol=1e-5)
+    # causality: changing the last token changes only the last output
+    ids2 = ids.clone()
+    ids2[:, -1] = (ids2[:, -1] + 1) % 64
+    h2, _ = head.step(ids2, g, pos)
+    torch.testing.assert_close(h2[:, :-1], full_h[:, :-1])
+    assert (h2[:, -1] - full_h[:, -1]).abs().max() > 1e-3
+
+
+def test_heads_explicit_mask_equals_default(target):
+    head = make_head(target, "eagle3", 2)
+    ids = torch.randint(0, 64, (1, 6))
+    g = features(target, head, ids)
+    pos = torch.arange(6)[None]
+    c1, c2 = HeadCache(), HeadCache()
+    head.step(ids[:, :4], g[:, :4], pos[:, :4], cache=c1)
+    head.step(ids[:, :4], g[:, :4], pos[:, :4], cache=c2, attn_mask=causal_mask(4))
+    a = head.step(ids[:, 4:], g[:, 4:], pos[:, 4:], cache=c1)[0]
+    b = head.step(ids[:, 4:], g[:, 4:], pos[:, 4:], cache=c2, attn_mask=causal_mask(2, 4))[0]
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="attn_mask must be"):
+        head.step(ids[:, 4:], g[:, 4:], pos[:, 4:], cache=c1, attn_mask=causal_mask(2, 3))
+    with pytest.raises(ValueError, match="position_ids"):
+        head.step(ids, g, None)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_heads_ttt_mask_equals_steps_one_by_one(target, layers):
+    """Batched training-time test (K steps, feedback, ttt_mask) == drafting each prefix's chain alone."""
+    head = make_head(target, "eagle3", layers)
+    S, K = 6, 3
+    ids = torch.randint(0, 64, (1, S + K))  # element t at step k reads token ids[t + k]
+    g = features(target, head, ids[:, :S])
+    cache, feed, outs = HeadCache(), g, []
+    for k in range(K):
+        pos = (torch.arange(S) + k)[None]
+        h, lg = head.step(ids[:, k:k + S], feed, pos, cache=cache, attn_mask=ttt_mask(S, k))
+        outs.append((h, lg))
+        feed = h
+    assert cache.length == K * S
+    for t in range(S):
+        c = HeadCache()
+        head.step(ids[:, :t + 1], g[:, :t + 1], torch.arange(t + 1)[None], cache=c)  # step 0 over the prefix
+        h_prev = head.step(ids[:, :t + 1], g[:, :t + 1], torch.arange(t + 1)[None])[0][:, t:t + 1]
+        torch.testing.assert_close(h_prev, outs[0][0][:, t:t + 1], atol=1e-5, rtol=1e-5)
+        for k in range(1, K):
+            h, lg = head.step(ids[:, t + k:t + k + 1], h_prev, torch.tensor([[t + k]]), cache=c)
+            torch.testing.assert_close(h, outs[k][0][:, t:t + 1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lg, outs[k][1][:, t:t + 1], atol=1e-5, rtol=1e-5)
+            h_prev = h
+
+
+def test_heads_cache_crop_keep_clone():
+    c = HeadCache()
+    k = torch.arange(2 * 2 * 5 * 3, dtype=torch.float32).view(2, 2, 5, 3)
+    c.update(0, k, -k)
+    d = c.clone()
+    c.keep(torch.tensor([0, 2, 4]))
+    assert c.length == 3 and torch.equal(c.keys[0], k[:, :, [0, 2, 4]]) and torch.equal(c.values[0], -k[:, :, [0, 2, 4]])
+    assert d.length == 5
+    d.keep(torch.tensor([[4, 1], [0, 3]]))
+    assert torch.equal(d.keys[0][0], k[0, :, [4, 1]]) and torch.equal(d.keys[0][1], k[1, :, [0, 3]])
+    c.crop(1)
+    assert c.length == 1 and torch.equal(c.keys[0], k[:, :, :1])
+
+
+def test_heads_draft_vocab_maps(target):
+    head = make_head(target, "eagle3", 1, draft_vocab_size=4)
+    assert head.draft_to_target(torch.arange(4)).tolist() == [0, 1, 2, 3]  # identity until set
+    keep = torch.tensor([5, 9, 10, 40])
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[keep] = True
+    head.set_draft_vocab(keep - torch.arange(4), t2d)
+    assert head.draft_to_target(torch.tensor([[0, 3], [1, 2]])).tolist() == [[5, 40], [9, 10]]
+    assert head.target_to_draft(torch.tensor([5, 6, 40, 10])).tolist() == [0, -1, 3, 2]
+    with pytest.raises(ValueError, match="t2d"):
+        head.set_draft_vocab(keep - torch.arange(4), torch.zeros(64, dtype=torch.bool))
+    with pytest.raises(ValueError, match="expected d2t"):
+        head.set_draft_vocab(torch.zeros(5, dtype=torch.long), t2d)
+    e1 = make_head(target, "eagle1", 1)
+    assert e1.target_to_draft(torch.tensor([3, 63])).tolist() == [3, 63]
+
+
+@pytest.mark.parametrize("kind,layers", KINDS)
+def test_heads_save_load_bit_exact(target, kind, layers, tmp_path):
+    head = make_head(target, kind, layers, draft_vocab_size=8 if kind == "eagle3" else None)
+    if kind == "eagle3":
+        keep = torch.tensor([1, 3, 5, 7, 11, 13, 17, 19])
+        t2d = torch.zeros(64, dtype=torch.bool)
+        t2d[keep] = True
+        head.set_draft_vocab(keep - torch.arange(8), t2d)
+    head.save_pretrained(tmp_path / "h")
+    loaded = load_head(tmp_path / "h", target)
+    assert type(loaded) is type(head) and loaded.config == head.config
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    ids = torch.randint(0, 64, (1, 5))
+    g = features(target, head, ids)
+    pos = torch.arange(5)[None]
+    assert torch.equal(head.step(ids, g, pos)[1], loaded.step(ids, g, pos)[1])
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("change,what", [
+    (dict(intermediate_size=48), "fingerprint"),
+    (dict(hidden=48), "hidden size"),
+    (dict(vocab_size=80), "vocab size"),
+    (dict(layers=8), "layer count"),
+])
+def test_heads_load_refuses_other_target(target, tmp_path, change, what):
+    make_head(target, "eagle3", 1).save_pretrained(tmp_path / "h")
+    other = tiny_target(**{**dict(layers=6, hidden=32, vocab_size=64), **change})
+    with pytest.raises(ValueError, match=what) as e:
+        load_head(tmp_path / "h", other)
+    assert str(tmp_path / "h") in str(e.value)
+
+
+def test_heads_bad_folder_named(tmp_path, target):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        (tmp_path / "empty").mkdir() or load_head(tmp_path / "empty", target)
+    make_head(target, "eagle1", 1).save_pretrained(tmp_path / "h")
+    (tmp_path / "h" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_head(tmp_path / "h", target)
+
+
+def test_heads_decoder_layer_matches_transformers_llama(target):
+    """Our layer 1 (plain Llama layer) equals transformers' LlamaDecoderLayer with the same weights,
+    so RoPE convention, GQA and norms match what vLLM/SGLang run."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    head = make_head(target, "eagle3", 2)
+    ours = head.layers[1]
+    lcfg = head.config.llama_config()
+    lcfg._attn_implementation = "eager"
+    ref = LlamaDecoderLayer(lcfg, layer_idx=1).eval()
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(1, 5, 32)
+    pos = torch.tensor([[3, 4, 5, 6, 7]])
+    cos, sin = LlamaRotaryEmbedding(lcfg)(x, pos)
+    mask = causal_mask(5)
+    out_ref = ref(x, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+    out_ref = out_ref[0] if isinstance(out_ref, tuple) else out_ref
+    c, s = head.rotary(pos, torch.float32)
+    torch.testing.assert_close(ours(x, c, s, None, None), out_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_heads_wrong_kind_and_unbound(target):
+    cfg = HeadConfig.from_target(target, kind="eagle1")
+    with pytest.raises(ValueError, match="eagle3"):
+        Eagle3Head(cfg)
+    head = Eagle1Head(cfg)
+    with pytest.raises(RuntimeError, match="bind"):
+        head.step(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, 32), torch.zeros(1, 1, dtype=torch.long))
