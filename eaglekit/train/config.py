@@ -1,0 +1,103 @@
+"""Typed training config: YAML + ``key=value`` overrides through ``eaglekit.config.load_config``.
+
+Every key a run may set lives here; an unknown key is a ConfigError (no silent no-ops).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eaglekit.config import ConfigError, load_config
+
+KINDS = ("eagle1", "eagle3")
+
+
+@dataclass
+class DataConfig:
+    features_dir: str | None = None  # offline: a capture directory (FeatureDataset)
+    conversations: str | None = None  # online: "sharegpt" (embedded) or a .json/.jsonl file of conversations
+    num_conversations: int = 0  # online: first N conversations (0 = all)
+    max_length: int = 2048  # online: truncate tokenized conversations to this many tokens
+    cache_online: bool = True  # online: keep computed features in RAM (bf16) after the first epoch
+    eval_samples: int = 64  # held-out samples (the last N of the source), never trained on
+    batch_size: int = 4  # sequences per micro-batch per process
+    max_tokens: int = 0  # if > 0, micro-batches are cut so batch*padded_len <= max_tokens
+    bucket_pool: int = 64  # length-bucketing pool, in micro-batches (sort by length within a pool)
+    draft_vocab: str | None = None  # d2t/t2d file; default: features_dir/draft_vocab.safetensors or built
+
+
+@dataclass
+class HeadSpec:
+    kind: str = "eagle3"
+    num_layers: int = 1
+    draft_vocab_size: int = 32000  # EAGLE-3 only; clipped to the target vocab
+    aux_layer_ids: list[int] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.02  # used when warmup_steps == 0
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 0.5
+    grad_accum: int = 1
+    epochs: int = 1
+    max_steps: int = 0  # optimizer steps; 0 = epochs * steps_per_epoch
+    bf16: bool = False  # autocast the head in bf16 (weights and optimizer stay fp32)
+
+
+@dataclass
+class LossConfig:
+    ttt_steps: int = 7  # training-time-test unroll K (EAGLE-1's published recipe is K=1)
+    step_decay: float = 0.8  # weight of TTT step k is decay**k
+    feature_weight: float = 1.0  # EAGLE-1: SmoothL1(feature)
+    token_weight: float = 0.1  # EAGLE-1: soft CE against the target distribution
+    noise: float = 0.1  # EAGLE-1: feature noise U(-noise, noise) (scaled like EAGLE's uniform noise)
+    chunk_tokens: int = 1024  # teacher / CE computed over this many positions at a time
+
+
+@dataclass
+class TrainConfig:
+    target: str = "smollm2-135m-instruct"  # load_target name/path (its embedding, lm_head; online taps)
+    target_dtype: str = "float32"
+    output_dir: str = "runs/head"
+    data: DataConfig = field(default_factory=DataConfig)
+    head: HeadSpec = field(default_factory=HeadSpec)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    eval_interval: int = 100  # optimizer steps between evaluations (0 = only at the end)
+    eval_ttt_steps: int = 0  # TTT steps used for eval accuracy / tau_sim (0 = loss.ttt_steps)
+    save_interval: int = 200  # optimizer steps between checkpoints (0 = none)
+    keep_last: int = 2  # checkpoints kept
+    resume: str = "auto"  # "auto" (latest checkpoint if any), "none", or a checkpoint dir
+    log_interval: int = 10
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    seed: int = 0
+    progress: bool = True  # tqdm bar on the main process
+
+
+def load_train_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """Read and validate a training config; raises ConfigError with the file and key at fault."""
+    cfg = load_config(TrainConfig, path, overrides)
+    validate(cfg, where=str(path or "config"))
+    return cfg
+
+
+def validate(cfg: TrainConfig, where: str = "config") -> None:
+    d, h, o = cfg.data, cfg.head, cfg.optim
+    if h.kind not in KINDS:
+        raise ConfigError(f"{where}: head.kind must be one of {KINDS}, got {h.kind!r}")
+    if bool(d.features_dir) == bool(d.conversations):
+        raise ConfigError(f"{where}: set exactly one of data.features_dir (offline) or data.conversations (online)")
+    if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_dir():
+        raise ConfigError(f"{where}: resume must be 'auto', 'none' or a checkpoint directory, got {cfg.resume!r}")
+    for name, value in (("data.batch_size", d.batch_size), ("optim.grad_accum", o.grad_accum),
+                        ("loss.ttt_steps", cfg.loss.ttt_steps), ("head.num_layers", h.num_layers),
+                        ("loss.chunk_tokens", cfg.loss.chunk_tokens)):
+        if int(value) < 1:
+            raise ConfigError(f"{where}: {name} must be >= 1, got {value}")
+    if cfg.target_dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"{where}: target_dtype must be float32, bfloat16 or float16")

@@ -1,0 +1,168 @@
+"""Training losses: EAGLE-3 training-time test (soft CE over K steps) and EAGLE-1 (SmoothL1 + soft CE).
+
+The teacher is the target's own distribution, recomputed from the stored ``last`` hidden state (already
+the final-norm output, the tensor ``lm_head`` reads) through the frozen ``lm_head`` rows of the draft
+vocabulary. It is never materialised as a ``[B, S, V]`` fp32 tensor: ``teacher_argmax`` scans the full
+vocabulary ``chunk`` positions at a time, and ``SoftCrossEntropy`` recomputes the draft-vocab teacher per
+chunk in both forward and backward, so the loss holds only ``chunk x Vd`` floats beyond its inputs.
+
+TTT semantics (shared with decode): head element t = (g_t, x_{t+1}) predicts x_{t+2}. At step k element t
+takes token x_{t+1+k}, feature g_t (k=0) or the head's own step-(k-1) ``hidden`` at t, position id t+k,
+and attends step-0 keys at indices <= t plus the step-j keys (1 <= j <= k) at index t. Its target is the
+teacher at position t+1+k (the target's distribution over x_{t+2+k}); the position counts when
+``loss_mask`` is 1 at the predicted token x_{t+2+k} (which also stops at the sequence end) and, for
+the CE, when the teacher's full-vocabulary argmax lies in the draft vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """``out[:, t] = x[:, t + n]`` along dim 1, padded with ``fill`` past the end."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+@torch.no_grad()
+def teacher_argmax(last: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Argmax over the full target vocabulary of ``lm_head(last)``, ``chunk`` positions at a time."""
+    flat = last.reshape(-1, last.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=last.device)
+    for s in range(0, flat.shape[0], chunk):
+        out[s:s + chunk] = (flat[s:s + chunk].to(lm_head_weight.dtype) @ lm_head_weight.T).argmax(-1)
+    return out.view(last.shape[:-1])
+
+
+def _teacher_probs(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.softmax((hidden.to(weight.dtype) @ weight.T).float(), dim=-1)
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """``sum_n w_n * CE(softmax(hidden_n @ W.T), log_softmax(student_n))`` with a chunked, recomputed teacher.
+
+    student [N, Vd] (grad flows), hidden [N, H] and weight [Vd, H] (frozen), row_weight [N] (0 = skipped).
+    Only rows with a nonzero weight are computed; the gradient is ``w_n (softmax(student_n) - p_n)``.
+    """
+
+    @staticmethod
+    def forward(ctx, student, hidden, weight, row_weight, chunk: int):
+        rows = row_weight.nonzero().squeeze(1)
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for s in range(0, rows.numel(), chunk):
+            idx = rows[s:s + chunk]
+            p = _teacher_probs(hidden[idx], weight)
+            logq = torch.log_softmax(student[idx].float(), dim=-1)
+            total -= (row_weight[idx, None].float() * p * logq).sum()
+        ctx.save_for_backward(student, hidden, weight, row_weight, rows)
+        ctx.chunk = chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        student, hidden, weight, row_weight, rows = ctx.saved_tensors
+        grad = torch.zeros_like(student)
+        for s in range(0, rows.numel(), ctx.chunk):
+            idx = rows[s:s + ctx.chunk]
+            p = _teacher_probs(hidden[idx], weight)
+            q = torch.softmax(student[idx].float(), dim=-1)
+            grad[idx] = ((q - p) * (row_weight[idx, None].float() * grad_out)).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def soft_cross_entropy(student, hidden, weight, row_weight, chunk: int = 512) -> torch.Tensor:
+    """Weighted soft CE summed over rows; see ``SoftCrossEntropy``. Inputs may carry leading batch dims."""
+    return SoftCrossEntropy.apply(student.reshape(-1, student.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
+                                  weight, row_weight.reshape(-1), chunk)
+
+
+def naive_soft_cross_entropy(student, hidden, weight, row_weight) -> torch.Tensor:
+    """The reference: full teacher logits materialised at once (what the chunked version avoids)."""
+    p = torch.softmax((hidden.to(weight.dtype) @ weight.T).float(), dim=-1)
+    logq = torch.log_softmax(student.float(), dim=-1)
+    return -(row_weight[..., None].float() * p * logq).sum()
+
+
+@dataclass
+class Teacher:
+    """The frozen pieces of the target the loss reads: full lm_head (argmax) and its draft-vocab rows."""
+    lm_head_weight: torch.Tensor  # [V, H]
+    draft_weight: torch.Tensor  # [Vd, H] = lm_head_weight[t2d]
+    t2d: torch.Tensor | None  # bool [V]; None = the draft vocab is the whole target vocab (EAGLE-1)
+    target_to_draft: torch.Tensor | None  # long [V]: draft id or -1
+
+    @classmethod
+    def build(cls, lm_head_weight: torch.Tensor, t2d: torch.Tensor | None) -> "Teacher":
+        w = lm_head_weight.detach()
+        if t2d is None or bool(t2d.all()):
+            return cls(w, w, None, None)
+        t2d = t2d.to(device=w.device, dtype=torch.bool)
+        to_draft = torch.full((t2d.numel(),), -1, dtype=torch.long, device=w.device)
+        to_draft[t2d] = torch.arange(int(t2d.sum()), device=w.device)
+        return cls(w, w[t2d].contiguous(), t2d, to_draft)
+
+    @torch.no_grad()
+    def targets(self, last: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Teacher argmax as a draft id per position, -1 where it falls outside the draft vocab."""
+        top = teacher_argmax(last, self.lm_head_weight, chunk)
+        return top if self.target_to_draft is None else self.target_to_draft[top]
+
+
+@dataclass
+class StepStats:
+    """Per-TTT-step sums over a micro-batch (summed across ranks for logging)."""
+    loss: list[float] = field(default_factory=list)  # weighted CE (+ feature) loss sum, step k
+    correct: list[int] = field(default_factory=list)  # head argmax == teacher argmax, at supervised positions
+    total: list[int] = field(default_factory=list)  # supervised positions (loss_mask at the predicted token)
+
+
+def supervised_count(loss_mask: torch.Tensor) -> int:
+    """Positions that step 0 learns from: element t counts when loss_mask[t + 2] is 1."""
+    return int(shift_left(loss_mask, 2).sum())
+
+
+def ttt_loss(head, teacher: Teacher, batch: dict, *, steps: int, decay: float, chunk: int,
+             kind: str = "eagle3", feature_weight: float = 1.0, token_weight: float = 0.1,
+             noise: float = 0.0, mask_fn=None, cache_cls=None):
+    """Unroll the head ``steps`` times over a padded batch; return (loss_sum, StepStats).
+
+    ``batch``: input_ids [B,S], loss_mask [B,S] (0 on padding), last [B,S,H], feats [B,S,F] (the head's
+    ``fuse`` input: EAGLE-3 taps or EAGLE-1 ``last``). The caller divides ``loss_sum`` by the number of
+    supervised positions in its global batch. ``mask_fn(S, k, dtype, device)`` builds the step-k mask.
+    """
+    ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
+    B, S = ids.shape
+    feats = batch["feats"]
+    if noise > 0:
+        feats = feats + (torch.rand_like(feats, dtype=torch.float32) * 2 - 1).to(feats.dtype) * noise
+    g = head.fuse(feats)
+    top = teacher.targets(last, chunk)  # [B, S] draft id or -1
+    cache = cache_cls() if cache_cls is not None else None
+    pos0 = torch.arange(S, device=ids.device).expand(B, S)
+    total_loss = torch.zeros((), device=ids.device)
+    stats = StepStats()
+    for k in range(steps):
+        mask = None if k == 0 else mask_fn(S, k, g.dtype, ids.device)
+        hidden, logits = head.step(shift_left(ids, 1 + k), g, pos0 + k, cache=cache, attn_mask=mask)
+        valid = shift_left(loss_mask, 2 + k).bool()  # predicted token x_{t+2+k} is supervised (and exists)
+        want = shift_left(top, 1 + k, fill=-1)  # teacher at position t+1+k
+        row_w = (valid & (want >= 0)).float() * (decay ** k)
+        t_hidden = shift_left(last, 1 + k)
+        ce = soft_cross_entropy(logits, t_hidden, teacher.draft_weight, row_w, chunk)
+        step_loss = ce * (token_weight if kind == "eagle1" else 1.0)
+        if kind == "eagle1":  # EAGLE-1 also regresses the next feature f_{t+1+k}
+            l1 = F.smooth_l1_loss(hidden.float(), t_hidden.float(), reduction="none").mean(-1)
+            step_loss = step_loss + feature_weight * (decay ** k) * (l1 * valid.float()).sum()
+        total_loss = total_loss + step_loss
+        with torch.no_grad():
+            pred = logits.argmax(-1)
+            stats.loss.append(float(step_loss))
+            stats.correct.append(int(((pred == want) & valid).sum()))
+            stats.total.append(int(valid.sum()))
+        g = hidden
+    return total_loss, stats

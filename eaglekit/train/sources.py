@@ -1,0 +1,99 @@
+"""Where training items come from: offline feature shards or the live target (online), plus the draft
+vocabulary and the checks that refuse a head that does not fit the features."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eaglekit.config import ConfigError
+from eaglekit.train.config import TrainConfig
+from eaglekit.train.data import CachedItems, Subset, split_eval
+
+
+@dataclass
+class Sources:
+    train: Subset
+    eval: Subset
+    d2t: torch.Tensor | None  # EAGLE-3 draft vocabulary (None for EAGLE-1)
+    t2d: torch.Tensor | None
+    layer_ids: tuple[int, ...]  # taps the features carry (EAGLE-3)
+    where: str
+
+
+def load_conversations(spec: str, limit: int = 0) -> list[dict]:
+    """``sharegpt`` (the embedded asset) or a path understood by ``data_prep.read_conversations``."""
+    if spec == "sharegpt":
+        from eaglekit.assets import load_sharegpt
+
+        convs = load_sharegpt()
+        return convs[:limit] if limit else convs
+    from eaglekit.data_prep import read_conversations
+
+    return list(read_conversations(spec, limit=limit or None))
+
+
+def check_features(kind: str, feature_kind: str, feature_layers, head_layers, hidden_size: int,
+                   feature_hidden: int, where: str) -> None:
+    """Refuse features that cannot train this head, naming what differs."""
+    if kind == "eagle3" and feature_kind != "eagle3":
+        raise ConfigError(f"{where}: head.kind=eagle3 needs EAGLE-3 taps, but these features were captured "
+                          f"for {feature_kind} (no 'hidden'); recapture with kind=eagle3 or set head.kind={feature_kind}")
+    if kind == "eagle3" and list(feature_layers) != list(head_layers):
+        raise ConfigError(f"{where}: features tap layers {list(feature_layers)} but head.aux_layer_ids is "
+                          f"{list(head_layers)}; they must match")
+    if feature_hidden != hidden_size:
+        raise ConfigError(f"{where}: features have hidden size {feature_hidden}, the target has {hidden_size}")
+
+
+def build_sources(cfg: TrainConfig, target) -> Sources:
+    d, kind = cfg.data, cfg.head.kind
+    head_layers = tuple(cfg.head.aux_layer_ids or target.aux_layer_ids) if kind == "eagle3" else ()
+    if d.features_dir:
+        from eaglekit.data_prep import FeatureDataset
+
+        where = str(d.features_dir)
+        source = FeatureDataset(d.features_dir, target)
+        m = source.manifest
+        check_features(kind, m["kind"], m["layer_ids"], head_layers, target.hidden_size, m["hidden_size"], where)
+        lengths = list(source.lengths)
+    else:
+        from eaglekit.data_prep import OnlineFeatures, tokenize_conversations
+
+        where = str(d.conversations)
+        convs = load_conversations(d.conversations, d.num_conversations)
+        samples, _ = tokenize_conversations(target.tokenizer, convs, d.max_length)
+        if not samples:
+            raise ConfigError(f"{where}: no conversation has assistant tokens within max_length={d.max_length}")
+        source = OnlineFeatures(target, samples, kind, list(head_layers) or None)
+        if d.cache_online:
+            source = CachedItems(source)
+        lengths = [len(s["input_ids"]) for s in samples]
+    train, held = split_eval(source, lengths, d.eval_samples)
+    d2t = t2d = None
+    if kind == "eagle3":
+        d2t, t2d = draft_vocab(cfg, target, source, train, lengths)
+    return Sources(train, held, d2t, t2d, head_layers, where)
+
+
+def draft_vocab(cfg: TrainConfig, target, source, train: Subset, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """From ``data.draft_vocab``, else the file beside the shards, else counted on the training split."""
+    from eaglekit.data_prep import build_draft_vocab, load_draft_vocab
+
+    size = min(cfg.head.draft_vocab_size, target.vocab_size)
+    beside = Path(cfg.data.features_dir or "") / "draft_vocab.safetensors"
+    if cfg.data.draft_vocab:
+        d2t, t2d = load_draft_vocab(cfg.data.draft_vocab)
+    elif cfg.data.features_dir and beside.exists():
+        d2t, t2d = load_draft_vocab(beside)
+    else:
+        base = getattr(source, "source", source)
+        samples = getattr(base, "samples", None)
+        tokens = ([samples[i] for i in train.indices] if samples is not None else
+                  ({"input_ids": it["input_ids"], "loss_mask": it["loss_mask"]} for it in (train[i] for i in range(len(train)))))
+        d2t, t2d = build_draft_vocab(tokens, size, target.vocab_size)
+    if d2t.numel() != size or t2d.numel() != target.vocab_size:
+        raise ConfigError(f"draft vocabulary has {d2t.numel()} tokens over a {t2d.numel()}-token vocab; "
+                          f"head.draft_vocab_size={size} and the target vocab is {target.vocab_size}")
+    return d2t, t2d

@@ -1,0 +1,269 @@
+"""The training loop: Accelerate (single process, DDP, DeepSpeed ZeRO-2/3), AdamW, warmup + cosine,
+grad clipping and accumulation, full-state checkpoints with ``resume=auto``, held-out τ_sim.
+
+Loss normalisation: each optimizer step's loss is (sum over every supervised position of the global
+batch, all ranks and micro-batches) / (their count), so 1 process with grad_accum=2 and 2 processes
+with grad_accum=1 take the same step (DDP and ZeRO average over ranks, accumulation over micro-batches;
+``scale`` undoes both).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eaglekit.train.checkpoint import TrainState, resolve_resume, save_checkpoint
+from eaglekit.train.config import TrainConfig
+from eaglekit.train.data import Schedule, collate, fetch, plan_micro_batches, to_device
+from eaglekit.train.losses import Teacher, supervised_count, ttt_loss
+from eaglekit.train.metrics import Tally
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TTTModel(nn.Module):
+    """The head plus its loss in one forward, so DDP / DeepSpeed see every use of the parameters."""
+
+    def __init__(self, head, teacher: Teacher, cfg: TrainConfig):
+        super().__init__()
+        self.head = head
+        self.__dict__["teacher"] = teacher  # frozen target tensors: not parameters, not saved
+        self.__dict__["cfg"] = cfg
+
+    def forward(self, input_ids, loss_mask, feats, last, steps: int, noise: float):
+        from eaglekit.heads import HeadCache, ttt_mask
+
+        lc = self.cfg.loss
+        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "feats": feats, "last": last}
+        return ttt_loss(self.head, self.teacher, batch, steps=steps, decay=lc.step_decay, chunk=lc.chunk_tokens,
+                        kind=self.cfg.head.kind, feature_weight=lc.feature_weight, token_weight=lc.token_weight,
+                        noise=noise, mask_fn=ttt_mask, cache_cls=HeadCache)
+
+
+def lr_lambda(total: int, warmup: int, min_ratio: float):
+    """Linear warmup to 1, then cosine to ``min_ratio`` at ``total`` steps."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+    return f
+
+
+def make_accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    trackers = [t for t in cfg.trackers if _tracker_available(t)]
+    acc = Accelerator(gradient_accumulation_steps=cfg.optim.grad_accum,
+                      mixed_precision="bf16" if cfg.optim.bf16 else "no", log_with=trackers or None,
+                      project_dir=cfg.output_dir, kwargs_handlers=handlers, step_scheduler_with_optimizer=False)
+    if acc.state.deepspeed_plugin is not None:  # no dataloader goes through prepare: say the sizes here
+        ds = acc.state.deepspeed_plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
+        ds["train_batch_size"] = cfg.data.batch_size * cfg.optim.grad_accum * acc.num_processes
+        ds["gradient_accumulation_steps"] = cfg.optim.grad_accum
+        ds["gradient_clipping"] = cfg.optim.grad_clip
+    return acc
+
+
+def _tracker_available(name: str) -> bool:
+    from accelerate.utils import is_tensorboard_available, is_wandb_available
+
+    ok = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}.get(name, lambda: True)()
+    if not ok:
+        print(f"[eaglekit.train] tracker {name!r} is not installed; logging to log.jsonl only")
+    return ok
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        from accelerate.utils import set_seed
+
+        from eaglekit.heads import HeadConfig, build_head
+        from eaglekit.target import load_target
+        from eaglekit.train.sources import build_sources
+
+        self.cfg = cfg
+        self.acc = make_accelerator(cfg)
+        set_seed(cfg.seed)
+        self.out = Path(cfg.output_dir)
+        self.target = load_target(cfg.target, dtype=DTYPES[cfg.target_dtype], device=self.acc.device)
+        self.src = build_sources(cfg, self.target)
+        h = cfg.head
+        hc = HeadConfig.from_target(self.target, kind=h.kind, num_layers=h.num_layers,
+                                    draft_vocab_size=(self.src.d2t.numel() if self.src.d2t is not None else None),
+                                    aux_layer_ids=list(self.src.layer_ids) or None)
+        self.head = build_head(hc, self.target, dtype=torch.float32)
+        if self.src.d2t is not None:
+            self.head.set_draft_vocab(self.src.d2t, self.src.t2d)
+        self.teacher = Teacher.build(self.target.lm_head.weight, self.src.t2d)
+        o = cfg.optim
+        self.total_steps, self.plans = self._plan_steps()
+        warmup = o.warmup_steps or int(o.warmup_ratio * self.total_steps)
+        model = TTTModel(self.head, self.teacher, cfg)
+        opt = torch.optim.AdamW(self.head.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.total_steps, warmup, o.min_lr_ratio))
+        self.model, self.opt = self.acc.prepare(model, opt)
+        self.state = TrainState()
+        self.acc.register_for_checkpointing(self.scheduler, self.state)
+        self.log_path = self.out / "log.jsonl"
+
+    # ---- data ------------------------------------------------------------------------------------
+    def _schedule(self, epoch: int) -> Schedule:
+        d = self.cfg.data
+        plan = plan_micro_batches(self.src.train.lengths, d.batch_size, d.max_tokens, d.bucket_pool,
+                                  self.cfg.seed, epoch)
+        return Schedule(plan, self.acc.num_processes, self.acc.process_index, self.cfg.optim.grad_accum)
+
+    def _plan_steps(self) -> tuple[int, list[int]]:
+        o = self.cfg.optim
+        per_epoch = [self._schedule(e).steps for e in range(max(1, o.epochs))]
+        if per_epoch[0] == 0:
+            raise ValueError(f"{self.src.where}: {len(self.src.train)} training samples make no whole optimizer "
+                             f"step (batch {self.cfg.data.batch_size} x grad_accum {o.grad_accum} x "
+                             f"{self.acc.num_processes} processes)")
+        total = o.max_steps or sum(per_epoch)
+        return total, per_epoch
+
+    def _batches(self, source, micro_batches: list[list[int]]) -> list[dict]:
+        kind = self.cfg.head.kind
+        return [collate(fetch(source, mb), kind) for mb in micro_batches]
+
+    # ---- one optimizer step ----------------------------------------------------------------------
+    def _reduce(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.acc.device)
+        return self.acc.reduce(t, reduction="sum").tolist() if self.acc.num_processes > 1 else t.tolist()
+
+    def train_step(self, micro_batches: list[list[int]]) -> dict:
+        batches = self._batches(self.src.train, micro_batches)
+        local = [supervised_count(b["loss_mask"]) for b in batches]
+        tokens = sum(self.src.train.lengths[i] for mb in micro_batches for i in mb)
+        count, tokens = self._reduce([sum(local), tokens])
+        scale = self.acc.num_processes * self.cfg.optim.grad_accum / max(count, 1.0)
+        tally, grad_norm = Tally(), None
+        lc = self.cfg.loss
+        noise = lc.noise if self.cfg.head.kind == "eagle1" else 0.0
+        self.model.train()
+        for b in batches:
+            with self.acc.accumulate(self.model):
+                loss_sum, stats = self.model(**to_device(b, self.acc.device), steps=lc.ttt_steps, noise=noise)
+                self.acc.backward(loss_sum * scale)
+                if self.acc.sync_gradients:
+                    grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+                self.opt.step()
+                self.opt.zero_grad()
+            tally.add(stats)
+        self.scheduler.step()
+        total = Tally.from_list(self._reduce(tally.as_list()))
+        out = {"loss": sum(total.loss) / max(count, 1.0), "lr": self.scheduler.get_last_lr()[0],
+               "supervised": count, "tokens": tokens}
+        out.update({f"acc_{k}": a for k, a in enumerate(total.accuracy())})
+        if grad_norm is not None:
+            out["grad_norm"] = float(grad_norm)
+        return out
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Top-1 accuracy per TTT step and τ_sim on the held-out split (sharded across ranks)."""
+        d = self.cfg.data
+        steps = self.cfg.eval_ttt_steps or self.cfg.loss.ttt_steps
+        order = sorted(range(len(self.src.eval)), key=lambda i: self.src.eval.lengths[i])
+        mbs = [order[i:i + d.batch_size] for i in range(0, len(order), d.batch_size)]
+        self.model.eval()
+        tally = Tally()
+        for mb in mbs[self.acc.process_index::self.acc.num_processes]:
+            b = collate(fetch(self.src.eval, mb), self.cfg.head.kind)
+            _, stats = self.model(**to_device(b, self.acc.device), steps=steps, noise=0.0)
+            tally.add(stats)
+        if not tally.total:
+            tally = Tally([0.0] * steps, [0.0] * steps, [0.0] * steps)
+        return Tally.from_list(self._reduce(tally.as_list())).summary("eval_")
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def resume(self) -> None:
+        path = resolve_resume(self.cfg.resume, self.out)
+        if path is not None:
+            self.acc.load_state(str(path))
+            self.acc.print(f"[eaglekit.train] resumed from {path} at step {self.state.step}")
+
+    def log(self, record: dict) -> None:
+        if self.acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        self.acc.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+
+    def fit(self) -> dict:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        self.acc.init_trackers("eaglekit", config={"output_dir": cfg.output_dir})
+        self.resume()
+        bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not (cfg.progress and self.acc.is_local_main_process),
+                   desc="train", dynamic_ncols=True)
+        t0, tok0, last_eval = time.perf_counter(), self.state.tokens, {}
+        while self.state.step < self.total_steps:
+            sched = self._schedule(self.state.epoch)
+            if self.state.step_in_epoch >= sched.steps:
+                self.state.epoch, self.state.step_in_epoch = self.state.epoch + 1, 0
+                continue
+            rec = self.train_step(sched.local_step(self.state.step_in_epoch))
+            self.state.step += 1
+            self.state.step_in_epoch += 1
+            self.state.tokens += int(rec["tokens"])
+            rec.update(step=self.state.step, epoch=self.state.epoch,
+                       tokens_per_s=(self.state.tokens - tok0) / max(time.perf_counter() - t0, 1e-9))
+            if cfg.eval_interval and self.state.step % cfg.eval_interval == 0 and self.state.step < self.total_steps:
+                last_eval = self.evaluate()
+                rec.update(last_eval)
+            self.log(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec.get('acc_0', 0):.2f}",
+                            tau_sim=f"{last_eval.get('eval_tau_sim', float('nan')):.2f}")
+            if cfg.save_interval and self.state.step % cfg.save_interval == 0:
+                save_checkpoint(self.acc, self.out, self.state.step, cfg.keep_last)
+        bar.close()
+        final = self.evaluate()
+        final.update(step=self.state.step, train_seconds=time.perf_counter() - t0,
+                     tokens_per_s=(self.state.tokens - tok0) / max(time.perf_counter() - t0, 1e-9),
+                     peak_memory_mb=peak_memory_mb(self.acc.device))
+        self.log({**final, "final": True})
+        self.acc.print("[eaglekit.train] held-out " + " ".join(f"{k}={v:.4g}" for k, v in final.items()
+                                                                 if isinstance(v, float)))
+        self.save_final(final)
+        self.acc.end_training()
+        return final
+
+    def save_final(self, metrics: dict) -> Path | None:
+        """Gather the full head (ZeRO-3 included) and write it with ``save_pretrained`` (main process)."""
+        from eaglekit.heads import build_head
+
+        state = self.acc.get_state_dict(self.model)
+        path = self.out / "final"
+        if self.acc.is_main_process:
+            head = build_head(self.head.config, self.target, dtype=torch.float32)
+            head.load_state_dict({k.removeprefix("head."): v for k, v in state.items()})
+            head.save_pretrained(path)
+            (self.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        self.acc.wait_for_everyone()
+        return path
+
+
+def peak_memory_mb(device) -> float:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def train(cfg: TrainConfig) -> dict:
+    return Trainer(cfg).fit()

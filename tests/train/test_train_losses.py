@@ -1,0 +1,66 @@
+"""The chunked teacher / soft CE equals the naive full-vocabulary computation (value and gradient)."""
+import pytest
+import torch
+
+from eaglekit.train.losses import (Teacher, naive_soft_cross_entropy, shift_left, soft_cross_entropy,
+                                   teacher_argmax)
+
+
+def _inputs(seed=0, B=3, S=11, H=16, V=97, Vd=40):
+    g = torch.Generator().manual_seed(seed)
+    last = torch.randn(B, S, H, generator=g)
+    w = torch.randn(V, H, generator=g)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.randperm(V, generator=g)[:Vd]] = True
+    student = torch.randn(B, S, Vd, generator=g) * 3
+    row_w = (torch.rand(B, S, generator=g) > 0.3).float() * torch.rand(B, S, generator=g)
+    return last, w, t2d, student, row_w
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_train_chunked_soft_ce_equals_naive(chunk):
+    last, w, t2d, student, row_w = _inputs()
+    wd = w[t2d]
+    s1 = student.clone().requires_grad_(True)
+    s2 = student.clone().requires_grad_(True)
+    got = soft_cross_entropy(s1, last, wd, row_w, chunk)
+    ref = naive_soft_cross_entropy(s2, last, wd, row_w)
+    got.backward()
+    ref.backward()
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (got, ref)
+    assert torch.allclose(s1.grad, s2.grad, rtol=1e-5, atol=1e-6)
+    assert s1.grad[row_w == 0].abs().max() == 0  # skipped rows get no gradient
+    assert s1.grad.abs().sum() > 0
+
+
+def test_train_chunked_soft_ce_bf16_student_close_to_naive():
+    last, w, t2d, student, row_w = _inputs(seed=1)
+    s1 = student.bfloat16().requires_grad_(True)
+    s2 = student.bfloat16().float().requires_grad_(True)
+    got = soft_cross_entropy(s1, last.bfloat16(), w[t2d], row_w, 5)
+    ref = naive_soft_cross_entropy(s2, last.bfloat16().float(), w[t2d], row_w)
+    got.backward(), ref.backward()
+    assert s1.grad.dtype == torch.bfloat16
+    assert torch.allclose(got, ref, rtol=1e-4), (got, ref)
+    assert torch.allclose(s1.grad.float(), s2.grad, atol=1e-2)
+
+
+def test_train_teacher_argmax_and_draft_mapping():
+    last, w, t2d, *_ = _inputs(seed=2, V=301, Vd=150)
+    full = (last @ w.T).argmax(-1)
+    assert torch.equal(teacher_argmax(last, w, chunk=7), full)
+    t = Teacher.build(w, t2d)
+    ids = t.targets(last, chunk=4)
+    inside = t2d[full]
+    assert inside.any() and (~inside).any()  # the test covers both cases
+    assert (ids[~inside] == -1).all()
+    d2t = t2d.nonzero().squeeze(1)  # draft id -> target id
+    assert torch.equal(d2t[ids[inside]], full[inside])
+    assert torch.equal(t.draft_weight, w[t2d])
+
+
+def test_train_shift_left():
+    x = torch.arange(10).view(2, 5)
+    assert shift_left(x, 2, fill=-1).tolist() == [[2, 3, 4, -1, -1], [7, 8, 9, -1, -1]]
+    assert shift_left(x, 7).tolist() == [[0] * 5, [0] * 5]
+    assert shift_left(x, 0) is x
