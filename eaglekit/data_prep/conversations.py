@@ -1,5 +1,25 @@
-"""Conversation readers: ShareGPT / OpenAI-style messages → a list of {role, content} turns."""
+"""Conversation readers: ShareGPT / OpenAI-style messages → validated ``{id, messages}`` items.
+
+Accepted inputs: a ``.json`` file (a list of items, or one item), a ``.jsonl`` file (one item a line), a
+folder of those (sorted, recursive), or a ``datasets`` dataset saved with ``save_to_disk``. An item holds
+``conversations: [{from, value}]`` (ShareGPT) or ``messages: [{role, content}]`` (OpenAI / UltraChat),
+and optionally a top-level ``system`` prompt and an ``id``.
+
+A malformed item (bad JSON line, unknown role, empty content, non-alternating turns) is never dropped
+silently: with ``strict=True`` it raises ConversationError naming the file and line/index; otherwise it is
+skipped, and the returned list's ``.skipped`` names every skipped item and why.
+
+Two artefacts of scraped chat data are repaired rather than rejected, because they are the norm in
+ShareGPT's split files (a third of the items begin mid-conversation): leading assistant turns before the
+first user turn are dropped, and a trailing user turn (nothing to learn from) is dropped.
+"""
 from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 ROLE_ALIASES = {
     "human": "user", "user": "user",
@@ -11,6 +31,14 @@ ROLE_ALIASES = {
 
 class ConversationError(ValueError):
     """A malformed conversation item; the message names the file and item."""
+
+
+class Conversations(list):
+    """A list of ``{"id", "messages"}`` items plus ``.skipped``: ``["file:line: reason", ...]``."""
+
+    def __init__(self, items=(), skipped=None):
+        super().__init__(items)
+        self.skipped: list[str] = list(skipped or [])
 
 
 def normalise_messages(turns: list[dict], where: str = "") -> list[dict]:
@@ -27,3 +55,116 @@ def normalise_messages(turns: list[dict], where: str = "") -> list[dict]:
             raise ConversationError(f"{where}turn {i}: unknown role {role!r}")
         out.append({"role": norm, "content": content})
     return out
+
+
+def validate_messages(messages: list[dict], where: str = "", repair: bool = True) -> list[dict]:
+    """Check content and turn order: [system] user assistant user assistant ...; return the cleaned list.
+
+    ``repair`` drops leading assistant turns and a trailing user turn (see the module docstring).
+    """
+    for i, m in enumerate(messages):
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            raise ConversationError(f"{where}turn {i} ({m['role']}): empty or non-text content")
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    rest = messages[len(system):]
+    if repair:
+        while rest and rest[0]["role"] == "assistant":
+            rest = rest[1:]
+        if rest and rest[-1]["role"] == "user":
+            rest = rest[:-1]
+    if not rest:
+        raise ConversationError(f"{where}no user/assistant exchange")
+    for i, m in enumerate(rest):
+        want = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != want:
+            raise ConversationError(f"{where}turn {i + len(system)}: expected {want}, got {m['role']} "
+                                    "(turns must alternate user/assistant after an optional system prompt)")
+    if rest[-1]["role"] != "assistant":
+        raise ConversationError(f"{where}last turn is not an assistant turn")
+    return system + rest
+
+
+def item_messages(item: dict, where: str = "", repair: bool = True) -> list[dict]:
+    """One raw item (ShareGPT or OpenAI shaped) → validated ``[{role, content}]``."""
+    if not isinstance(item, dict):
+        raise ConversationError(f"{where}item is a {type(item).__name__}, not an object")
+    turns = item.get("messages", item.get("conversations"))
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise ConversationError(f"{where}no 'messages' or 'conversations' list of turn objects")
+    messages = normalise_messages(turns, where)
+    system = item.get("system")
+    if system and not (messages and messages[0]["role"] == "system"):
+        messages = [{"role": "system", "content": system}] + messages
+    return validate_messages(messages, where, repair)
+
+
+def _raw_items(path: Path, split: str | None):
+    """Yield ``(where, item_or_exception)`` for every item of ``path`` (file, folder or saved dataset)."""
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        yield from _dataset_items(path, split)
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file())
+        if not files:
+            raise ConversationError(f"{path}: folder holds no .json/.jsonl files")
+        for f in files:
+            yield from _raw_items(f, split)
+    elif path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path}:{n}: ", json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield f"{path}:{n}: ", ConversationError(f"{path}:{n}: bad JSON ({e.msg})")
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ConversationError(f"{path}: bad JSON at line {e.lineno} ({e.msg})") from e
+        for i, item in enumerate(data if isinstance(data, list) else [data]):
+            yield f"{path}[{i}]: ", item
+    elif not path.exists():
+        raise FileNotFoundError(f"conversation data not found: {path}")
+    else:
+        raise ConversationError(f"{path}: unsupported file type (want .json, .jsonl, a folder or a saved dataset)")
+
+
+def _dataset_items(path: Path, split: str | None):
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        name = split or ("train" if "train" in ds else (next(iter(ds)) if len(ds) == 1 else None))
+        if name not in ds:
+            raise ConversationError(f"{path}: pick a split with split=... (has {sorted(ds)})")
+        ds = ds[name]
+    for i in range(len(ds)):
+        yield f"{path}[{i}]: ", ds[i]
+
+
+def read_conversations(path: str | Path, strict: bool = False, split: str | None = None,
+                       repair: bool = True, limit: int | None = None) -> Conversations:
+    """Read and validate every conversation under ``path`` → ``Conversations`` of ``{"id", "messages"}``.
+
+    ``strict`` raises on the first malformed item; otherwise malformed items are skipped, counted in
+    ``.skipped`` and summarised in one warning. ``limit`` stops after that many good items.
+    """
+    path = Path(path)
+    good, skipped = [], []
+    for where, item in _raw_items(path, split):
+        try:
+            if isinstance(item, Exception):
+                raise item
+            messages = item_messages(item, where, repair)
+        except ConversationError as e:
+            if strict:
+                raise
+            skipped.append(str(e))
+            continue
+        good.append({"id": str(item.get("id", where.rstrip(": "))), "messages": messages})
+        if limit is not None and len(good) >= limit:
+            break
+    if skipped:
+        log.warning("%s: skipped %d malformed conversation(s), first: %s", path, len(skipped), skipped[0])
+    return Conversations(good, skipped)

@@ -1,0 +1,233 @@
+"""Offline capture: target forward over tokenized samples → feature shards + manifest.json.
+
+Layout (DESIGN.md "Feature shards")::
+
+    features/manifest.json
+    features/shard-00000.safetensors   input_ids [T] int32, loss_mask [T] uint8, offsets [N+1] int64,
+                                       hidden [T, L*H] bf16 (EAGLE-3 taps; absent for eagle1), last [T, H] bf16
+
+The samples are cut into shards by a *plan* that depends only on the data and ``shard_tokens`` (whole
+samples, in order, until a shard holds ``shard_tokens`` tokens). Shard j is written by process
+``j % world_size``, so 1 or N processes (``accelerate launch`` / ``torchrun``, read from RANK/WORLD_SIZE)
+produce the same files. Each shard is written to a temporary name and renamed when complete; a rerun
+skips shards that exist (resuming at the first missing one) after checking that the plan in the existing
+manifest is the same (same data, target, taps), and refuses to mix runs otherwise. Whoever finishes the
+last shard marks the manifest complete; readers refuse an incomplete capture.
+
+Bytes per token on disk = (L·H + H)·2 for the bf16 features, plus 5 for ``input_ids``/``loss_mask``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from eaglekit import __version__
+from eaglekit.target import EAGLE1, EAGLE3
+
+MANIFEST = "manifest.json"
+FEATURE_DTYPE = torch.bfloat16
+
+
+def shard_name(j: int) -> str:
+    return f"shard-{j:05d}.safetensors"
+
+
+def feature_bytes_per_token(hidden_size: int, num_taps: int) -> int:
+    """bf16 bytes of ``hidden`` + ``last`` per token: (L·H + H)·2 (L = 0 for eagle1)."""
+    return (num_taps * hidden_size + hidden_size) * 2
+
+
+def resolve_taps(target, kind: str, layer_ids) -> tuple[int, ...]:
+    if kind not in (EAGLE1, EAGLE3):
+        raise ValueError(f"kind must be {EAGLE1!r} or {EAGLE3!r}, got {kind!r}")
+    return tuple(layer_ids or target.aux_layer_ids) if kind == EAGLE3 else ()
+
+
+def dist_info() -> tuple[int, int]:
+    """(rank, world_size) from the launcher's environment (accelerate launch / torchrun); (0, 1) alone."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def plan_shards(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive ``(first, stop)`` sample ranges holding ~``shard_tokens`` tokens each (≥ 1 sample)."""
+    plan, first, acc = [], 0, 0
+    for i, n in enumerate(lengths):
+        acc += n
+        if acc >= shard_tokens:
+            plan.append((first, i + 1))
+            first, acc = i + 1, 0
+    if first < len(lengths):
+        plan.append((first, len(lengths)))
+    return plan
+
+
+@torch.no_grad()
+def compute_features(target, samples: list[dict], kind: str = EAGLE3, layer_ids=None,
+                     batch_tokens: int = 8192, dtype=FEATURE_DTYPE) -> list[dict]:
+    """Item dicts (``input_ids``, ``loss_mask``, ``hidden`` (eagle3), ``last``) for ``samples``, in order.
+
+    Samples are batched by length (right-padded, ≤ ``batch_tokens`` padded tokens per forward); padding
+    sits after each sample's tokens, so a causal model's features for them are unaffected.
+    """
+    taps = resolve_taps(target, kind, layer_ids)
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["input_ids"]))
+    out: list[dict | None] = [None] * len(samples)
+    pos = 0
+    while pos < len(order):
+        stop = pos + 1
+        while stop < len(order) and len(samples[order[stop]]["input_ids"]) * (stop + 1 - pos) <= batch_tokens:
+            stop += 1
+        batch = [samples[i] for i in order[pos:stop]]
+        for i, item in zip(order[pos:stop], _forward_batch(target, batch, kind, taps, dtype)):
+            out[i] = item
+        pos = stop
+    return out
+
+
+def _forward_batch(target, batch, kind, taps, dtype):
+    width = max(len(s["input_ids"]) for s in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    att = torch.zeros(len(batch), width, dtype=torch.long)
+    for b, s in enumerate(batch):
+        n = len(s["input_ids"])
+        ids[b, :n] = torch.as_tensor(s["input_ids"])
+        att[b, :n] = 1
+    out = target.features(ids.to(target.device), att.to(target.device), kind=kind,
+                          layer_ids=taps or None)
+    items = []
+    for b, s in enumerate(batch):
+        n = len(s["input_ids"])
+        item = {"input_ids": torch.as_tensor(s["input_ids"]).long(), "loss_mask": torch.as_tensor(s["loss_mask"]).long()}
+        if kind == EAGLE3:
+            item["hidden"] = out.aux[b, :n].to("cpu", dtype)
+        item["last"] = out.last[b, :n].to("cpu", dtype)
+        items.append(item)
+    return items
+
+
+def shard_tensors(items: list[dict]) -> dict[str, torch.Tensor]:
+    """Concatenate item dicts into one shard's tensors (the on-disk dtypes)."""
+    lengths = torch.tensor([0] + [len(it["input_ids"]) for it in items], dtype=torch.long)
+    t = {"input_ids": torch.cat([it["input_ids"] for it in items]).to(torch.int32),
+         "loss_mask": torch.cat([it["loss_mask"] for it in items]).to(torch.uint8),
+         "offsets": torch.cumsum(lengths, 0)}
+    if "hidden" in items[0]:
+        t["hidden"] = torch.cat([it["hidden"] for it in items]).contiguous()
+    t["last"] = torch.cat([it["last"] for it in items]).contiguous()
+    return t
+
+
+def write_atomic_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def plan_hash(samples: list[dict], meta: dict) -> str:
+    """Identity of a capture: tokens, masks, and what produced the features (target, taps, sharding)."""
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for s in samples:
+        h.update(torch.as_tensor(s["input_ids"]).to(torch.int32).numpy().tobytes())
+        h.update(torch.as_tensor(s["loss_mask"]).to(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def build_manifest(target, samples, kind, taps, shard_tokens, extra: dict | None = None) -> dict:
+    lengths = [len(s["input_ids"]) for s in samples]
+    plan = plan_shards(lengths, shard_tokens)
+    from eaglekit.data_prep.template import template_hash
+
+    tgt = {"name": target.name, "fingerprint": target.fingerprint(), "hidden_size": target.hidden_size,
+           "num_layers": target.num_layers, "vocab_size": target.vocab_size,
+           "model_type": getattr(target.config, "model_type", None),
+           "revision": getattr(target.config, "_commit_hash", None)}
+    ident = {"target": tgt["fingerprint"], "kind": kind, "layer_ids": list(taps), "shard_tokens": shard_tokens}
+    return {
+        "format": "eaglekit-features", "format_version": 1, "eaglekit_version": __version__,
+        "target": tgt, "kind": kind, "layer_ids": list(taps), "hidden_size": target.hidden_size,
+        "dtype": "bfloat16", "chat_template_hash": template_hash(target.tokenizer),
+        "bytes_per_token": feature_bytes_per_token(target.hidden_size, len(taps)),
+        "num_samples": len(samples), "num_tokens": sum(lengths), "shard_tokens": shard_tokens,
+        "plan_hash": plan_hash(samples, ident),
+        "shards": [{"file": shard_name(j), "first_sample": a, "num_samples": b - a,
+                    "num_tokens": sum(lengths[a:b])} for j, (a, b) in enumerate(plan)],
+        "lengths": lengths, "sample_ids": [str(s.get("id", i)) for i, s in enumerate(samples)],
+        "extra": extra or {}, "complete": False,
+    }
+
+
+def capture_features(target, samples: list[dict], out_dir: str | Path, kind: str = EAGLE3, layer_ids=None,
+                     shard_tokens: int = 200_000, batch_tokens: int = 8192, rank: int | None = None,
+                     world_size: int | None = None, progress: bool = True, extra: dict | None = None,
+                     on_shard=None) -> dict:
+    """Write this process's shards of ``samples`` under ``out_dir``; returns the manifest.
+
+    Resumable and multi-process safe (see the module docstring). ``on_shard(j)`` is called after each
+    shard is written (progress hooks, tests).
+    """
+    from tqdm.auto import tqdm
+
+    env_rank, env_world = dist_info()
+    rank = env_rank if rank is None else rank
+    world_size = env_world if world_size is None else world_size
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    taps = resolve_taps(target, kind, layer_ids)
+    manifest = build_manifest(target, samples, kind, taps, shard_tokens, extra)
+    _check_resume(out / MANIFEST, manifest)
+    if not (out / MANIFEST).exists():
+        write_atomic_json(out / MANIFEST, manifest)
+    mine = [j for j in range(len(manifest["shards"])) if j % world_size == rank]
+    todo = [j for j in mine if not (out / shard_name(j)).exists()]
+    for stale in out.glob("shard-*.safetensors.tmp-*"):
+        if int(stale.name.split(".")[0].split("-")[1]) in todo:
+            stale.unlink(missing_ok=True)
+    total = sum(manifest["shards"][j]["num_tokens"] for j in mine)
+    done = total - sum(manifest["shards"][j]["num_tokens"] for j in todo)
+    bar = tqdm(total=total, initial=done, unit="tok", desc=f"capture[{rank}/{world_size}]",
+               disable=not progress)
+    for j in todo:
+        sh = manifest["shards"][j]
+        part = samples[sh["first_sample"]: sh["first_sample"] + sh["num_samples"]]
+        items = compute_features(target, part, kind, taps, batch_tokens)
+        _write_shard(out / shard_name(j), shard_tensors(items), manifest)
+        bar.update(sh["num_tokens"])
+        if on_shard is not None:
+            on_shard(j)
+    bar.close()
+    return finalize(out, manifest)
+
+
+def _write_shard(path: Path, tensors: dict, manifest: dict) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    # one metadata key: safetensors writes a multi-key map in hash order, which would break byte equality
+    meta = json.dumps({"plan_hash": manifest["plan_hash"], "kind": manifest["kind"]}, sort_keys=True)
+    save_file(tensors, str(tmp), metadata={"eaglekit": meta})
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _check_resume(path: Path, manifest: dict) -> None:
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    if old.get("plan_hash") != manifest["plan_hash"]:
+        raise ValueError(f"{path.parent} holds a different capture (plan {old.get('plan_hash')} vs "
+                         f"{manifest['plan_hash']}: other data, target, taps or shard_tokens); "
+                         "use a new output directory or delete it")
+
+
+def finalize(out: Path, manifest: dict) -> dict:
+    """Mark the manifest complete once every planned shard exists (idempotent; any process may call)."""
+    missing = [s["file"] for s in manifest["shards"] if not (out / s["file"]).exists()]
+    if not missing:
+        manifest = {**manifest, "complete": True}
+        write_atomic_json(out / MANIFEST, manifest)
+    return manifest

@@ -1,0 +1,118 @@
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eaglekit.data_prep import (
+    FeatureDataset,
+    FeatureError,
+    OnlineFeatures,
+    capture_features,
+    tokenize_conversations,
+)
+
+
+def tiny_samples(tok, n=24):
+    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": "hello " * (i % 5 + 1)},
+                                           {"role": "assistant", "content": "abc def " * (i % 4 + 1)}]}
+             for i in range(n)]
+    samples, empty = tokenize_conversations(tok, convs, max_length=64)
+    assert not empty
+    return samples
+
+
+@pytest.fixture(scope="module")
+def target():
+    from helpers import tiny_target
+
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def samples(target):
+    return tiny_samples(target.tokenizer)
+
+
+def test_shards_follow_the_design_layout(tmp_path, target, samples):
+    m = capture_features(target, samples, tmp_path, shard_tokens=150, batch_tokens=96, progress=False)
+    assert m["complete"] and len(m["shards"]) > 2
+    assert m["layer_ids"] == list(target.aux_layer_ids) and m["dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "manifest.json").read_text()) == m
+    L, H = 3, target.hidden_size
+    for s in m["shards"]:
+        with safe_open(str(tmp_path / s["file"]), framework="pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        T = s["num_tokens"]
+        assert {k: (v.dtype, tuple(v.shape)) for k, v in t.items()} == {
+            "input_ids": (torch.int32, (T,)), "loss_mask": (torch.uint8, (T,)),
+            "offsets": (torch.int64, (s["num_samples"] + 1,)),
+            "hidden": (torch.bfloat16, (T, L * H)), "last": (torch.bfloat16, (T, H))}
+        assert t["offsets"][0] == 0 and t["offsets"][-1] == T
+    ds = FeatureDataset(tmp_path, target)
+    ds.verify()
+    assert len(ds) == len(samples) and ds.lengths == [len(s["input_ids"]) for s in samples]
+    online = OnlineFeatures(target, samples)
+    for i in (0, 7, len(samples) - 1):
+        got, want = ds[i], online[i]
+        assert torch.equal(got["input_ids"], samples[i]["input_ids"])
+        assert torch.equal(got["loss_mask"], samples[i]["loss_mask"])
+        for k in ("hidden", "last"):  # offline == online; and both equal an unbatched target forward
+            assert torch.equal(got[k], want[k])
+        ref = target.features(samples[i]["input_ids"][None])
+        assert torch.allclose(got["hidden"].float(), ref.aux[0].bfloat16().float(), atol=1e-2, rtol=1e-2)
+        assert torch.allclose(got["last"].float(), ref.last[0].bfloat16().float(), atol=1e-2, rtol=1e-2)
+
+
+def test_eagle1_capture_has_no_hidden(tmp_path, target, samples):
+    capture_features(target, samples[:5], tmp_path, kind="eagle1", progress=False)
+    item = FeatureDataset(tmp_path)[2]
+    assert set(item) == {"input_ids", "loss_mask", "last"}
+
+
+def test_resume_rewrites_only_missing_shards_and_refuses_other_data(tmp_path, target, samples):
+    capture_features(target, samples, tmp_path, shard_tokens=150, progress=False)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("shard-*")}
+    (tmp_path / "shard-00001.safetensors").unlink()
+    (tmp_path / "shard-00001.safetensors.tmp-999").write_bytes(b"half a shard")  # a killed writer's leftover
+    written = []
+    capture_features(target, samples, tmp_path, shard_tokens=150, progress=False, on_shard=written.append)
+    assert written == [1]
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("shard-*")} == before
+    with pytest.raises(ValueError, match="different capture"):
+        capture_features(target, samples[1:], tmp_path, shard_tokens=150, progress=False)
+
+
+def test_ranks_split_shards_and_match_one_process(tmp_path, target, samples):
+    capture_features(target, samples, tmp_path / "one", shard_tokens=150, progress=False)
+    m0 = capture_features(target, samples, tmp_path / "two", shard_tokens=150, rank=0, world_size=2, progress=False)
+    assert not m0["complete"]
+    with pytest.raises(FeatureError, match="incomplete capture"):
+        FeatureDataset(tmp_path / "two")
+    m1 = capture_features(target, samples, tmp_path / "two", shard_tokens=150, rank=1, world_size=2, progress=False)
+    assert m1["complete"]
+    one = {p.name: p.read_bytes() for p in (tmp_path / "one").glob("shard-*")}
+    two = {p.name: p.read_bytes() for p in (tmp_path / "two").glob("shard-*")}
+    assert one == two and len(one) == len(m1["shards"])
+
+
+def test_corrupt_truncated_and_foreign(tmp_path, target, samples):
+    from helpers import tiny_target
+
+    m = capture_features(target, samples, tmp_path, shard_tokens=150, progress=False)
+    ds = FeatureDataset(tmp_path)
+    shard = tmp_path / m["shards"][1]["file"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    i = m["shards"][1]["first_sample"]
+    with pytest.raises(FeatureError, match=rf"{shard}: corrupt or truncated"):
+        ds[i]
+    with pytest.raises(FeatureError, match=rf"{shard}: corrupt or truncated"):
+        ds.verify()
+    assert torch.equal(ds[0]["input_ids"], samples[0]["input_ids"])  # other shards still read
+    shard.write_bytes(b"\x00" * 7)
+    with pytest.raises(FeatureError, match=str(shard)):
+        ds[i]
+    other = tiny_target(hidden=48)
+    with pytest.raises(FeatureError, match="hidden_size 32 vs 48"):
+        FeatureDataset(tmp_path, other)

@@ -1,0 +1,86 @@
+import json
+
+import pytest
+
+from eaglekit.data_prep import ConversationError, read_conversations
+
+SHAREGPT = {"id": "s1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+                                          {"from": "human", "value": "more"}, {"from": "gpt", "value": "sure"}]}
+OPENAI = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
+                       {"role": "assistant", "content": "a"}]}
+
+
+def _msgs(*pairs):
+    return [{"role": r, "content": c} for r, c in pairs]
+
+
+def test_sharegpt_json_and_openai_jsonl(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([SHAREGPT]))
+    (tmp_path / "b.jsonl").write_text(json.dumps(OPENAI) + "\n\n" + json.dumps({**OPENAI, "id": "x"}) + "\n")
+    a = read_conversations(tmp_path / "a.json", strict=True)
+    assert a == [{"id": "s1", "messages": _msgs(("user", "hi"), ("assistant", "hello"),
+                                                 ("user", "more"), ("assistant", "sure"))}]
+    b = read_conversations(tmp_path / "b.jsonl", strict=True)
+    assert [c["id"] for c in b] == [f"{tmp_path / 'b.jsonl'}:1", "x"]  # blank line skipped, id from file:line
+    assert b[0]["messages"] == _msgs(("system", "be brief"), ("user", "q"), ("assistant", "a"))
+    both = read_conversations(tmp_path, strict=True)  # a folder: files in sorted order
+    assert [c["id"] for c in both] == ["s1", f"{tmp_path / 'b.jsonl'}:1", "x"]
+    assert both.skipped == []
+
+
+def test_top_level_system_field_and_repairs(tmp_path):
+    item = {"system": "sys", "conversations": [{"from": "gpt", "value": "orphan answer"},
+                                               {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
+                                               {"from": "human", "value": "unanswered"}]}
+    (tmp_path / "c.json").write_text(json.dumps(item))
+    [c] = read_conversations(tmp_path / "c.json", strict=True)
+    assert c["messages"] == _msgs(("system", "sys"), ("user", "q"), ("assistant", "a"))
+
+
+def test_saved_hf_dataset(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"id": "d0", "messages": OPENAI["messages"]},
+                                     {"id": "d1", "messages": OPENAI["messages"][1:]}])
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "dd"))
+    ds.save_to_disk(str(tmp_path / "d"))
+    for p in ("dd", "d"):
+        got = read_conversations(tmp_path / p, strict=True)
+        assert [c["id"] for c in got] == ["d0", "d1"]
+        assert got[1]["messages"] == _msgs(("user", "q"), ("assistant", "a"))
+
+
+BAD = [
+    ('{"messages": [', "bad JSON"),
+    (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "unknown role 'wizard'"),
+    (json.dumps({"messages": _msgs(("user", "q"), ("assistant", "  "))}), "empty"),
+    (json.dumps({"messages": _msgs(("user", "q"), ("user", "q2"), ("assistant", "a"))}), "expected assistant"),
+    (json.dumps({"text": "no turns"}), "no 'messages'"),
+]
+
+
+@pytest.mark.parametrize("line,why", BAD)
+def test_bad_items_name_file_and_line(tmp_path, line, why):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps(OPENAI) + "\n" + line + "\n" + json.dumps(OPENAI) + "\n")
+    with pytest.raises(ConversationError, match=rf"{f}:2: .*{why}"):
+        read_conversations(f, strict=True)
+    got = read_conversations(f)  # skip-and-count
+    assert len(got) == 2 and len(got.skipped) == 1
+    assert got.skipped[0].startswith(f"{f}:2: ") and why in got.skipped[0]
+
+
+def test_bad_item_in_json_list_names_index(tmp_path):
+    f = tmp_path / "l.json"
+    f.write_text(json.dumps([OPENAI, {"messages": _msgs(("assistant", "a"))}]))
+    with pytest.raises(ConversationError, match=rf"{f}\[1\]: no user/assistant"):
+        read_conversations(f, strict=True)
+    assert read_conversations(f).skipped == [f"{f}[1]: no user/assistant exchange"]
+
+
+def test_missing_and_unsupported_paths(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_conversations(tmp_path / "nope.jsonl")
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(ConversationError, match="unsupported"):
+        read_conversations(tmp_path / "x.txt")
