@@ -60,3 +60,29 @@ def save_tiny(path: Path, arch: str = "llama", seed: int = 0, **kw) -> Path:
     model.save_pretrained(path)
     tiny_tokenizer(kw.get("vocab_size", 64)).save_pretrained(path)
     return Path(path)
+
+
+def tiny_conversations(path: Path, n: int = 40, seed: int = 0) -> Path:
+    """A .jsonl of ``n`` short conversations in the tiny tokenizer's alphabet (answers echo the question)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for i in range(n):
+            q = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(5, 15)))
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": (q[::-1] + " ") * 3}]
+            fh.write(json.dumps({"id": str(i), "messages": msgs}) + "\n")
+    return Path(path)
+
+
+def train_command(*overrides: str, processes: int = 1, accelerate_config: str | None = None) -> list[str]:
+    """``python train_head.py key=value...`` (1 process) or ``accelerate launch --config_file ...``."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    if processes == 1:
+        return [sys.executable, str(root / "train_head.py"), *overrides]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config,
+                "--num_processes", str(processes)]
+    return [*launcher, str(root / "train_head.py"), *overrides]
