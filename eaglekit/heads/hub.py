@@ -33,17 +33,24 @@ def base_model_of(config: HeadConfig) -> str:
 
 
 def read_results(head_dir) -> dict:
-    """Measured acceptance length / speedup stored beside a head (``results.json``), or {}."""
-    f = Path(head_dir) / RESULTS_FILE if head_dir else None
-    if not f or not f.is_file():
+    """What is known about a head's quality, from files beside it.
+
+    ``results.json`` in the head folder (measured decoding: ``tau`` or ``acceptance_length``, ``speedup``,
+    ``benchmark``, ``device``) and the trainer's ``metrics.json`` (in the folder or its parent:
+    ``eval_tau_sim``, the simulated acceptance length on held-out data).
+    """
+    if not head_dir:
         return {}
-    try:
-        data = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f}: not valid JSON ({e})") from e
-    if "tau" not in data and "acceptance_length" in data:
-        data["tau"] = data["acceptance_length"]
-    return data
+    head_dir, out = Path(head_dir), {}
+    for f in (head_dir.parent / "metrics.json", head_dir / "metrics.json", head_dir / RESULTS_FILE):
+        if f.is_file():
+            try:
+                out.update(json.loads(f.read_text()))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}: not valid JSON ({e})") from e
+    if "tau" not in out and "acceptance_length" in out:
+        out["tau"] = out["acceptance_length"]
+    return out
 
 
 def card_metadata(config: HeadConfig, base_model: str, datasets=(), results: dict | None = None) -> dict:
@@ -59,6 +66,8 @@ def card_metadata(config: HeadConfig, base_model: str, datasets=(), results: dic
         meta["acceptance_length"] = float(results["tau"])
     if results.get("speedup") is not None:
         meta["speedup"] = float(results["speedup"])
+    if results.get("eval_tau_sim") is not None:
+        meta["simulated_acceptance_length"] = round(float(results["eval_tau_sim"]), 3)
     return meta
 
 
@@ -76,6 +85,9 @@ def model_card(config: HeadConfig, repo_id: str, layout: str, base_model: str | 
                     f"{results.get('benchmark', '')} | {results.get('device', '')} |")
     else:
         measured = "Not measured yet (no results.json beside the head)."
+    if results.get("eval_tau_sim") is not None:
+        measured += (f"\n\nSimulated acceptance length on held-out training data (from per-step accuracy, "
+                     f"not a decoding run): {float(results['eval_tau_sim']):.2f}.")
     vocab = (f"draft vocabulary {config.draft_vocab_size} of {config.target_vocab_size} target tokens, "
              f"taps (layer inputs) {config.aux_layer_ids}" if config.kind != EAGLE1
              else "predicts the target's next last-layer feature; uses the target's lm_head")

@@ -205,25 +205,51 @@ def test_heads_bad_folder_named(tmp_path, target):
         load_head(tmp_path / "h", target)
 
 
-def test_heads_decoder_layer_matches_transformers_llama(target):
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE])
+def test_heads_decoder_layer_matches_transformers_llama(target, rope):
     """Our layer 1 (plain Llama layer) equals transformers' LlamaDecoderLayer with the same weights,
-    so RoPE convention, GQA and norms match what vLLM/SGLang run."""
+    so RoPE convention (plain and scaled), GQA and norms match what vLLM/SGLang run."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    head = make_head(target, "eagle3", 2)
+    torch.manual_seed(0)
+    cfg = HeadConfig.from_target(target, kind="eagle3", num_layers=2, rope_scaling=rope, rope_theta=5000.0,
+                                 max_position_embeddings=512)
+    head = build_head(cfg, target)
     ours = head.layers[1]
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
     lcfg = head.config.llama_config()
     lcfg._attn_implementation = "eager"
     ref = LlamaDecoderLayer(lcfg, layer_idx=1).eval()
     ref.load_state_dict(ours.state_dict(), strict=True)
     x = torch.randn(1, 5, 32)
-    pos = torch.tensor([[3, 4, 5, 6, 7]])
+    pos = torch.tensor([[3, 4, 50, 200, 201]])  # far positions exercise the scaled low frequencies
     cos, sin = LlamaRotaryEmbedding(lcfg)(x, pos)
+    c, s = head.rotary(pos, torch.float32)
+    torch.testing.assert_close(c, cos, atol=1e-6, rtol=1e-6)
     mask = causal_mask(5)
     out_ref = ref(x, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
     out_ref = out_ref[0] if isinstance(out_ref, tuple) else out_ref
-    c, s = head.rotary(pos, torch.float32)
     torch.testing.assert_close(ours(x, c, s, None, None), out_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_heads_qwen2_target(tmp_path):
+    """A Qwen2 target (RoPE theta from rope_parameters, biased q/k/v in the target): the head copies the shape."""
+    q = tiny_target("qwen2", layers=4, hidden=32, vocab_size=64, rope_theta=1e6)
+    cfg = HeadConfig.from_target(q, kind="eagle3", num_layers=1)
+    assert cfg.rope_theta == 1e6 and cfg.aux_layer_ids == [2, 2, 1] and cfg.target_num_layers == 4
+    head = build_head(cfg, q)
+    ids = torch.randint(0, 64, (1, 5))
+    _, logits = head.step(ids, features(q, head, ids), torch.arange(5)[None])
+    assert logits.shape == (1, 5, 64)
+    head.save_pretrained(tmp_path / "q")
+    assert load_head(tmp_path / "q", q).config == cfg
 
 
 def test_heads_wrong_kind_and_unbound(target):

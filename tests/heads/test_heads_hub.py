@@ -110,6 +110,8 @@ def test_heads_model_card_yaml(saved_head):
     assert "--speculative-algorithm EAGLE3" in body and 'load_head("me/smol-eagle3", target)' in body
     meta2, body2 = front_matter(model_card(head.config, "me/x", "native"))
     assert "acceptance_length" not in meta2 and "Not measured" in body2
+    meta3, body3 = front_matter(model_card(head.config, "me/x", "native", results={"eval_tau_sim": 2.345678}))
+    assert meta3["simulated_acceptance_length"] == 2.346 and "acceptance_length" not in meta3 and "2.35" in body3
 
 
 def test_heads_push_uploads_files_and_hides_token(fake_hub, saved_head, capsys, caplog):
