@@ -15,6 +15,7 @@ COMMANDS = {
     "demo": ("eaglekit.demo", "the main job on the embedded default target"),
     "export": ("eaglekit.heads.export_cli", "write a head as sglang / vllm / speculators / eagle1 layout"),
     "push": ("eaglekit.heads.push_cli", "upload a head + model card to the Hugging Face Hub (--dry-run)"),
+    "prepare": ("eaglekit.data_prep.prepare", "conversations → loss-masked tokens → draft vocab → feature shards"),
     "train": ("eaglekit.train.cli", "train a draft head (same as `accelerate launch train_head.py`)"),
 }
 

@@ -1,0 +1,146 @@
+"""``eaglekit prepare``: conversations → tokens → (regeneration) → draft vocab → feature shards.
+
+    eaglekit prepare --config configs/prepare-smollm2.yaml output_dir=prepared/x num_conversations=500
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \\
+        -m eaglekit.cli prepare --config configs/prepare-smollm2.yaml       # N processes split the shards
+    torchrun --nproc_per_node 2 -m eaglekit.cli prepare --config ...           # the same with torchrun
+
+Everything lands in ``output_dir`` (the ``features_dir`` a train config points at): ``manifest.json``,
+``shard-*.safetensors``, ``draft_vocab.safetensors`` and, with regeneration, ``regenerated.jsonl``.
+Every step resumes: regeneration continues its jsonl, capture skips finished shards. Under a launcher
+every process reads and tokenizes the same data (cheap, deterministic) and writes its own shards;
+regeneration is a single-process step (run it first with ``capture=false``, then launch the capture).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eaglekit.config import load_config
+from eaglekit.data_prep.capture import capture_features, dist_info, feature_bytes_per_token, resolve_taps
+from eaglekit.data_prep.conversations import Conversations, item_messages, read_conversations
+from eaglekit.data_prep.regenerate import RegenerateConfig, regenerate
+from eaglekit.data_prep.template import tokenize_conversations
+from eaglekit.data_prep.vocab import build_draft_vocab, save_draft_vocab
+
+log = logging.getLogger(__name__)
+REGENERATED = "regenerated.jsonl"
+
+
+@dataclass
+class PrepareConfig:
+    target: str = "smollm2-135m-instruct"  # embedded name, model folder, Hub id or .gguf
+    dtype: str = "float32"  # the target's compute dtype; features are stored in bf16 whatever this is
+    device: str = "cpu"  # "cuda" picks cuda:LOCAL_RANK under a launcher
+    data: str = "sharegpt"  # the embedded ShareGPT, or a .json/.jsonl file, folder or saved dataset
+    split: str | None = None  # for a saved DatasetDict
+    num_conversations: int = 0  # 0 = all
+    strict: bool = False  # stop at the first malformed conversation instead of skipping and counting
+    max_length: int = 2048  # tokens per sample (truncated)
+    output_dir: str = "prepared/smollm2"
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    draft_vocab_size: int = 32000  # clipped to the target vocab
+    capture: bool = True  # False: stop after the vocab (online training needs no shards)
+    kind: str = "eagle3"  # eagle3 (3 taps + last) or eagle1 (last only)
+    layer_ids: list[int] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
+    shard_mb: int = 1024  # feature bytes per shard
+    batch_tokens: int = 8192  # padded tokens per capture forward
+    progress: bool = True
+
+
+def load_conversations(cfg: PrepareConfig) -> Conversations:
+    limit = cfg.num_conversations or None
+    if cfg.data != "sharegpt":
+        return read_conversations(cfg.data, strict=cfg.strict, split=cfg.split, limit=limit)
+    from eaglekit.assets import load_sharegpt
+    from eaglekit.data_prep.conversations import ConversationError
+
+    good, skipped = [], []
+    for i, c in enumerate(load_sharegpt()):
+        try:
+            good.append({"id": str(c["id"]), "messages": item_messages(c, f"sharegpt[{i}]: ")})
+        except ConversationError as e:
+            if cfg.strict:
+                raise
+            skipped.append(str(e))
+        if limit and len(good) >= limit:
+            break
+    return Conversations(good, skipped)
+
+
+def _device(cfg: PrepareConfig) -> str:
+    if cfg.device == "cuda" and "LOCAL_RANK" in os.environ:
+        return f"cuda:{os.environ['LOCAL_RANK']}"
+    return cfg.device
+
+
+def disk_report(out: Path, tokens: int, bytes_per_token: int) -> str:
+    need = tokens * (bytes_per_token + 5)  # + int32 id + uint8 mask per token
+    free = shutil.disk_usage(out if out.exists() else out.parent if out.parent.exists() else Path(".")).free
+    msg = (f"capture needs {need / 2**30:.2f} GiB for {tokens:,} tokens ({bytes_per_token} B/token of bf16 "
+           f"features + 5 B of ids/mask); {free / 2**30:.1f} GiB free at {out}")
+    return msg + ("  ** NOT ENOUGH SPACE **" if need > free else "")
+
+
+def run_prepare(cfg: PrepareConfig) -> dict:
+    from eaglekit.target import load_target
+
+    rank, world = dist_info()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=_device(cfg))
+    convs = load_conversations(cfg)
+    say(f"{len(convs):,} conversations from {cfg.data} ({len(convs.skipped)} malformed skipped"
+        + (f", first: {convs.skipped[0]})" if convs.skipped else ")"))
+    if cfg.regenerate.enabled:
+        if world > 1 and not _regenerated_all(out / REGENERATED, len(convs)):
+            raise SystemExit("regeneration runs in one process: run `eaglekit prepare ... capture=false` "
+                             "first, then launch the multi-process capture with the same config")
+        path = regenerate(target, convs, out / REGENERATED, cfg.regenerate, progress=cfg.progress and rank == 0)
+        convs = read_conversations(path, strict=False)
+        say(f"regenerated answers in {path} ({len(convs.skipped)} conversation(s) without an answer)")
+    samples, empty = tokenize_conversations(target.tokenizer, convs, cfg.max_length,
+                                            progress=cfg.progress and rank == 0)
+    tokens = sum(len(s["input_ids"]) for s in samples)
+    say(f"{len(samples):,} samples, {tokens:,} tokens ({len(empty)} dropped: no assistant token "
+        f"within max_length={cfg.max_length})")
+    if not samples:
+        raise SystemExit("no samples left to prepare")
+    size = min(cfg.draft_vocab_size, target.vocab_size)
+    d2t, t2d = build_draft_vocab(samples, size, target.vocab_size)
+    if rank == 0:
+        say(f"draft vocabulary ({size} tokens) → {save_draft_vocab(out, d2t, t2d)}")
+    result = {"samples": len(samples), "tokens": tokens, "skipped": len(convs.skipped), "empty": len(empty)}
+    if not cfg.capture:
+        return result
+    taps = resolve_taps(target, cfg.kind, cfg.layer_ids)
+    bpt = feature_bytes_per_token(target.hidden_size, len(taps))
+    say(disk_report(out, tokens, bpt))
+    extra = {"data": cfg.data, "max_length": cfg.max_length, "regenerated": cfg.regenerate.enabled}
+    manifest = capture_features(target, samples, out, cfg.kind, taps, shard_tokens=max(1, cfg.shard_mb * 2**20 // bpt),
+                                batch_tokens=cfg.batch_tokens, progress=cfg.progress, extra=extra)
+    mine = sum(1 for j in range(len(manifest["shards"])) if j % world == rank)
+    print(f"[rank {rank}/{world}] wrote {mine} of {len(manifest['shards'])} shard(s) to {out}"
+          + (" — capture complete" if manifest["complete"] else " — waiting for the other processes' shards"))
+    return {**result, "complete": manifest["complete"], "shards": len(manifest["shards"])}
+
+
+def _regenerated_all(path: Path, n: int) -> bool:
+    return path.exists() and sum(1 for line in path.open("rb") if line.endswith(b"\n")) >= n
+
+
+def add_arguments(parser) -> None:
+    parser.epilog = "config keys: " + ", ".join(PrepareConfig.__dataclass_fields__)
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg = load_config(PrepareConfig, args.config, args.overrides)
+    run_prepare(cfg)
+    return 0

@@ -1,0 +1,138 @@
+"""Regeneration (self-distillation, as in EAGLE-3 / HASS): the target rewrites every assistant turn.
+
+For each conversation the user (and system) turns are kept and every assistant turn is replaced by what
+the target generates given the conversation so far *with its own earlier answers*, so the head later
+learns the target's distribution rather than another model's. Conversations are batched with
+``generate`` (left padding), turn by turn; a batch's finished conversations are appended to a jsonl file
+and fsynced, one line per input conversation in input order. A rerun reads that file, drops a torn last
+line, checks that the ids it holds are the input's first ids, and continues after them.
+
+A turn whose answer comes back empty, or whose prompt exceeds ``max_prompt_tokens``, ends the
+conversation there; a conversation left without any answer is written with ``messages: []`` and a
+``regenerate_error`` note, so ``read_conversations`` reports it (file and line) instead of losing it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class RegenerateConfig:
+    enabled: bool = False
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    batch_size: int = 8
+    max_prompt_tokens: int = 2048
+    seed: int = 0
+
+
+def resume_point(path: Path, ids: list[str], batch_size: int = 1) -> int:
+    """How many conversations ``path`` already holds, cut back to whole batches.
+
+    A line without its newline was torn by a kill; a partly written batch is cut back too, so a resumed
+    run batches (and seeds) exactly like an uninterrupted one.
+    """
+    if not path.exists():
+        return 0
+    lines = path.read_bytes().split(b"\n")[:-1]  # the piece after the last newline is torn or empty
+    done = [json.loads(line)["id"] for line in lines]
+    if done != ids[: len(done)]:
+        raise ValueError(f"{path} holds other conversations than this input (first ids {done[:3]}); "
+                         "use another output file or delete it")
+    n = len(done) if len(done) == len(ids) else len(done) - len(done) % batch_size
+    with open(path, "r+b") as fh:
+        fh.truncate(sum(len(line) + 1 for line in lines[:n]))
+    return n
+
+
+def _generate(target, prompts: list[list[dict]], cfg: RegenerateConfig, seed: int) -> list[str | None]:
+    """Answers for chat prompts (None where the prompt is too long)."""
+    tok = target.tokenizer
+    texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    enc = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    fits = [i for i, e in enumerate(enc) if len(e) <= cfg.max_prompt_tokens]
+    answers: list[str | None] = [None] * len(prompts)
+    if not fits:
+        return answers
+    width = max(len(enc[i]) for i in fits)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.full((len(fits), width), pad, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for row, i in enumerate(fits):  # left padding: generation continues every row at the same column
+        ids[row, width - len(enc[i]):] = torch.tensor(enc[i])
+        att[row, width - len(enc[i]):] = 1
+    torch.manual_seed(seed)
+    sample = cfg.temperature > 0
+    out = target.model.generate(
+        input_ids=ids.to(target.device), attention_mask=att.to(target.device), max_new_tokens=cfg.max_new_tokens,
+        do_sample=sample, temperature=cfg.temperature if sample else None, top_p=cfg.top_p if sample else None,
+        top_k=None, pad_token_id=pad, eos_token_id=_stop_ids(target))
+    for row, i in enumerate(fits):
+        answers[i] = tok.decode(out[row, width:], skip_special_tokens=True).strip()
+    return answers
+
+
+def _stop_ids(target) -> list[int]:
+    ids = {target.tokenizer.eos_token_id}
+    gen = getattr(target.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def regenerate_batch(target, convs: list[dict], cfg: RegenerateConfig, seed: int) -> list[dict]:
+    """Rewrite every assistant turn of ``convs`` (batched turn by turn across the conversations)."""
+    new = [[m for m in c["messages"][:1] if m["role"] == "system"] for c in convs]
+    source = [[m for m in c["messages"] if m["role"] != "system"] for c in convs]
+    live = list(range(len(convs)))
+    errors: dict[int, str] = {}
+    for turn in range(0, max(len(s) for s in source), 2):  # user at `turn`, assistant at turn + 1
+        live = [b for b in live if turn + 1 < len(source[b])]
+        if not live:
+            break
+        prompts = [new[b] + [source[b][turn]] for b in live]
+        answers = _generate(target, prompts, cfg, seed + turn)
+        still = []
+        for b, prompt, ans in zip(live, prompts, answers):
+            if not ans:
+                errors[b] = "prompt longer than max_prompt_tokens" if ans is None else "empty answer"
+                continue
+            new[b] = prompt + [{"role": "assistant", "content": ans}]
+            still.append(b)
+        live = still
+    out = []
+    for b, c in enumerate(convs):
+        item = {"id": c["id"], "messages": new[b] if any(m["role"] == "assistant" for m in new[b]) else []}
+        if b in errors:
+            item["regenerate_error"] = f"stopped at a turn: {errors[b]}"
+        out.append(item)
+    return out
+
+
+def regenerate(target, conversations: list[dict], out_path: str | Path, cfg: RegenerateConfig | None = None,
+               progress: bool = True) -> Path:
+    """Write ``out_path`` (jsonl) with every assistant turn regenerated by ``target``; resumes a killed run."""
+    from tqdm.auto import tqdm
+
+    cfg = cfg or RegenerateConfig(enabled=True)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    ids = [str(c["id"]) for c in conversations]
+    start = resume_point(out_path, ids, cfg.batch_size)
+    bar = tqdm(total=len(conversations), initial=start, desc="regenerate", unit="conv", disable=not progress)
+    with open(out_path, "a", encoding="utf-8") as fh:
+        for first in range(start, len(conversations), cfg.batch_size):
+            batch = conversations[first: first + cfg.batch_size]
+            items = regenerate_batch(target, batch, cfg, seed=cfg.seed + first)
+            fh.write("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items))
+            fh.flush()
+            os.fsync(fh.fileno())
+            bar.update(len(batch))
+    bar.close()
+    return out_path

@@ -1,0 +1,137 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaglekit.data_prep import FeatureDataset, load_draft_vocab, read_conversations
+from eaglekit.data_prep.regenerate import RegenerateConfig, regenerate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_convs(path: Path, n: int = 12) -> Path:
+    lines = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": "hello " * (i % 3 + 1)}, {"role": "assistant", "content": "abc " * (i % 4 + 1)}]
+        if i % 3 == 0:
+            msgs += [{"role": "user", "content": "more?"}, {"role": "assistant", "content": "yes, 42."}]
+        lines.append(json.dumps({"id": f"c{i}", "messages": msgs}))
+    lines.insert(5, '{"messages": [{"role": "user", "content": "dangling"}, {"role": "user", "content": "x"}]}')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from helpers import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_prepare_cli_end_to_end(tmp_path, tiny_dir, capsys):
+    from eaglekit.cli import main
+
+    data = write_convs(tmp_path / "convs.jsonl")
+    out = tmp_path / "prep"
+    cfg = ROOT / "configs" / "prepare-smollm2.yaml"
+    rc = main(["prepare", "--config", str(cfg), f"target={tiny_dir}", f"data={data}", f"output_dir={out}",
+               "num_conversations=0", "max_length=64", "draft_vocab_size=20", "shard_mb=0.01", "progress=false"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "12 conversations" in printed and "1 malformed skipped" in printed and f"{data}:6" in printed
+    assert "capture needs" in printed and "capture complete" in printed
+    ds = FeatureDataset(out)
+    assert len(ds) == 12 and len(ds.manifest["shards"]) > 1
+    assert ds.manifest["sample_ids"] == [f"c{i}" for i in range(12)]
+    d2t, t2d = load_draft_vocab(out)
+    assert d2t.numel() == 20 and t2d.numel() == 64
+    with pytest.raises(Exception, match="unknown key"):
+        main(["prepare", "--config", str(cfg), "no_such_key=1"])
+
+
+def _greedy(target, messages, max_new_tokens):
+    tok = target.tokenizer
+    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = target.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[tok.eos_token_id],
+                                pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_regeneration_rewrites_answers_and_resumes(tmp_path):
+    from helpers import tiny_target
+
+    target = tiny_target()
+    convs = read_conversations(write_convs(tmp_path / "c.jsonl", 7))
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=3)
+    full = regenerate(target, convs, tmp_path / "full.jsonl", cfg, progress=False)
+    got = [json.loads(line) for line in full.read_text().splitlines()]
+    assert [g["id"] for g in got] == [c["id"] for c in convs]
+    for g, c in zip(got, convs):  # user turns kept, assistant turns replaced by the target's own answers
+        assert [m for m in g["messages"] if m["role"] == "user"] == [m for m in c["messages"] if m["role"] == "user"]
+        assert len(g["messages"]) == len(c["messages"])
+    c0 = convs[0]["messages"]
+    first = _greedy(target, c0[:1], 6)
+    assert got[0]["messages"][1]["content"] == first  # batched + left-padded = the target's own greedy answer
+    assert got[0]["messages"][3]["content"] == _greedy(target, [c0[0], {"role": "assistant", "content": first},
+                                                                  c0[2]], 6)
+    # a run killed mid-write: one whole batch, part of the next, a torn line → resumes to the same file
+    lines = full.read_bytes().split(b"\n")
+    part = tmp_path / "part.jsonl"
+    part.write_bytes(b"\n".join(lines[:4]) + b"\n" + lines[4][:10])
+    regenerate(target, convs, part, cfg, progress=False)
+    assert part.read_bytes() == full.read_bytes()
+    with pytest.raises(ValueError, match="other conversations"):
+        regenerate(target, convs[1:], part, cfg, progress=False)
+
+
+KILL_SCRIPT = r"""
+import sys, time, torch
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/.."]
+torch.set_num_threads(int(sys.argv[3]))
+from helpers import tiny_target
+from test_data_prep_capture import tiny_samples
+from eaglekit.data_prep import capture_features
+t = tiny_target()
+def slow(j):
+    print("shard", j, flush=True)
+    time.sleep(float(sys.argv[4]))
+capture_features(t, tiny_samples(t.tokenizer), sys.argv[2], shard_tokens=60, progress=False, on_shard=slow)
+print("done", flush=True)
+"""
+
+
+def test_kill_9_mid_capture_then_resume_equals_uninterrupted(tmp_path):
+    from helpers import tiny_target
+    from test_data_prep_capture import tiny_samples
+
+    from eaglekit.data_prep import capture_features
+
+    t = tiny_target()
+    ref = capture_features(t, tiny_samples(t.tokenizer), tmp_path / "ref", shard_tokens=60, progress=False)
+    assert len(ref["shards"]) >= 8
+    script = tmp_path / "cap.py"
+    script.write_text(KILL_SCRIPT)
+    args = [sys.executable, str(script), str(Path(__file__).parent), str(tmp_path / "run"), str(torch.get_num_threads())]
+    proc = subprocess.Popen(args + ["0.5"], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    for line in proc.stdout:
+        if line.startswith("shard 2"):
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not json.loads((tmp_path / "run" / "manifest.json").read_text())["complete"]
+    written = sorted(p.name for p in (tmp_path / "run").glob("shard-*.safetensors"))
+    assert 3 <= len(written) < len(ref["shards"])
+    done = subprocess.run(args + ["0"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:2] == ["shard", str(len(written))]  # resumed at the first missing shard
+    for s in ref["shards"]:
+        assert (tmp_path / "run" / s["file"]).read_bytes() == (tmp_path / "ref" / s["file"]).read_bytes()
+    assert not list((tmp_path / "run").glob("*.tmp-*"))
+    assert FeatureDataset(tmp_path / "run").manifest["complete"]
