@@ -123,6 +123,7 @@ def _llama_fields(cfg: HeadConfig, dtype: str) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
         "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.target_vocab_size,
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+        "dtype": dtype,  # transformers >= 5 reads `dtype`, older readers `torch_dtype`
     }
 
 

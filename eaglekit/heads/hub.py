@@ -58,7 +58,6 @@ def card_metadata(config: HeadConfig, base_model: str, datasets=(), results: dic
     meta = {
         "base_model": base_model,
         "library_name": "eaglekit",
-        "pipeline_tag": "text-generation",
         "tags": ["eaglekit", "speculative-decoding", config.kind, "draft-model"],
         "datasets": list(datasets),
     }

@@ -133,7 +133,10 @@ def _saved_dtype(data: dict, target):
 def _read_weights(f: Path) -> dict:
     if not f.is_file():
         raise FileNotFoundError(f"{f}: missing head weights")
-    return load_file(str(f))
+    try:
+        return load_file(str(f))
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        raise ValueError(f"{f}: cannot read the head weights ({e})") from e
 
 
 def _instantiate(config: HeadConfig, state: dict, target, dtype, device, where):

@@ -200,6 +200,9 @@ def test_heads_bad_folder_named(tmp_path, target):
     with pytest.raises(FileNotFoundError, match="config.json"):
         (tmp_path / "empty").mkdir() or load_head(tmp_path / "empty", target)
     make_head(target, "eagle1", 1).save_pretrained(tmp_path / "h")
+    (tmp_path / "h" / "model.safetensors").write_bytes(b"truncated")
+    with pytest.raises(ValueError, match="model.safetensors: cannot read"):
+        load_head(tmp_path / "h", target)
     (tmp_path / "h" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_head(tmp_path / "h", target)

@@ -147,3 +147,20 @@ def test_heads_push_cli_dry_run_and_upload(fake_hub, saved_head, capsys, monkeyp
     assert sorted(fake_hub.files) == ["README.md", "config.json", "model.safetensors"]
     assert fake_hub.created[0]["visibility"] == "private"
     assert SECRET not in out.out + out.err
+
+
+def test_heads_load_head_from_hub_id(saved_head, monkeypatch, tmp_path):
+    """A repo id goes through huggingface_hub.snapshot_download (HF_ENDPOINT / cache honoured); a local
+    folder of the same name wins."""
+    import huggingface_hub
+
+    from eaglekit.heads import load_head
+
+    target, head, d = saved_head
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, token=None: calls.append(repo) or str(d))
+    loaded = load_head("me/smol-eagle3", target)
+    assert calls == ["me/smol-eagle3"] and loaded.config == head.config
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_head("no/such/folder", target)
