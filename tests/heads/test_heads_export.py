@@ -167,6 +167,5 @@ def test_heads_export_cli_bf16(tmp_path):
     back = load_head(tmp_path / "out", target)
     assert back.dtype == torch.bfloat16
     torch.testing.assert_close(back.fc.weight, head.fc.weight.to(torch.bfloat16), atol=0, rtol=0)
-    with pytest.raises(FileExistsError):
-        main(["export", "--head", str(tmp_path / "head"), "--out", str(tmp_path / "out"), "--to", "sglang",
-              "--target", str(tdir)])
+    with pytest.raises(FileExistsError):  # target taken from the head's config this time
+        main(["export", "--head", str(tmp_path / "head"), "--out", str(tmp_path / "out"), "--to", "sglang"])
