@@ -1,0 +1,10 @@
+"""Lossless speculative decoding: EAGLE-2 trees from a head, a draft model's chain, or plain decoding.
+
+``decode.generate(target, drafter, input_ids, ...)`` with ``drafter`` an EAGLE head, another Target
+sharing the tokenizer, or None. See ``eaglekit/decode/generate.py`` for the loop.
+"""
+from eaglekit.decode.generate import DecodeStats, GenerateOutput, generate
+from eaglekit.decode.sampling import Sampling
+from eaglekit.decode.tree import Tree, TreeSpec
+
+__all__ = ["generate", "GenerateOutput", "DecodeStats", "Sampling", "Tree", "TreeSpec"]

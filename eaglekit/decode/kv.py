@@ -1,0 +1,84 @@
+"""KV keep: after verification, move the accepted path's entries into contiguous slots and truncate.
+
+The target's cache is a transformers ``DynamicCache``. Its per-layer tensors are reached through the
+public attributes that exist on the installed version: ``cache.layers[i].keys/.values`` (transformers
+>= 4.56, including 5.17 and 5.24) or ``cache.key_cache[i]/.value_cache[i]`` (older). Only full-attention
+layers are supported: a sliding-window layer that has already dropped tokens cannot be rolled back, so
+it is refused. The head keeps its own ``HeadCache`` (``crop``/``keep``), handled by the drafter.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def new_cache(model):
+    """An empty ``DynamicCache`` for ``model`` (built from its config so layer types match)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # very old signature without config
+        return DynamicCache()
+
+
+def cache_length(cache) -> int:
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+def _slots(cache):
+    """(get, set) accessors for each layer's (keys, values), whichever layout this version has."""
+    if hasattr(cache, "layers"):
+        out = []
+        for layer in cache.layers:
+            if getattr(layer, "is_sliding", False) and getattr(layer, "cumulative_length", 0) != (
+                    0 if layer.keys is None else layer.keys.shape[-2]):
+                raise NotImplementedError("KV keep: a sliding-window cache layer has already dropped tokens; "
+                                          "speculative rollback needs full-attention layers")
+
+            def get(layer=layer):
+                return layer.keys, layer.values
+
+            def put(k, v, layer=layer):
+                layer.keys, layer.values = k, v
+                if hasattr(layer, "cumulative_length"):
+                    layer.cumulative_length = k.shape[-2]
+            out.append((get, put))
+        return out
+    if hasattr(cache, "key_cache"):
+        def acc(i):
+            def get():
+                return cache.key_cache[i], cache.value_cache[i]
+
+            def put(k, v):
+                cache.key_cache[i], cache.value_cache[i] = k, v
+            return get, put
+        return [acc(i) for i in range(len(cache.key_cache))]
+    raise TypeError(f"KV keep: unsupported cache type {type(cache).__name__} (need a DynamicCache)")
+
+
+def keep(cache, past_len: int, rows: torch.Tensor) -> None:
+    """Keep the first ``past_len`` entries plus new entries ``past_len + rows`` (in order), drop the rest.
+
+    ``rows`` indexes the tokens of the last verify forward (0 = the root). Rows that are already in
+    place (the common prefix 0..m of a chain) are not moved.
+    """
+    rows = torch.as_tensor(rows, dtype=torch.long)
+    n = len(rows)
+    in_place = bool(torch.equal(rows.cpu(), torch.arange(n)))
+    for get, put in _slots(cache):
+        k, v = get()
+        if k is None:
+            continue
+        if not in_place:
+            src = (past_len + rows).to(k.device)
+            k[..., past_len:past_len + n, :] = k.index_select(-2, src)  # index_select copies: overlap is safe
+            v[..., past_len:past_len + n, :] = v.index_select(-2, src)
+        put(k[..., :past_len + n, :], v[..., :past_len + n, :])
+
+
+def crop(cache, length: int) -> None:
+    """Truncate the cache to its first ``length`` entries."""
+    for get, put in _slots(cache):
+        k, v = get()
+        if k is not None and k.shape[-2] > length:
+            put(k[..., :length, :], v[..., :length, :])

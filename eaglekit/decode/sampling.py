@@ -1,0 +1,114 @@
+"""The distribution we must match (temperature, top-k, top-p → p) and the acceptance rules.
+
+An acceptance rule decides, at one tree node whose target distribution is ``p``, which of the node's
+drafted children (tried in draft order) is accepted, and returns the distribution left to sample from
+when all are rejected. Which rule is lossless depends on how the children were proposed:
+
+* ``accept_deterministic`` — children chosen deterministically (EAGLE top-k): each is a one-hot
+  proposal, so child x is accepted with probability p(x); on rejection p(x) = 0 and p is renormalised,
+  then the next child is tried; if all are rejected, the next token is sampled from what is left.
+* ``accept_sampled`` — children sampled from the drafter's q (a draft model's chain): Leviathan et al.
+  accept with min(1, p(x)/q(x)), else the residual norm(max(p − q, 0)) (SpecInfer's form for several
+  i.i.d. children from the same q).
+* ``accept_minpq_on_topk`` — the classic mistake (min(1, p/q) on deterministically chosen candidates),
+  kept only so tests can show that the sampling check catches a wrong rule.
+
+At temperature 0 every rule reduces to "accept the child equal to argmax p" (``accept_greedy``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 = greedy. Order as in transformers: temperature, then top-k, then top-p."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Target/draft distribution over the last dim (float32); one-hot argmax when greedy."""
+        logits = logits.float()
+        if self.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        logits = logits / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        p = torch.softmax(logits, dim=-1)
+        if self.top_p < 1:
+            sorted_p, order = torch.sort(p, dim=-1, descending=True)
+            before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+            drop_sorted = before >= self.top_p  # keep the smallest prefix reaching top_p (>= 1 token)
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            p = p.masked_fill(drop, 0.0)
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+
+def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One token from the (unnormalised, non-negative) distribution ``p`` [V]."""
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
+def _uniform(p: torch.Tensor, generator) -> float:
+    return float(torch.rand((), generator=generator, device=p.device))
+
+
+def accept_greedy(p, tokens, q_token, q_full, generator):
+    best = int(p.argmax())
+    for i, x in enumerate(tokens):
+        if x == best:
+            return i, p
+    return None, p
+
+
+def accept_deterministic(p, tokens, q_token, q_full, generator):
+    """One-hot proposals (top-k children): accept x w.p. p(x)/Σp, else zero it and try the next."""
+    p = p.clone()
+    for i, x in enumerate(tokens):
+        if _uniform(p, generator) * float(p.sum()) < float(p[x]):
+            return i, p
+        p[x] = 0.0
+    return None, p
+
+
+def accept_sampled(p, tokens, q_token, q_full, generator):
+    """Leviathan: children x_i ~ q i.i.d.; accept w.p. min(1, p(x)/q(x)), else p ← norm(max(p − q, 0))."""
+    p = p / p.sum()
+    for i, x in enumerate(tokens):
+        q = q_full[i]
+        if _uniform(p, generator) * float(q[x]) < float(p[x]):
+            return i, p
+        rest = (p - q).clamp_min(0.0)
+        total = float(rest.sum())
+        if total <= 0:  # p == q: a rejection cannot happen; keep p
+            continue
+        p = rest / total
+    return None, p
+
+
+def accept_minpq_on_topk(p, tokens, q_token, q_full, generator):
+    """WRONG on top-k candidates (biased toward the draft); only for tests that must catch it."""
+    p = p.clone()
+    for i, x in enumerate(tokens):
+        if _uniform(p, generator) * float(q_token[i]) * float(p.sum()) < float(p[x]):
+            return i, p
+        p[x] = 0.0
+    return None, p

@@ -1,0 +1,98 @@
+"""Draft trees: the structure, its verification mask, and EAGLE-2 dynamic expansion.
+
+A tree hangs below a *root*: the last emitted token, not yet in the target's cache. Nodes are stored
+parents before children; ``parents[i] = -1`` means a child of the root. In the verify forward, row 0
+is the root and row ``i + 1`` is node ``i``; a node's position id is ``past_len + depth``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """EAGLE-2 dynamic tree: ``depth`` draft levels, ``top_k`` children per expanded node and ``top_k``
+    nodes expanded per level, the best ``total_tokens`` nodes (by path probability) verified."""
+
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 48
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
+            raise ValueError(f"TreeSpec needs depth, top_k, total_tokens >= 1, got {self}")
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor  # [n] target ids
+    parents: torch.Tensor  # [n] index of the parent node, -1 = the root
+    depths: torch.Tensor  # [n] 1 for the root's children
+    q_token: torch.Tensor  # [n] drafter probability of the token given its parent
+    q_full: torch.Tensor | None = None  # [n, V] proposal distribution each token was sampled from
+    sampled: bool = False  # True: tokens sampled from q (Leviathan rule); False: chosen (one-hot rule)
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    @staticmethod
+    def empty(device=None) -> "Tree":
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return Tree(z, z.clone(), z.clone(), torch.zeros(0, device=device))
+
+    @staticmethod
+    def chain(tokens: torch.Tensor, q_token: torch.Tensor, q_full=None, sampled=False) -> "Tree":
+        n = len(tokens)
+        ar = torch.arange(n, device=tokens.device)
+        return Tree(tokens, ar - 1, ar + 1, q_token, q_full, sampled)
+
+    @property
+    def is_chain(self) -> bool:
+        return bool(torch.equal(self.parents.cpu(), torch.arange(len(self)) - 1))
+
+    def children(self) -> list[list[int]]:
+        """Children node indices of each verify row (row 0 = root, row i+1 = node i), in draft order."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i)
+        return kids
+
+
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """Bool [n+1, n+1] over verify rows: ``a[i, j]`` = row j is row i or one of its ancestors."""
+    n = len(parents)
+    a = torch.eye(n + 1, dtype=torch.bool)
+    for i, p in enumerate(parents.tolist()):
+        a[i + 1] |= a[p + 1]
+    return a
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool (True = attend) → additive float mask (0 / finfo.min); eager attention needs floats."""
+    m = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return m.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def verify_mask(tree: Tree, past_len: int, dtype, device) -> torch.Tensor:
+    """[1, 1, n+1, past_len + n+1]: every row sees the whole prefix, then only its ancestors (and itself)."""
+    a = ancestors(tree.parents)
+    prefix = torch.ones(len(a), past_len, dtype=torch.bool)
+    return additive(torch.cat([prefix, a], dim=1).to(device), dtype)[None, None]
+
+
+def select_best(scores: torch.Tensor, parents: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the ``total`` best nodes of a pool (scores = log path probability), in pool order.
+
+    A child never scores above its parent and a stable sort ranks a parent before an equal child, so
+    the kept set is closed under ancestors. Returns (kept pool indices, their parents re-indexed).
+    """
+    order = torch.sort(scores, descending=True, stable=True).indices[:total]
+    kept = torch.sort(order).values
+    new_index = torch.full((len(scores) + 1,), -1, dtype=torch.long)
+    new_index[kept.cpu() + 1] = torch.arange(len(kept))
+    new_parents = new_index[parents[kept].cpu() + 1]
+    if bool(((new_parents < 0) & (parents[kept].cpu() >= 0)).any()):
+        raise AssertionError("select_best: kept set not closed under ancestors")
+    return kept, new_parents.to(parents.device)

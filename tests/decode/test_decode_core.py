@@ -1,0 +1,177 @@
+"""Decode loop on tiny random models: greedy exactness for every drafter, tree verification, KV keep,
+bad input. The real-model exactness tests are in test_decode_real.py, sampling in test_decode_sampling.py."""
+import pytest
+import torch
+from helpers import tiny_target
+
+from eaglekit import decode
+from eaglekit.decode import kv
+from eaglekit.decode.generate import verify
+from eaglekit.decode.tree import Tree, TreeSpec
+
+PROMPTS = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35], [2, 11]]
+TREE = dict(depth=3, top_k=3, total_tokens=8)
+
+
+def tiny_head(target, kind="eagle3", draft_vocab=None, seed=0):
+    from eaglekit.heads import HeadConfig, build_head
+
+    aux = [0, 1, target.num_layers - 1] if kind == "eagle3" else None
+    cfg = HeadConfig.from_target(target, kind=kind, draft_vocab_size=draft_vocab, aux_layer_ids=aux)
+    torch.manual_seed(seed)
+    head = build_head(cfg, target)
+    if kind == "eagle3" and draft_vocab and draft_vocab < target.vocab_size:
+        ids = torch.randperm(target.vocab_size)[:draft_vocab].sort().values  # a non-trivial d2t
+        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        head.set_draft_vocab(ids - torch.arange(draft_vocab), t2d)
+    return head
+
+
+def hf_greedy(target, ids, n):
+    return target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa")])
+def test_decode_greedy_equals_hf_every_drafter(arch, attn):
+    t = tiny_target(arch, attn=attn, vocab_size=64, layers=3)
+    drafters = {"plain": None, "chain": tiny_target(arch, seed=1, vocab_size=64, layers=2),
+                "self": t, "eagle3": tiny_head(t, "eagle3", 48), "eagle1": tiny_head(t, "eagle1")}
+    for ids in PROMPTS:
+        ref = hf_greedy(t, ids, 20)
+        for name, dr in drafters.items():
+            out = decode.generate(t, dr, torch.tensor([ids]), 20, eos_token_id=False, tree=TREE, gamma=3)
+            assert out.sequences.tolist() == ref.tolist(), (name, ids)
+            assert out.stats.new_tokens == 20 and sum(out.stats.accept_lengths) == 19  # + 1 from the prefill
+            if name == "self":  # a target drafting for itself is always right: gamma+1 per forward
+                assert out.stats.accept_lengths[:-1] == [4] * (len(out.stats.accept_lengths) - 1)
+            if name in ("eagle3", "eagle1"):
+                assert max(out.stats.tree_sizes) == TREE["total_tokens"]
+
+
+def test_decode_tree_verify_logits_equal_path_forwards():
+    """Each tree node's verify logits equal a plain forward over prefix + its root-to-node path."""
+    t = tiny_target(vocab_size=64, layers=3, attn="eager")
+    prompt = torch.tensor([[2, 8, 9, 10, 11]])
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 4])
+    tokens = torch.tensor([20, 21, 22, 23, 24, 25, 26])
+    depths = torch.tensor([1, 1, 2, 2, 2, 3, 3])
+    tree = Tree(tokens, parents, depths, torch.ones(7))
+    cache = kv.new_cache(t.model)
+    t.forward(prompt[:, :-1], past_key_values=cache, kind=None)
+    out, past = verify(t, cache, 11, tree, decode.drafters.PlainDrafter())
+    for i in range(-1, 7):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, int(tokens[j]))
+            j = int(parents[j])
+        seq = torch.cat([prompt, torch.tensor([path], dtype=torch.long)], 1)
+        ref = t.model(seq).logits[0, -1]
+        torch.testing.assert_close(out.logits[0, i + 1], ref, atol=1e-5, rtol=1e-5)
+
+
+def _cache_equals_fresh(target, tol):
+    checked = []
+
+    def on_step(cache, tokens):
+        fresh = kv.new_cache(target.model)
+        target.forward(tokens[None], past_key_values=fresh, kind=None)
+        assert kv.cache_length(cache) == len(tokens)
+        for (g1, _), (g2, _) in zip(kv._slots(cache), kv._slots(fresh)):
+            for a, b in zip(g1(), g2()):
+                torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+        checked.append(len(tokens))
+    return on_step, checked
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "self", "chain"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_kv_keep_equals_fresh_forward(drafter, temperature):
+    """After every step the target cache equals a fresh forward over the accepted text (fp32, 1e-5)."""
+    t = tiny_target(vocab_size=64, layers=3)
+    dr = {"eagle3": tiny_head(t, "eagle3", 48), "self": t,
+          "chain": tiny_target(seed=1, vocab_size=64, layers=2)}[drafter]
+    on_step, checked = _cache_equals_fresh(t, 1e-5)
+    out = decode.generate(t, dr, torch.tensor([PROMPTS[0]]), 24, temperature=temperature, seed=0,
+                          eos_token_id=False, tree=TREE, gamma=3, on_step=on_step)
+    assert len(checked) == len(out.stats.accept_lengths) >= 6
+    if drafter == "self":
+        assert max(out.stats.accept_lengths) == 4  # the keep moved multi-token paths
+
+
+def test_decode_kv_keep_moves_non_contiguous_rows():
+    t = tiny_target(vocab_size=64, layers=2)
+    cache = kv.new_cache(t.model)
+    t.forward(torch.arange(2, 12)[None], past_key_values=cache, kind=None)
+    before = [g()[0].clone() for g, _ in kv._slots(cache)]
+    kv.keep(cache, 4, torch.tensor([0, 2, 5]))
+    for b, (g, _) in zip(before, kv._slots(cache)):
+        k = g()[0]
+        assert k.shape[-2] == 7
+        torch.testing.assert_close(k, b[..., [0, 1, 2, 3, 4, 6, 9], :], atol=0, rtol=0)
+
+
+def test_decode_eos_and_stop_strings():
+    t = tiny_target(vocab_size=64, layers=2)
+    free = decode.generate(t, None, torch.tensor([PROMPTS[0]]), 16, eos_token_id=False).sequences[0, 4:].tolist()
+    eos = free[5]
+    out = decode.generate(t, t, torch.tensor([PROMPTS[0]]), 16, eos_token_id=eos, gamma=3)
+    assert out.sequences[0, 4:].tolist() == free[: free.index(eos) + 1]
+    text = t.tokenizer.decode(free[:7])
+    out = decode.generate(t, None, torch.tensor([PROMPTS[0]]), 16, eos_token_id=False, stop=text[-2:])
+    assert t.tokenizer.decode(out.sequences[0, 4:]).endswith(text[-2:])
+
+
+def test_decode_bad_input():
+    t = tiny_target(vocab_size=64, layers=2)
+    other = tiny_target(vocab_size=48, layers=2)
+    with pytest.raises(ValueError, match="empty prompt"):
+        decode.generate(t, None, torch.zeros(1, 0, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="batch size 1"):
+        decode.generate(t, None, torch.ones(2, 3, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="exceeds the target's context of 256"):
+        decode.generate(t, None, torch.ones(1, 250, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match="not trained for this target"):
+        decode.generate(t, tiny_head(other, "eagle3", 32), torch.tensor([PROMPTS[0]]), 4)
+    with pytest.raises(ValueError, match="does not share the tokenizer"):
+        decode.generate(t, other, torch.tensor([PROMPTS[0]]), 4)
+    out = decode.generate(t, t, torch.tensor([PROMPTS[0]]), 0)  # documented: the prompt unchanged
+    assert out.sequences.tolist() == [PROMPTS[0]] and out.stats.accept_lengths == []
+    with pytest.raises(ValueError, match="TreeSpec"):
+        TreeSpec(depth=0)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_decode_tree_draft_probs_equal_sequential_head(kind):
+    """Every tree node's draft probability equals running the head along that node's path alone
+    (checks the head's tree mask, positions, feature feedback and d2t mapping)."""
+    from eaglekit.decode.drafters import EagleDrafter
+    from eaglekit.heads import HeadCache
+
+    t = tiny_target(vocab_size=64, layers=3)
+    head = tiny_head(t, kind, 48)
+    head.lm_head.weight.data.mul_(30) if kind == "eagle3" else None  # peaky q: distinct candidates
+    dr = EagleDrafter(t, head, TreeSpec(depth=4, top_k=3, total_tokens=20))
+    prompt = torch.tensor([PROMPTS[2]])
+    out = t.forward(prompt, kind=kind, layer_ids=dr.layer_ids)
+    dr.prefill(prompt, out, 12)
+    ids0, g0 = dr.pending_ids.clone(), dr.pending_g.clone()
+    tree = dr.draft(max_depth=10)
+    assert len(tree) == 20 and int(tree.depths.max()) >= 3 and dr.cache.length == len(ids0)
+    to_draft = head.target_to_draft
+    for v in range(len(tree)):
+        path, j = [], v
+        while j >= 0:
+            path.insert(0, j)
+            j = int(tree.parents[j])
+        cache = HeadCache()
+        pos = torch.arange(len(ids0))
+        h, lg = head.step(ids0[None], g0[None], pos[None], cache=cache)
+        h, lg = h[:, -1:], lg[:, -1:]
+        for d, node in enumerate(path):
+            q = torch.softmax(lg[0, -1].float(), -1)[to_draft(tree.tokens[node:node + 1])[0]]
+            if node == v:
+                torch.testing.assert_close(q, tree.q_token[v], atol=1e-5, rtol=1e-4)
+                break
+            h, lg = head.step(tree.tokens[node:node + 1][None], h, torch.tensor([[len(ids0) + d]]), cache=cache)
