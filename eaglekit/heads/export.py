@@ -87,9 +87,12 @@ def _kind(t) -> str:
     return {torch.int64: "int64", torch.bool: "bool"}.get(t.dtype, "float" if t.dtype.is_floating_point else str(t.dtype))
 
 
-def check_weights(layout: str, cfg: HeadConfig, shapes: dict[str, tuple[list[int], str]], where: str) -> None:
-    """Refuse unless ``shapes`` ({name: (shape, kind)}) is exactly the expected key set for ``layout``."""
-    want = expected_weights(layout, cfg)
+def check_weights(layout: str, cfg: HeadConfig, shapes: dict[str, tuple[list[int], str]], where: str,
+                  optional=()) -> None:
+    """Refuse unless ``shapes`` ({name: (shape, kind)}) is exactly the expected key set for ``layout``
+    (names in ``optional`` may be present or absent)."""
+    want = {k: v for k, v in expected_weights(layout, cfg).items() if k not in optional}
+    shapes = {k: v for k, v in shapes.items() if k not in optional}
     missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
     wrong = [f"{k}: {list(shapes[k][0])} {shapes[k][1]} (expected {want[k][0]} {want[k][1]})"
              for k in want if k in shapes and (list(shapes[k][0]) != want[k][0] or shapes[k][1] != want[k][1])]
@@ -215,8 +218,12 @@ class _Obj:
         self.__dict__.update(d)
 
 
-def validate_export(path, layout: str | None = None, target=None) -> tuple[str, HeadConfig]:
-    """Check a written export folder: its config and the exact key set/shapes/dtypes of its weights."""
+def validate_export(path, layout: str | None = None, target=None, optional=()) -> tuple[str, HeadConfig]:
+    """Check a written export folder: its config and the exact key set/shapes/dtypes of its weights.
+
+    ``optional``: extra weight names tolerated (and ignored) — loading accepts a foreign head's
+    ``embed_tokens.weight``; writing tolerates nothing.
+    """
     path = Path(path)
     config = read_config(path)
     found = detect_layout(config, where=str(path / CONFIG))
@@ -224,7 +231,7 @@ def validate_export(path, layout: str | None = None, target=None) -> tuple[str, 
         raise ExportError(f"{path}: expected a {layout} export, found a {found} layout")
     layout = layout or found
     cfg = head_config_of(config, layout, target, where=str(path / CONFIG))
-    if layout != "eagle1":
+    if layout != "eagle1" and "eaglekit" in config:  # ours: every flag must be there and agree
         for key, want in _eagle3_fields(cfg).items():
             _need(key in config, f"{path / CONFIG}: missing explicit {key!r}")
             _need(config[key] == want, f"{path / CONFIG}: {key}={config[key]!r} disagrees with the head ({want!r})")
@@ -233,7 +240,7 @@ def validate_export(path, layout: str | None = None, target=None) -> tuple[str, 
         raise FileNotFoundError(f"{f}: missing weights")
     with safe_open(str(f), framework="pt") as st:
         shapes = {k: (list(st.get_slice(k).get_shape()), _dtype_kind(st.get_slice(k).get_dtype())) for k in st.keys()}
-    check_weights(layout, cfg, shapes, where=str(f))
+    check_weights(layout, cfg, shapes, where=str(f), optional=optional)
     return layout, cfg
 
 
@@ -246,10 +253,10 @@ def load_export(path, target, dtype=None, device=None):
     from eaglekit.heads.io import _instantiate, _read_weights, _saved_dtype
 
     path = Path(path)
-    layout, cfg = validate_export(path, target=target)
+    layout, cfg = validate_export(path, target=target, optional=("embed_tokens.weight",))
     check_target(cfg, target, where=str(path))
     state = {_rename(k, layout, False): v for k, v in _read_weights(path / WEIGHTS).items()}
-    state.pop("embed_tokens.weight", None)  # speculators saves the target's embedding; we borrow it
+    state.pop("embed_tokens.weight", None)  # speculators (and some trainers) save the target's embedding
     config = read_config(path)
     saved = config.get("transformer_layer_config", config)
     return _instantiate(cfg, state, target, dtype or _saved_dtype(saved, target), device, path / WEIGHTS)

@@ -143,9 +143,14 @@ def test_heads_export_foreign_engine_config_loads(target, tmp_path):
     head = make(target, "eagle3", 1)
     out = export_head(head, tmp_path / "x", "vllm")
     cfg = json.loads((out / "config.json").read_text())
-    del cfg["eaglekit"]
+    for key in ("eaglekit", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual"):
+        del cfg[key]  # SafeAILab's EAGLE-3 configs have none of these (engines default them)
     (out / "config.json").write_text(json.dumps(cfg))
+    w = load_file(str(out / "model.safetensors"))
+    save_file({**w, "embed_tokens.weight": target.embed_tokens.weight.detach().clone()},
+              str(out / "model.safetensors"))  # SpecForge exports may carry the embedding
     back = load_head(out, target)
+    assert back.config.aux_layer_ids == [2, 3, 3] and back.config.norm_before_residual is False
     ids = torch.randint(0, V, (1, 5))
     assert torch.equal(logits(target, head, ids), logits(target, back, ids))
 
