@@ -21,24 +21,25 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="eaglekit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # only the chosen subcommand's module is imported, before parsing, so `eaglekit CMD --help` is complete
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         p.add_argument("--config", default=None, help="YAML config file")
         p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of the config")
-        p.set_defaults(_parser=p)
-    args, _ = parser.parse_known_args(argv)
+        if name == chosen:
+            mod = importlib.import_module(module)
+            if hasattr(mod, "add_arguments"):
+                mod.add_arguments(p)
+    args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 0
-    mod = importlib.import_module(args._module)
-    p = args._parser
-    if hasattr(mod, "add_arguments"):
-        mod.add_arguments(p)
-    args = parser.parse_args(argv)
-    return int(mod.run(args) or 0)
+    return int(importlib.import_module(args._module).run(args) or 0)
 
 
 if __name__ == "__main__":
