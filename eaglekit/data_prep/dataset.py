@@ -79,6 +79,14 @@ class FeatureDataset(torch.utils.data.Dataset):
         return shard, i - shard["first_sample"]
 
     def __getitem__(self, i: int) -> dict:
+        keys = ("input_ids", "loss_mask", "hidden", "last") if self.kind == EAGLE3 else ("input_ids", "loss_mask", "last")
+        return self._read(i, keys)
+
+    def tokens(self, i: int) -> dict:
+        """``input_ids`` and ``loss_mask`` of sample i only (e.g. to count a draft vocabulary from shards)."""
+        return self._read(i, ("input_ids", "loss_mask"))
+
+    def _read(self, i: int, keys) -> dict:
         from safetensors import safe_open
 
         shard, k = self.locate(i)
@@ -86,15 +94,13 @@ class FeatureDataset(torch.utils.data.Dataset):
         try:
             with safe_open(str(path), framework="pt") as f:
                 lo, hi = (int(x) for x in f.get_slice("offsets")[k: k + 2])
-                item = {"input_ids": f.get_slice("input_ids")[lo:hi].long(),
-                        "loss_mask": f.get_slice("loss_mask")[lo:hi].long()}
-                if self.kind == EAGLE3:
-                    item["hidden"] = f.get_slice("hidden")[lo:hi]
-                item["last"] = f.get_slice("last")[lo:hi]
+                item = {key: f.get_slice(key)[lo:hi] for key in keys}
         except Exception as e:  # safetensors raises its own error types for bad headers / short files
             raise FeatureError(f"{path}: corrupt or truncated shard (reading sample {k}): {e}") from e
-        if hi - lo != self.lengths[i % len(self)]:
+        if hi - lo != self.lengths[i]:
             raise FeatureError(f"{path}: sample {k} has {hi - lo} tokens, manifest says {self.lengths[i]}")
+        for key in ("input_ids", "loss_mask"):
+            item[key] = item[key].long()
         return item
 
     def verify(self) -> None:

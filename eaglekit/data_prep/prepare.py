@@ -82,9 +82,17 @@ def _device(cfg: PrepareConfig) -> str:
 def disk_report(out: Path, tokens: int, bytes_per_token: int) -> str:
     need = tokens * (bytes_per_token + 5)  # + int32 id + uint8 mask per token
     free = shutil.disk_usage(out if out.exists() else out.parent if out.parent.exists() else Path(".")).free
-    msg = (f"capture needs {need / 2**30:.2f} GiB for {tokens:,} tokens ({bytes_per_token} B/token of bf16 "
-           f"features + 5 B of ids/mask); {free / 2**30:.1f} GiB free at {out}")
+    msg = (f"capture needs {_size(need)} for {tokens:,} tokens ({bytes_per_token} B/token of bf16 "
+           f"features + 5 B of ids/mask); {_size(free)} free at {out}")
     return msg + ("  ** NOT ENOUGH SPACE **" if need > free else "")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def run_prepare(cfg: PrepareConfig) -> dict:
@@ -127,7 +135,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                                 batch_tokens=cfg.batch_tokens, progress=cfg.progress, extra=extra)
     mine = sum(1 for j in range(len(manifest["shards"])) if j % world == rank)
     print(f"[rank {rank}/{world}] wrote {mine} of {len(manifest['shards'])} shard(s) to {out}"
-          + (" — capture complete" if manifest["complete"] else " — waiting for the other processes' shards"))
+          + (" — capture complete" if manifest["complete"] else " — the other processes write the rest"))
     return {**result, "complete": manifest["complete"], "shards": len(manifest["shards"])}
 
 

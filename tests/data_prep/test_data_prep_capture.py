@@ -22,6 +22,15 @@ def tiny_samples(tok, n=24):
     return samples
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and 2 OpenMP threads crawl on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def target():
     from helpers import tiny_target
@@ -57,6 +66,7 @@ def test_shards_follow_the_design_layout(tmp_path, target, samples):
         got, want = ds[i], online[i]
         assert torch.equal(got["input_ids"], samples[i]["input_ids"])
         assert torch.equal(got["loss_mask"], samples[i]["loss_mask"])
+        assert {k: torch.equal(v, got[k]) for k, v in ds.tokens(i).items()} == {"input_ids": True, "loss_mask": True}
         for k in ("hidden", "last"):  # offline == online; and both equal an unbatched target forward
             assert torch.equal(got[k], want[k])
         ref = target.features(samples[i]["input_ids"][None])
