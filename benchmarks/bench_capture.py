@@ -11,6 +11,7 @@
 3. Reader RSS: synthetic shards of the SmolLM2 layout (same writer), 1 shard vs 10 shards of equal size;
    a fresh subprocess reads every sample of each and reports its peak RSS (ru_maxrss).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,15 @@ from pathlib import Path
 
 import torch
 
-from eaglekit.data_prep.capture import (MANIFEST, _write_shard, capture_features, compute_features,
-                                        feature_bytes_per_token, shard_name, shard_tensors)
+from eaglekit.data_prep.capture import (
+    MANIFEST,
+    _write_shard,
+    capture_features,
+    compute_features,
+    feature_bytes_per_token,
+    shard_name,
+    shard_tensors,
+)
 
 
 def sharegpt_samples(tokenizer, n: int, max_length: int) -> list[dict]:
@@ -76,11 +84,18 @@ def throughput(target, samples, batch_tokens, repeats) -> dict:
         bare.append(time.perf_counter() - t0)
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
-            capture_features(target, samples, d, batch_tokens=batch_tokens, shard_tokens=tokens // 3 + 1,
-                             progress=False)
+            capture_features(
+                target, samples, d, batch_tokens=batch_tokens, shard_tokens=tokens // 3 + 1, progress=False
+            )
             cap.append(time.perf_counter() - t0)
-    return {"tokens": tokens, "bare_s": min(bare), "capture_s": min(cap),
-            "bare_tok_s": tokens / min(bare), "capture_tok_s": tokens / min(cap), "ratio": min(bare) / min(cap)}
+    return {
+        "tokens": tokens,
+        "bare_s": min(bare),
+        "capture_s": min(cap),
+        "bare_tok_s": tokens / min(bare),
+        "capture_tok_s": tokens / min(cap),
+        "ratio": min(bare) / min(cap),
+    }
 
 
 def shard_feature_bytes(path: Path) -> tuple[int, int, int]:
@@ -88,7 +103,9 @@ def shard_feature_bytes(path: Path) -> tuple[int, int, int]:
     with open(path, "rb") as fh:
         n = struct.unpack("<Q", fh.read(8))[0]
         header = json.loads(fh.read(n))
-    nbytes = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k in ("hidden", "last"))
+    nbytes = sum(
+        v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k in ("hidden", "last")
+    )
     return header["input_ids"]["shape"][0], nbytes, path.stat().st_size
 
 
@@ -100,33 +117,62 @@ def disk_check(target, samples, batch_tokens) -> dict:
     bpt = feature_bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
     feat = sum(r[1] for r in rows)
     assert feat == tokens * bpt, (feat, tokens * bpt)
-    return {"tokens": tokens, "feature_bytes": feat, "expected": tokens * bpt, "bytes_per_token": feat / tokens,
-            "file_bytes_per_token": sum(r[2] for r in rows) / tokens, "shards": len(rows)}
+    return {
+        "tokens": tokens,
+        "feature_bytes": feat,
+        "expected": tokens * bpt,
+        "bytes_per_token": feat / tokens,
+        "file_bytes_per_token": sum(r[2] for r in rows) / tokens,
+        "shards": len(rows),
+    }
 
 
-def synthetic_capture(out: Path, shards: int, samples_per_shard: int, length: int, hidden: int, taps: int) -> None:
-    """Shards in the capture layout with random bf16 features (the reader does not care where they came from)."""
+def synthetic_capture(
+    out: Path, shards: int, samples_per_shard: int, length: int, hidden: int, taps: int
+) -> None:
+    """Shards in the capture layout with random bf16 features (the reader ignores where they came from)."""
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     entries, first = [], 0
     for j in range(shards):
-        items = [{"input_ids": torch.randint(0, 1000, (length,), generator=g), "loss_mask": torch.ones(length, dtype=torch.long),
-                  "hidden": torch.randn(length, taps * hidden, generator=g).bfloat16(),
-                  "last": torch.randn(length, hidden, generator=g).bfloat16()} for _ in range(samples_per_shard)]
+        items = [
+            {
+                "input_ids": torch.randint(0, 1000, (length,), generator=g),
+                "loss_mask": torch.ones(length, dtype=torch.long),
+                "hidden": torch.randn(length, taps * hidden, generator=g).bfloat16(),
+                "last": torch.randn(length, hidden, generator=g).bfloat16(),
+            }
+            for _ in range(samples_per_shard)
+        ]
         _write_shard(out / shard_name(j), shard_tensors(items), {"plan_hash": "synthetic", "kind": "eagle3"})
-        entries.append({"file": shard_name(j), "first_sample": first, "num_samples": samples_per_shard,
-                        "num_tokens": samples_per_shard * length})
+        entries.append(
+            {
+                "file": shard_name(j),
+                "first_sample": first,
+                "num_samples": samples_per_shard,
+                "num_tokens": samples_per_shard * length,
+            }
+        )
         first += samples_per_shard
-    manifest = {"kind": "eagle3", "layer_ids": list(range(taps)), "hidden_size": hidden, "shards": entries,
-                "lengths": [length] * first, "complete": True, "target": {}}
+    manifest = {
+        "kind": "eagle3",
+        "layer_ids": list(range(taps)),
+        "hidden_size": hidden,
+        "shards": entries,
+        "lengths": [length] * first,
+        "complete": True,
+        "target": {},
+    }
     (out / MANIFEST).write_text(json.dumps(manifest))
 
 
 # VmHWM, not ru_maxrss: Linux carries the parent's peak RSS across fork+exec into ru_maxrss
-READ_ALL = ("import sys\nfrom eaglekit.data_prep import FeatureDataset\nds = FeatureDataset(sys.argv[1])\n"
-            "n = sum(int(ds[i]['hidden'].shape[0]) for i in range(len(ds)))\n"
-            "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]\n"
-            "print(n, hwm)")
+READ_ALL = (
+    "import sys\nfrom eaglekit.data_prep import FeatureDataset\nds = FeatureDataset(sys.argv[1])\n"
+    "n = sum(int(ds[i]['hidden'].shape[0]) for i in range(len(ds)))\n"
+    "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]\n"
+    "print(n, hwm)"
+)
 
 
 def reader_rss(workdir: Path, shard_mb: int = 48, length: int = 512) -> dict:
@@ -137,10 +183,15 @@ def reader_rss(workdir: Path, shard_mb: int = 48, length: int = 512) -> dict:
     for n in (1, 10):
         d = workdir / f"rss-{n}"
         synthetic_capture(d, n, per_shard, length, hidden, taps)
-        run = subprocess.run([sys.executable, "-c", READ_ALL, str(d)], capture_output=True, text=True, check=True)
+        run = subprocess.run(
+            [sys.executable, "-c", READ_ALL, str(d)], capture_output=True, text=True, check=True
+        )
         tokens, kib = map(int, run.stdout.split())
-        out[f"{n}_shards"] = {"tokens": tokens, "data_mib": round(n * per_shard * per_sample / 2**20),
-                              "peak_rss_mib": round(kib / 1024, 1)}
+        out[f"{n}_shards"] = {
+            "tokens": tokens,
+            "data_mib": round(n * per_shard * per_sample / 2**20),
+            "peak_rss_mib": round(kib / 1024, 1),
+        }
     out["rss_ratio_10_vs_1"] = out["10_shards"]["peak_rss_mib"] / out["1_shards"]["peak_rss_mib"]
     return out
 
@@ -157,7 +208,9 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from eaglekit.target import load_target
 
-    report = {"machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, threads {torch.get_num_threads()}"}
+    report = {
+        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    }
     if {"throughput", "disk"} - set(args.skip):
         target = load_target(args.target)
         samples = sharegpt_samples(target.tokenizer, args.conversations, args.max_length)

@@ -5,6 +5,7 @@ Public API (the contract the trainer relies on)::
     from eaglekit.data_prep import read_conversations, tokenize_conversation, build_draft_vocab, \
         FeatureDataset, OnlineFeatures
 """
+
 from eaglekit.data_prep.capture import capture_features, compute_features, feature_bytes_per_token
 from eaglekit.data_prep.conversations import (
     ConversationError,
@@ -22,8 +23,23 @@ from eaglekit.data_prep.template import (
 from eaglekit.data_prep.vocab import build_draft_vocab, load_draft_vocab, save_draft_vocab, token_counts
 
 __all__ = [
-    "ConversationError", "Conversations", "FeatureDataset", "FeatureError", "OnlineFeatures", "TemplateError",
-    "build_draft_vocab", "capture_features", "check_manifest", "compute_features", "feature_bytes_per_token",
-    "load_draft_vocab", "normalise_messages", "read_conversations", "save_draft_vocab", "template_hash",
-    "token_counts", "tokenize_conversation", "tokenize_conversations",
+    "ConversationError",
+    "Conversations",
+    "FeatureDataset",
+    "FeatureError",
+    "OnlineFeatures",
+    "TemplateError",
+    "build_draft_vocab",
+    "capture_features",
+    "check_manifest",
+    "compute_features",
+    "feature_bytes_per_token",
+    "load_draft_vocab",
+    "normalise_messages",
+    "read_conversations",
+    "save_draft_vocab",
+    "template_hash",
+    "token_counts",
+    "tokenize_conversation",
+    "tokenize_conversations",
 ]

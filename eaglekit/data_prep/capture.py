@@ -4,7 +4,7 @@ Layout (DESIGN.md "Feature shards")::
 
     features/manifest.json
     features/shard-00000.safetensors   input_ids [T] int32, loss_mask [T] uint8, offsets [N+1] int64,
-                                       hidden [T, L*H] bf16 (EAGLE-3 taps; absent for eagle1), last [T, H] bf16
+                                       hidden [T, L*H] bf16 (EAGLE-3 taps; not in eagle1), last [T, H] bf16
 
 The samples are cut into shards by a *plan* that depends only on the data and ``shard_tokens`` (whole
 samples, in order, until a shard holds ``shard_tokens`` tokens). Shard j is written by process
@@ -16,6 +16,7 @@ last shard marks the manifest complete; readers refuse an incomplete capture.
 
 Bytes per token on disk = (L·H + H)·2 for the bf16 features, plus 5 for ``input_ids``/``loss_mask``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -66,8 +67,14 @@ def plan_shards(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def compute_features(target, samples: list[dict], kind: str = EAGLE3, layer_ids=None,
-                     batch_tokens: int = 8192, dtype=FEATURE_DTYPE) -> list[dict]:
+def compute_features(
+    target,
+    samples: list[dict],
+    kind: str = EAGLE3,
+    layer_ids=None,
+    batch_tokens: int = 8192,
+    dtype=FEATURE_DTYPE,
+) -> list[dict]:
     """Item dicts (``input_ids``, ``loss_mask``, ``hidden`` (eagle3), ``last``) for ``samples``, in order.
 
     Samples are batched by length (right-padded, ≤ ``batch_tokens`` padded tokens per forward); padding
@@ -96,12 +103,14 @@ def _forward_batch(target, batch, kind, taps, dtype):
         n = len(s["input_ids"])
         ids[b, :n] = torch.as_tensor(s["input_ids"])
         att[b, :n] = 1
-    out = target.features(ids.to(target.device), att.to(target.device), kind=kind,
-                          layer_ids=taps or None)
+    out = target.features(ids.to(target.device), att.to(target.device), kind=kind, layer_ids=taps or None)
     items = []
     for b, s in enumerate(batch):
         n = len(s["input_ids"])
-        item = {"input_ids": torch.as_tensor(s["input_ids"]).long(), "loss_mask": torch.as_tensor(s["loss_mask"]).long()}
+        item = {
+            "input_ids": torch.as_tensor(s["input_ids"]).long(),
+            "loss_mask": torch.as_tensor(s["loss_mask"]).long(),
+        }
         if kind == EAGLE3:
             item["hidden"] = out.aux[b, :n].to("cpu", dtype)
         item["last"] = out.last[b, :n].to("cpu", dtype)
@@ -112,9 +121,11 @@ def _forward_batch(target, batch, kind, taps, dtype):
 def shard_tensors(items: list[dict]) -> dict[str, torch.Tensor]:
     """Concatenate item dicts into one shard's tensors (the on-disk dtypes)."""
     lengths = torch.tensor([0] + [len(it["input_ids"]) for it in items], dtype=torch.long)
-    t = {"input_ids": torch.cat([it["input_ids"] for it in items]).to(torch.int32),
-         "loss_mask": torch.cat([it["loss_mask"] for it in items]).to(torch.uint8),
-         "offsets": torch.cumsum(lengths, 0)}
+    t = {
+        "input_ids": torch.cat([it["input_ids"] for it in items]).to(torch.int32),
+        "loss_mask": torch.cat([it["loss_mask"] for it in items]).to(torch.uint8),
+        "offsets": torch.cumsum(lengths, 0),
+    }
     if "hidden" in items[0]:
         t["hidden"] = torch.cat([it["hidden"] for it in items]).contiguous()
     t["last"] = torch.cat([it["last"] for it in items]).contiguous()
@@ -141,29 +152,61 @@ def build_manifest(target, samples, kind, taps, shard_tokens, extra: dict | None
     plan = plan_shards(lengths, shard_tokens)
     from eaglekit.data_prep.template import template_hash
 
-    tgt = {"name": target.name, "fingerprint": target.fingerprint(), "hidden_size": target.hidden_size,
-           "num_layers": target.num_layers, "vocab_size": target.vocab_size,
-           "model_type": getattr(target.config, "model_type", None),
-           "revision": getattr(target.config, "_commit_hash", None)}
-    ident = {"target": tgt["fingerprint"], "kind": kind, "layer_ids": list(taps), "shard_tokens": shard_tokens}
+    tgt = {
+        "name": target.name,
+        "fingerprint": target.fingerprint(),
+        "hidden_size": target.hidden_size,
+        "num_layers": target.num_layers,
+        "vocab_size": target.vocab_size,
+        "model_type": getattr(target.config, "model_type", None),
+        "revision": getattr(target.config, "_commit_hash", None),
+    }
+    ident = {
+        "target": tgt["fingerprint"],
+        "kind": kind,
+        "layer_ids": list(taps),
+        "shard_tokens": shard_tokens,
+    }
     return {
-        "format": "eaglekit-features", "format_version": 1, "eaglekit_version": __version__,
-        "target": tgt, "kind": kind, "layer_ids": list(taps), "hidden_size": target.hidden_size,
-        "dtype": "bfloat16", "chat_template_hash": template_hash(target.tokenizer),
+        "format": "eaglekit-features",
+        "format_version": 1,
+        "eaglekit_version": __version__,
+        "target": tgt,
+        "kind": kind,
+        "layer_ids": list(taps),
+        "hidden_size": target.hidden_size,
+        "dtype": "bfloat16",
+        "chat_template_hash": template_hash(target.tokenizer),
         "bytes_per_token": feature_bytes_per_token(target.hidden_size, len(taps)),
-        "num_samples": len(samples), "num_tokens": sum(lengths), "shard_tokens": shard_tokens,
+        "num_samples": len(samples),
+        "num_tokens": sum(lengths),
+        "shard_tokens": shard_tokens,
         "plan_hash": plan_hash(samples, ident),
-        "shards": [{"file": shard_name(j), "first_sample": a, "num_samples": b - a,
-                    "num_tokens": sum(lengths[a:b])} for j, (a, b) in enumerate(plan)],
-        "lengths": lengths, "sample_ids": [str(s.get("id", i)) for i, s in enumerate(samples)],
-        "extra": extra or {}, "complete": False,
+        "shards": [
+            {"file": shard_name(j), "first_sample": a, "num_samples": b - a, "num_tokens": sum(lengths[a:b])}
+            for j, (a, b) in enumerate(plan)
+        ],
+        "lengths": lengths,
+        "sample_ids": [str(s.get("id", i)) for i, s in enumerate(samples)],
+        "extra": extra or {},
+        "complete": False,
     }
 
 
-def capture_features(target, samples: list[dict], out_dir: str | Path, kind: str = EAGLE3, layer_ids=None,
-                     shard_tokens: int = 200_000, batch_tokens: int = 8192, rank: int | None = None,
-                     world_size: int | None = None, progress: bool = True, extra: dict | None = None,
-                     on_shard=None) -> dict:
+def capture_features(
+    target,
+    samples: list[dict],
+    out_dir: str | Path,
+    kind: str = EAGLE3,
+    layer_ids=None,
+    shard_tokens: int = 200_000,
+    batch_tokens: int = 8192,
+    rank: int | None = None,
+    world_size: int | None = None,
+    progress: bool = True,
+    extra: dict | None = None,
+    on_shard=None,
+) -> dict:
     """Write this process's shards of ``samples`` under ``out_dir``; returns the manifest.
 
     Resumable and multi-process safe (see the module docstring). ``on_shard(j)`` is called after each
@@ -188,11 +231,12 @@ def capture_features(target, samples: list[dict], out_dir: str | Path, kind: str
             stale.unlink(missing_ok=True)
     total = sum(manifest["shards"][j]["num_tokens"] for j in mine)
     done = total - sum(manifest["shards"][j]["num_tokens"] for j in todo)
-    bar = tqdm(total=total, initial=done, unit="tok", desc=f"capture[{rank}/{world_size}]",
-               disable=not progress)
+    bar = tqdm(
+        total=total, initial=done, unit="tok", desc=f"capture[{rank}/{world_size}]", disable=not progress
+    )
     for j in todo:
         sh = manifest["shards"][j]
-        part = samples[sh["first_sample"]: sh["first_sample"] + sh["num_samples"]]
+        part = samples[sh["first_sample"] : sh["first_sample"] + sh["num_samples"]]
         items = compute_features(target, part, kind, taps, batch_tokens)
         _write_shard(out / shard_name(j), shard_tensors(items), manifest)
         bar.update(sh["num_tokens"])
@@ -219,9 +263,11 @@ def _check_resume(path: Path, manifest: dict) -> None:
         return
     old = json.loads(path.read_text())
     if old.get("plan_hash") != manifest["plan_hash"]:
-        raise ValueError(f"{path.parent} holds a different capture (plan {old.get('plan_hash')} vs "
-                         f"{manifest['plan_hash']}: other data, target, taps or shard_tokens); "
-                         "use a new output directory or delete it")
+        raise ValueError(
+            f"{path.parent} holds a different capture (plan {old.get('plan_hash')} vs "
+            f"{manifest['plan_hash']}: other data, target, taps or shard_tokens); "
+            "use a new output directory or delete it"
+        )
 
 
 def finalize(out: Path, manifest: dict) -> dict:

@@ -13,6 +13,7 @@ Two artefacts of scraped chat data are repaired rather than rejected, because th
 ShareGPT's split files (a third of the items begin mid-conversation): leading assistant turns before the
 first user turn are dropped, and a trailing user turn (nothing to learn from) is dropped.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,14 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ROLE_ALIASES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
-    "bard": "assistant", "model": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
     "system": "system",
 }
 
@@ -66,7 +72,7 @@ def validate_messages(messages: list[dict], where: str = "", repair: bool = True
         if not isinstance(m["content"], str) or not m["content"].strip():
             raise ConversationError(f"{where}turn {i} ({m['role']}): empty or non-text content")
     system = [m for m in messages[:1] if m["role"] == "system"]
-    rest = messages[len(system):]
+    rest = messages[len(system) :]
     if repair:
         while rest and rest[0]["role"] == "assistant":
             rest = rest[1:]
@@ -77,8 +83,10 @@ def validate_messages(messages: list[dict], where: str = "", repair: bool = True
     for i, m in enumerate(rest):
         want = "user" if i % 2 == 0 else "assistant"
         if m["role"] != want:
-            raise ConversationError(f"{where}turn {i + len(system)}: expected {want}, got {m['role']} "
-                                    "(turns must alternate user/assistant after an optional system prompt)")
+            raise ConversationError(
+                f"{where}turn {i + len(system)}: expected {want}, got {m['role']} "
+                "(turns must alternate user/assistant after an optional system prompt)"
+            )
     if rest[-1]["role"] != "assistant":
         raise ConversationError(f"{where}last turn is not an assistant turn")
     return system + rest
@@ -127,7 +135,9 @@ def _raw_items(path: Path, split: str | None):
     elif not path.exists():
         raise FileNotFoundError(f"conversation data not found: {path}")
     else:
-        raise ConversationError(f"{path}: unsupported file type (want .json, .jsonl, a folder or a saved dataset)")
+        raise ConversationError(
+            f"{path}: unsupported file type (want .json, .jsonl, a folder or a saved dataset)"
+        )
 
 
 def _dataset_items(path: Path, split: str | None):
@@ -143,8 +153,13 @@ def _dataset_items(path: Path, split: str | None):
         yield f"{path}[{i}]: ", ds[i]
 
 
-def read_conversations(path: str | Path, strict: bool = False, split: str | None = None,
-                       repair: bool = True, limit: int | None = None) -> Conversations:
+def read_conversations(
+    path: str | Path,
+    strict: bool = False,
+    split: str | None = None,
+    repair: bool = True,
+    limit: int | None = None,
+) -> Conversations:
     """Read and validate every conversation under ``path`` → ``Conversations`` of ``{"id", "messages"}``.
 
     ``strict`` raises on the first malformed item; otherwise malformed items are skipped, counted in

@@ -7,6 +7,7 @@ LongTensor[T], "hidden": bf16 [T, L*H] (eagle3 only), "last": bf16 [T, H]}``.
 that sample's slices, then lets the file go: nothing of the data stays mapped between items, so memory
 stays flat whatever the number of shards. Errors name the shard.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -33,10 +34,14 @@ def check_manifest(manifest: dict, target, where: str = "") -> None:
     if tgt["vocab_size"] != target.vocab_size:
         diffs.append(f"vocab_size {tgt['vocab_size']} vs {target.vocab_size}")
     if tgt["fingerprint"] != target.fingerprint():
-        diffs.append(f"fingerprint {tgt['fingerprint']} vs {target.fingerprint()} (architecture or tokenizer)")
+        diffs.append(
+            f"fingerprint {tgt['fingerprint']} vs {target.fingerprint()} (architecture or tokenizer)"
+        )
     if diffs:
-        raise FeatureError(f"{where}features were captured from {tgt['name']!r}, not this target "
-                           f"{target.name!r}: " + "; ".join(diffs))
+        raise FeatureError(
+            f"{where}features were captured from {tgt['name']!r}, not this target "
+            f"{target.name!r}: " + "; ".join(diffs)
+        )
 
 
 class FeatureDataset(torch.utils.data.Dataset):
@@ -54,8 +59,10 @@ class FeatureDataset(torch.utils.data.Dataset):
         shards = self.manifest["shards"]
         missing = [s["file"] for s in shards if not (self.dir / s["file"]).exists()]
         if missing or not self.manifest.get("complete"):
-            raise FeatureError(f"{self.dir}: incomplete capture, {len(missing)} of {len(shards)} shard(s) missing "
-                               f"(first: {missing[0] if missing else '-'}); rerun the capture to resume")
+            raise FeatureError(
+                f"{self.dir}: incomplete capture, {len(missing)} of {len(shards)} shard(s) missing "
+                f"(first: {missing[0] if missing else '-'}); rerun the capture to resume"
+            )
         if target is not None:
             check_manifest(self.manifest, target, f"{self.dir}: ")
         self.lengths: list[int] = list(self.manifest["lengths"])
@@ -79,7 +86,11 @@ class FeatureDataset(torch.utils.data.Dataset):
         return shard, i - shard["first_sample"]
 
     def __getitem__(self, i: int) -> dict:
-        keys = ("input_ids", "loss_mask", "hidden", "last") if self.kind == EAGLE3 else ("input_ids", "loss_mask", "last")
+        keys = (
+            ("input_ids", "loss_mask", "hidden", "last")
+            if self.kind == EAGLE3
+            else ("input_ids", "loss_mask", "last")
+        )
         return self._read(i, keys)
 
     def tokens(self, i: int) -> dict:
@@ -93,7 +104,7 @@ class FeatureDataset(torch.utils.data.Dataset):
         path = self.dir / shard["file"]
         try:
             with safe_open(str(path), framework="pt") as f:
-                lo, hi = (int(x) for x in f.get_slice("offsets")[k: k + 2])
+                lo, hi = (int(x) for x in f.get_slice("offsets")[k : k + 2])
                 item = {key: f.get_slice(key)[lo:hi] for key in keys}
         except Exception as e:  # safetensors raises its own error types for bad headers / short files
             raise FeatureError(f"{path}: corrupt or truncated shard (reading sample {k}): {e}") from e
@@ -115,8 +126,12 @@ class FeatureDataset(torch.utils.data.Dataset):
                     shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
             except Exception as e:
                 raise FeatureError(f"{path}: corrupt or truncated shard: {e}") from e
-            want = {"input_ids": (s["num_tokens"],), "loss_mask": (s["num_tokens"],),
-                    "offsets": (s["num_samples"] + 1,), "last": (s["num_tokens"], self.manifest["hidden_size"])}
+            want = {
+                "input_ids": (s["num_tokens"],),
+                "loss_mask": (s["num_tokens"],),
+                "offsets": (s["num_samples"] + 1,),
+                "last": (s["num_tokens"], self.manifest["hidden_size"]),
+            }
             if self.kind == EAGLE3:
                 want["hidden"] = (s["num_tokens"], width)
             if shapes != want:
@@ -130,14 +145,26 @@ class OnlineFeatures(torch.utils.data.Dataset):
     ``ds[i]`` is the one-sample form. Features are cast to ``dtype`` (bf16 by default, like the shards).
     """
 
-    def __init__(self, target, samples: list[dict], kind: str = EAGLE3, layer_ids=None,
-                 dtype=torch.bfloat16, batch_tokens: int = 8192):
+    def __init__(
+        self,
+        target,
+        samples: list[dict],
+        kind: str = EAGLE3,
+        layer_ids=None,
+        dtype=torch.bfloat16,
+        batch_tokens: int = 8192,
+    ):
         self.target, self.samples, self.kind = target, samples, kind
         self.layer_ids = resolve_taps(target, kind, layer_ids)
         self.dtype, self.batch_tokens = dtype, batch_tokens
         self.lengths = [len(s["input_ids"]) for s in samples]
-        self.manifest = {"kind": kind, "layer_ids": list(self.layer_ids), "hidden_size": target.hidden_size,
-                         "num_samples": len(samples), "num_tokens": sum(self.lengths)}
+        self.manifest = {
+            "kind": kind,
+            "layer_ids": list(self.layer_ids),
+            "hidden_size": target.hidden_size,
+            "num_samples": len(samples),
+            "num_tokens": sum(self.lengths),
+        }
 
     def __len__(self) -> int:
         return len(self.samples)

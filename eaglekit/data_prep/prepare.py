@@ -11,6 +11,7 @@ Every step resumes: regeneration continues its jsonl, capture skips finished sha
 every process reads and tokenizes the same data (cheap, deterministic) and writes its own shards;
 regeneration is a single-process step (run it first with ``capture=false``, then launch the capture).
 """
+
 from __future__ import annotations
 
 import logging
@@ -82,8 +83,10 @@ def _device(cfg: PrepareConfig) -> str:
 def disk_report(out: Path, tokens: int, bytes_per_token: int) -> str:
     need = tokens * (bytes_per_token + 5)  # + int32 id + uint8 mask per token
     free = shutil.disk_usage(out if out.exists() else out.parent if out.parent.exists() else Path(".")).free
-    msg = (f"capture needs {_size(need)} for {tokens:,} tokens ({bytes_per_token} B/token of bf16 "
-           f"features + 5 B of ids/mask); {_size(free)} free at {out}")
+    msg = (
+        f"capture needs {_size(need)} for {tokens:,} tokens ({bytes_per_token} B/token of bf16 "
+        f"features + 5 B of ids/mask); {_size(free)} free at {out}"
+    )
     return msg + ("  ** NOT ENOUGH SPACE **" if need > free else "")
 
 
@@ -104,20 +107,29 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=_device(cfg))
     convs = load_conversations(cfg)
-    say(f"{len(convs):,} conversations from {cfg.data} ({len(convs.skipped)} malformed skipped"
-        + (f", first: {convs.skipped[0]})" if convs.skipped else ")"))
+    say(
+        f"{len(convs):,} conversations from {cfg.data} ({len(convs.skipped)} malformed skipped"
+        + (f", first: {convs.skipped[0]})" if convs.skipped else ")")
+    )
     if cfg.regenerate.enabled:
         if world > 1 and not _regenerated_all(out / REGENERATED, len(convs)):
-            raise SystemExit("regeneration runs in one process: run `eaglekit prepare ... capture=false` "
-                             "first, then launch the multi-process capture with the same config")
-        path = regenerate(target, convs, out / REGENERATED, cfg.regenerate, progress=cfg.progress and rank == 0)
+            raise SystemExit(
+                "regeneration runs in one process: run `eaglekit prepare ... capture=false` "
+                "first, then launch the multi-process capture with the same config"
+            )
+        path = regenerate(
+            target, convs, out / REGENERATED, cfg.regenerate, progress=cfg.progress and rank == 0
+        )
         convs = read_conversations(path, strict=False)
         say(f"regenerated answers in {path} ({len(convs.skipped)} conversation(s) without an answer)")
-    samples, empty = tokenize_conversations(target.tokenizer, convs, cfg.max_length,
-                                            progress=cfg.progress and rank == 0)
+    samples, empty = tokenize_conversations(
+        target.tokenizer, convs, cfg.max_length, progress=cfg.progress and rank == 0
+    )
     tokens = sum(len(s["input_ids"]) for s in samples)
-    say(f"{len(samples):,} samples, {tokens:,} tokens ({len(empty)} dropped: no assistant token "
-        f"within max_length={cfg.max_length})")
+    say(
+        f"{len(samples):,} samples, {tokens:,} tokens ({len(empty)} dropped: no assistant token "
+        f"within max_length={cfg.max_length})"
+    )
     if not samples:
         raise SystemExit("no samples left to prepare")
     size = min(cfg.draft_vocab_size, target.vocab_size)
@@ -131,11 +143,22 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     bpt = feature_bytes_per_token(target.hidden_size, len(taps))
     say(disk_report(out, tokens, bpt))
     extra = {"data": cfg.data, "max_length": cfg.max_length, "regenerated": cfg.regenerate.enabled}
-    manifest = capture_features(target, samples, out, cfg.kind, taps, shard_tokens=max(1, cfg.shard_mb * 2**20 // bpt),
-                                batch_tokens=cfg.batch_tokens, progress=cfg.progress, extra=extra)
+    manifest = capture_features(
+        target,
+        samples,
+        out,
+        cfg.kind,
+        taps,
+        shard_tokens=max(1, cfg.shard_mb * 2**20 // bpt),
+        batch_tokens=cfg.batch_tokens,
+        progress=cfg.progress,
+        extra=extra,
+    )
     mine = sum(1 for j in range(len(manifest["shards"])) if j % world == rank)
-    print(f"[rank {rank}/{world}] wrote {mine} of {len(manifest['shards'])} shard(s) to {out}"
-          + (" — capture complete" if manifest["complete"] else " — the other processes write the rest"))
+    print(
+        f"[rank {rank}/{world}] wrote {mine} of {len(manifest['shards'])} shard(s) to {out}"
+        + (" — capture complete" if manifest["complete"] else " — the other processes write the rest")
+    )
     return {**result, "complete": manifest["complete"], "shards": len(manifest["shards"])}
 
 

@@ -16,6 +16,7 @@ If a span has no special token after the content the whole span counts as produc
 The prefixes must render as prefixes of the whole conversation; a template that rewrites earlier turns
 (e.g. one that strips reasoning from old turns) is refused with a message rather than mis-masked.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,10 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         before = _render(tokenizer, messages[:i], True)
         through = _render(tokenizer, messages[: i + 1], False)
         if not (text.startswith(through) and through.startswith(before)):
-            raise TemplateError(f"the chat template does not render turn {i} as a prefix of the conversation; "
-                                "loss masks cannot be derived safely for this template")
+            raise TemplateError(
+                f"the chat template does not render turn {i} as a prefix of the conversation; "
+                "loss masks cannot be derived safely for this template"
+            )
         start, stop = len(before), len(through)
         content = m["content"].strip()
         found = text.find(content, start, stop) if content else -1
@@ -67,8 +70,9 @@ def _special_ids(tokenizer) -> set[int]:
     return ids
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int | None = None,
-                          where: str = "") -> dict:
+def tokenize_conversation(
+    tokenizer, messages: list[dict], max_length: int | None = None, where: str = "", report_empty: bool = True
+) -> dict:
     """``{"input_ids": LongTensor[T], "loss_mask": LongTensor[T]}`` from the tokenizer's chat template.
 
     mask = 1 on the assistant's content tokens and its end-of-turn token, 0 elsewhere; sequences are
@@ -94,30 +98,31 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int | Non
             k += 1
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
-    out = {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
-    if not any(mask):
+    out = {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "loss_mask": torch.tensor(mask, dtype=torch.long),
+    }
+    if report_empty and not any(mask):
         log.warning("%sloss mask is all zero (no assistant tokens within max_length=%s)", where, max_length)
     return out
 
 
-def tokenize_conversations(tokenizer, conversations, max_length: int | None = None,
-                           progress: bool = False) -> tuple[list[dict], list[str]]:
+def tokenize_conversations(
+    tokenizer, conversations, max_length: int | None = None, progress: bool = False
+) -> tuple[list[dict], list[str]]:
     """Tokenize ``[{"id", "messages"}]`` → (samples with ``"id"``, ids dropped for an all-zero mask)."""
     from tqdm.auto import tqdm
 
     samples, empty = [], []
-    prev = logging.getLogger(__name__).level
-    log.setLevel(logging.ERROR)  # all-zero masks are summarised once below, not per item
-    try:
-        for conv in tqdm(conversations, desc="tokenize", disable=not progress):
-            s = tokenize_conversation(tokenizer, conv["messages"], max_length, where=f"{conv['id']}: ")
-            if s["loss_mask"].any():
-                samples.append({"id": conv["id"], **s})
-            else:
-                empty.append(conv["id"])
-    finally:
-        log.setLevel(prev)
+    for conv in tqdm(conversations, desc="tokenize", disable=not progress):
+        # all-zero masks are summarised once below, not one warning per item
+        s = tokenize_conversation(tokenizer, conv["messages"], max_length, report_empty=False)
+        if s["loss_mask"].any():
+            samples.append({"id": conv["id"], **s})
+        else:
+            empty.append(conv["id"])
     if empty:
-        log.warning("%d conversation(s) have an all-zero loss mask and were dropped, first: %s",
-                    len(empty), empty[0])
+        log.warning(
+            "%d conversation(s) have an all-zero loss mask and were dropped, first: %s", len(empty), empty[0]
+        )
     return samples, empty

@@ -6,6 +6,7 @@ in ascending order, so ``d2t`` is non-decreasing. Frequency ties go to the lower
 distinct tokens were seen than ``draft_vocab_size``, the lowest unseen ids fill the rest (the head's
 vocabulary size is a config choice that should not depend on how much data was read).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,7 +46,7 @@ def build_draft_vocab(samples, draft_vocab_size: int, vocab_size: int) -> tuple[
 
 
 def save_draft_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
-    """Write ``d2t``/``t2d`` to ``path`` (a file, or a folder → folder/draft_vocab.safetensors), atomically."""
+    """Write ``d2t``/``t2d`` to ``path`` (a file, or a folder → folder/draft_vocab.safetensors) atomically"""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -53,8 +54,11 @@ def save_draft_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor) -> 
         path = path / VOCAB_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"d2t": d2t.long().contiguous(), "t2d": t2d.bool().contiguous()}, str(tmp),
-              metadata={"draft_vocab_size": str(d2t.numel()), "vocab_size": str(t2d.numel())})
+    save_file(
+        {"d2t": d2t.long().contiguous(), "t2d": t2d.bool().contiguous()},
+        str(tmp),
+        metadata={"draft_vocab_size": str(d2t.numel()), "vocab_size": str(t2d.numel())},
+    )
     tmp.replace(path)
     return path
 

@@ -14,9 +14,16 @@ from eaglekit.data_prep import (
 
 
 def tiny_samples(tok, n=24):
-    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": "hello " * (i % 5 + 1)},
-                                           {"role": "assistant", "content": "abc def " * (i % 4 + 1)}]}
-             for i in range(n)]
+    convs = [
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": "hello " * (i % 5 + 1)},
+                {"role": "assistant", "content": "abc def " * (i % 4 + 1)},
+            ],
+        }
+        for i in range(n)
+    ]
     samples, empty = tokenize_conversations(tok, convs, max_length=64)
     assert not empty
     return samples
@@ -54,9 +61,12 @@ def test_shards_follow_the_design_layout(tmp_path, target, samples):
             t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
         T = s["num_tokens"]
         assert {k: (v.dtype, tuple(v.shape)) for k, v in t.items()} == {
-            "input_ids": (torch.int32, (T,)), "loss_mask": (torch.uint8, (T,)),
+            "input_ids": (torch.int32, (T,)),
+            "loss_mask": (torch.uint8, (T,)),
             "offsets": (torch.int64, (s["num_samples"] + 1,)),
-            "hidden": (torch.bfloat16, (T, L * H)), "last": (torch.bfloat16, (T, H))}
+            "hidden": (torch.bfloat16, (T, L * H)),
+            "last": (torch.bfloat16, (T, H)),
+        }
         assert t["offsets"][0] == 0 and t["offsets"][-1] == T
     ds = FeatureDataset(tmp_path, target)
     ds.verify()
@@ -66,7 +76,10 @@ def test_shards_follow_the_design_layout(tmp_path, target, samples):
         got, want = ds[i], online[i]
         assert torch.equal(got["input_ids"], samples[i]["input_ids"])
         assert torch.equal(got["loss_mask"], samples[i]["loss_mask"])
-        assert {k: torch.equal(v, got[k]) for k, v in ds.tokens(i).items()} == {"input_ids": True, "loss_mask": True}
+        assert {k: torch.equal(v, got[k]) for k, v in ds.tokens(i).items()} == {
+            "input_ids": True,
+            "loss_mask": True,
+        }
         for k in ("hidden", "last"):  # offline == online; and both equal an unbatched target forward
             assert torch.equal(got[k], want[k])
         ref = target.features(samples[i]["input_ids"][None])
@@ -95,11 +108,15 @@ def test_resume_rewrites_only_missing_shards_and_refuses_other_data(tmp_path, ta
 
 def test_ranks_split_shards_and_match_one_process(tmp_path, target, samples):
     capture_features(target, samples, tmp_path / "one", shard_tokens=150, progress=False)
-    m0 = capture_features(target, samples, tmp_path / "two", shard_tokens=150, rank=0, world_size=2, progress=False)
+    m0 = capture_features(
+        target, samples, tmp_path / "two", shard_tokens=150, rank=0, world_size=2, progress=False
+    )
     assert not m0["complete"]
     with pytest.raises(FeatureError, match="incomplete capture"):
         FeatureDataset(tmp_path / "two")
-    m1 = capture_features(target, samples, tmp_path / "two", shard_tokens=150, rank=1, world_size=2, progress=False)
+    m1 = capture_features(
+        target, samples, tmp_path / "two", shard_tokens=150, rank=1, world_size=2, progress=False
+    )
     assert m1["complete"]
     one = {p.name: p.read_bytes() for p in (tmp_path / "one").glob("shard-*")}
     two = {p.name: p.read_bytes() for p in (tmp_path / "two").glob("shard-*")}

@@ -4,10 +4,22 @@ import pytest
 
 from eaglekit.data_prep import ConversationError, read_conversations
 
-SHAREGPT = {"id": "s1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
-                                          {"from": "human", "value": "more"}, {"from": "gpt", "value": "sure"}]}
-OPENAI = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
-                       {"role": "assistant", "content": "a"}]}
+SHAREGPT = {
+    "id": "s1",
+    "conversations": [
+        {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "hello"},
+        {"from": "human", "value": "more"},
+        {"from": "gpt", "value": "sure"},
+    ],
+}
+OPENAI = {
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
+}
 
 
 def _msgs(*pairs):
@@ -18,8 +30,14 @@ def test_sharegpt_json_and_openai_jsonl(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps([SHAREGPT]))
     (tmp_path / "b.jsonl").write_text(json.dumps(OPENAI) + "\n\n" + json.dumps({**OPENAI, "id": "x"}) + "\n")
     a = read_conversations(tmp_path / "a.json", strict=True)
-    assert a == [{"id": "s1", "messages": _msgs(("user", "hi"), ("assistant", "hello"),
-                                                 ("user", "more"), ("assistant", "sure"))}]
+    assert a == [
+        {
+            "id": "s1",
+            "messages": _msgs(
+                ("user", "hi"), ("assistant", "hello"), ("user", "more"), ("assistant", "sure")
+            ),
+        }
+    ]
     b = read_conversations(tmp_path / "b.jsonl", strict=True)
     assert [c["id"] for c in b] == [f"{tmp_path / 'b.jsonl'}:1", "x"]  # blank line skipped, id from file:line
     assert b[0]["messages"] == _msgs(("system", "be brief"), ("user", "q"), ("assistant", "a"))
@@ -29,9 +47,15 @@ def test_sharegpt_json_and_openai_jsonl(tmp_path):
 
 
 def test_top_level_system_field_and_repairs(tmp_path):
-    item = {"system": "sys", "conversations": [{"from": "gpt", "value": "orphan answer"},
-                                               {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
-                                               {"from": "human", "value": "unanswered"}]}
+    item = {
+        "system": "sys",
+        "conversations": [
+            {"from": "gpt", "value": "orphan answer"},
+            {"from": "human", "value": "q"},
+            {"from": "gpt", "value": "a"},
+            {"from": "human", "value": "unanswered"},
+        ],
+    }
     (tmp_path / "c.json").write_text(json.dumps(item))
     [c] = read_conversations(tmp_path / "c.json", strict=True)
     assert c["messages"] == _msgs(("system", "sys"), ("user", "q"), ("assistant", "a"))
@@ -40,8 +64,9 @@ def test_top_level_system_field_and_repairs(tmp_path):
 def test_saved_hf_dataset(tmp_path):
     import datasets
 
-    ds = datasets.Dataset.from_list([{"id": "d0", "messages": OPENAI["messages"]},
-                                     {"id": "d1", "messages": OPENAI["messages"][1:]}])
+    ds = datasets.Dataset.from_list(
+        [{"id": "d0", "messages": OPENAI["messages"]}, {"id": "d1", "messages": OPENAI["messages"][1:]}]
+    )
     datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "dd"))
     ds.save_to_disk(str(tmp_path / "d"))
     for p in ("dd", "d"):
@@ -54,7 +79,10 @@ BAD = [
     ('{"messages": [', "bad JSON"),
     (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "unknown role 'wizard'"),
     (json.dumps({"messages": _msgs(("user", "q"), ("assistant", "  "))}), "empty"),
-    (json.dumps({"messages": _msgs(("user", "q"), ("user", "q2"), ("assistant", "a"))}), "expected assistant"),
+    (
+        json.dumps({"messages": _msgs(("user", "q"), ("user", "q2"), ("assistant", "a"))}),
+        "expected assistant",
+    ),
     (json.dumps({"text": "no turns"}), "no 'messages'"),
 ]
 

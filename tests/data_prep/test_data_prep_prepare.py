@@ -26,11 +26,16 @@ def one_thread():
 def write_convs(path: Path, n: int = 12) -> Path:
     lines = []
     for i in range(n):
-        msgs = [{"role": "user", "content": "hello " * (i % 3 + 1)}, {"role": "assistant", "content": "abc " * (i % 4 + 1)}]
+        msgs = [
+            {"role": "user", "content": "hello " * (i % 3 + 1)},
+            {"role": "assistant", "content": "abc " * (i % 4 + 1)},
+        ]
         if i % 3 == 0:
             msgs += [{"role": "user", "content": "more?"}, {"role": "assistant", "content": "yes, 42."}]
         lines.append(json.dumps({"id": f"c{i}", "messages": msgs}))
-    lines.insert(5, '{"messages": [{"role": "user", "content": "dangling"}, {"role": "user", "content": "x"}]}')
+    lines.insert(
+        5, '{"messages": [{"role": "user", "content": "dangling"}, {"role": "user", "content": "x"}]}'
+    )
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -48,8 +53,21 @@ def test_prepare_cli_end_to_end(tmp_path, tiny_dir, capsys):
     data = write_convs(tmp_path / "convs.jsonl")
     out = tmp_path / "prep"
     cfg = ROOT / "configs" / "prepare-smollm2.yaml"
-    rc = main(["prepare", "--config", str(cfg), f"target={tiny_dir}", f"data={data}", f"output_dir={out}",
-               "num_conversations=0", "max_length=64", "draft_vocab_size=20", "shard_mb=0.01", "progress=false"])
+    rc = main(
+        [
+            "prepare",
+            "--config",
+            str(cfg),
+            f"target={tiny_dir}",
+            f"data={data}",
+            f"output_dir={out}",
+            "num_conversations=0",
+            "max_length=64",
+            "draft_vocab_size=20",
+            "shard_mb=0.01",
+            "progress=false",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "12 conversations" in printed and "1 malformed skipped" in printed and f"{data}:6" in printed
@@ -65,11 +83,19 @@ def test_prepare_cli_end_to_end(tmp_path, tiny_dir, capsys):
 
 def _greedy(target, messages, max_new_tokens):
     tok = target.tokenizer
-    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-              add_special_tokens=False, return_tensors="pt")["input_ids"]
-    out = target.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[tok.eos_token_id],
-                                pad_token_id=tok.pad_token_id)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    ids = tok(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+        return_tensors="pt",
+    )["input_ids"]
+    out = target.model.generate(
+        ids,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=[tok.eos_token_id],
+        pad_token_id=tok.pad_token_id,
+    )
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
 def test_regeneration_rewrites_answers_and_resumes(tmp_path):
@@ -82,13 +108,16 @@ def test_regeneration_rewrites_answers_and_resumes(tmp_path):
     got = [json.loads(line) for line in full.read_text().splitlines()]
     assert [g["id"] for g in got] == [c["id"] for c in convs]
     for g, c in zip(got, convs):  # user turns kept, assistant turns replaced by the target's own answers
-        assert [m for m in g["messages"] if m["role"] == "user"] == [m for m in c["messages"] if m["role"] == "user"]
+        assert [m for m in g["messages"] if m["role"] == "user"] == [
+            m for m in c["messages"] if m["role"] == "user"
+        ]
         assert len(g["messages"]) == len(c["messages"])
     c0 = convs[0]["messages"]
     first = _greedy(target, c0[:1], 6)
     assert got[0]["messages"][1]["content"] == first  # batched + left-padded = the target's own greedy answer
-    assert got[0]["messages"][3]["content"] == _greedy(target, [c0[0], {"role": "assistant", "content": first},
-                                                                  c0[2]], 6)
+    assert got[0]["messages"][3]["content"] == _greedy(
+        target, [c0[0], {"role": "assistant", "content": first}, c0[2]], 6
+    )
     # a run killed mid-write: one whole batch, part of the next, a torn line → resumes to the same file
     lines = full.read_bytes().split(b"\n")
     part = tmp_path / "part.jsonl"
@@ -97,6 +126,11 @@ def test_regeneration_rewrites_answers_and_resumes(tmp_path):
     assert part.read_bytes() == full.read_bytes()
     with pytest.raises(ValueError, match="other conversations"):
         regenerate(target, convs[1:], part, cfg, progress=False)
+    # temperature > 0 samples (differs from greedy) and is reproducible from the seed
+    hot = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=3, temperature=1.0, seed=1)
+    a = regenerate(target, convs, tmp_path / "hot-a.jsonl", hot, progress=False).read_text()
+    b = regenerate(target, convs, tmp_path / "hot-b.jsonl", hot, progress=False).read_text()
+    assert a == b and a != full.read_text()
 
 
 KILL_SCRIPT = r"""
@@ -126,7 +160,13 @@ def test_kill_9_mid_capture_then_resume_equals_uninterrupted(tmp_path):
     assert len(ref["shards"]) >= 8
     script = tmp_path / "cap.py"
     script.write_text(KILL_SCRIPT)
-    args = [sys.executable, str(script), str(Path(__file__).parent), str(tmp_path / "run"), str(torch.get_num_threads())]
+    args = [
+        sys.executable,
+        str(script),
+        str(Path(__file__).parent),
+        str(tmp_path / "run"),
+        str(torch.get_num_threads()),
+    ]
     proc = subprocess.Popen(args + ["0.3"], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     for line in proc.stdout:
         if line.startswith("shard 2"):
@@ -138,8 +178,14 @@ def test_kill_9_mid_capture_then_resume_equals_uninterrupted(tmp_path):
     written = sorted(p.name for p in (tmp_path / "run").glob("shard-*.safetensors"))
     assert 3 <= len(written) < len(ref["shards"])
     resumed = []  # rerun (in this process, same thread count): starts at the first missing shard
-    capture_features(t, tiny_samples(t.tokenizer), tmp_path / "run", shard_tokens=60, progress=False,
-                     on_shard=resumed.append)
+    capture_features(
+        t,
+        tiny_samples(t.tokenizer),
+        tmp_path / "run",
+        shard_tokens=60,
+        progress=False,
+        on_shard=resumed.append,
+    )
     assert resumed == list(range(len(written), len(ref["shards"])))
     for s in ref["shards"]:
         assert (tmp_path / "run" / s["file"]).read_bytes() == (tmp_path / "ref" / s["file"]).read_bytes()
@@ -153,13 +199,32 @@ def test_two_process_capture_gives_the_same_samples_as_one(tmp_path, tiny_dir):
     from eaglekit.data_prep.prepare import PrepareConfig, run_prepare
 
     data = write_convs(tmp_path / "convs.jsonl", 16)
-    common = [f"target={tiny_dir}", f"data={data}", "max_length=64", "draft_vocab_size=20", "shard_mb=0.005",
-              "progress=false"]
+    common = [
+        f"target={tiny_dir}",
+        f"data={data}",
+        "max_length=64",
+        "draft_vocab_size=20",
+        "shard_mb=0.005",
+        "progress=false",
+    ]
     run_prepare(load_config(PrepareConfig, None, common + [f"output_dir={tmp_path / 'one'}"]))
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "eaglekit.cli", "prepare"] + common + [f"output_dir={tmp_path / 'two'}"]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "eaglekit.cli",
+            "prepare",
+        ]
+        + common
+        + [f"output_dir={tmp_path / 'two'}"]
+    )
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "[rank 0/2]" in run.stdout and "[rank 1/2]" in run.stdout
     one, two = FeatureDataset(tmp_path / "one"), FeatureDataset(tmp_path / "two")

@@ -6,13 +6,19 @@ import torch
 from eaglekit.data_prep import build_draft_vocab, load_draft_vocab, save_draft_vocab, tokenize_conversation
 from eaglekit.data_prep.template import TemplateError
 
-CONV = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
-        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2, ok"}]
+CONV = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello there"},
+    {"role": "user", "content": "q2"},
+    {"role": "assistant", "content": "a2, ok"},
+]
 
-LLAMA3 = ("{{ bos_token }}{% for message in messages %}"
-          "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
-          " + '<|eot_id|>' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
 
 
 def masked_runs(tok, sample):
@@ -46,8 +52,9 @@ def llama3_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(special + chars)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.add_special_tokens(special)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<|begin_of_text|>",
-                                   eos_token="<|eot_id|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+    )
     fast.chat_template = LLAMA3
     return fast
 
@@ -91,9 +98,11 @@ def test_template_that_rewrites_history_is_refused():
 
     tok = tiny_tokenizer()
     # renders only the last assistant turn in full: prefixes are not prefixes of the whole
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{% if loop.last or m['role'] != 'assistant' %}"
-                         "{{ m['content'] }}{% endif %}<end>{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{% if loop.last or m['role'] != 'assistant' %}"
+        "{{ m['content'] }}{% endif %}<end>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     with pytest.raises(TemplateError, match="turn 1"):
         tokenize_conversation(tok, CONV)
 
@@ -110,14 +119,19 @@ def _real_tokenizer(name):
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
 def test_real_chatml_templates_exact_mask(name):
     tok = _real_tokenizer(name)
-    conv = CONV[:2] + [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "line1\nline2 <|im_end|> x"}]
+    conv = CONV[:2] + [
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "line1\nline2 <|im_end|> x"},
+    ]
     s = tokenize_conversation(tok, conv)
-    # the content's own literal "<|im_end|>" stays inside the answer; the newline after the real one is template
+    # the content's own literal "<|im_end|>" stays in the answer; the newline after the real one is template
     assert masked_runs(tok, s) == ["hello there<|im_end|>", "line1\nline2 <|im_end|> x<|im_end|>"]
     text = tok.decode(s["input_ids"])
     assert text == tok.apply_chat_template(conv, tokenize=False)
     unmasked = tok.decode(s["input_ids"][s["loss_mask"] == 0])
-    assert unmasked == text.replace("hello there<|im_end|>", "").replace(conv[3]["content"] + "<|im_end|>", "")
+    assert unmasked == text.replace("hello there<|im_end|>", "").replace(
+        conv[3]["content"] + "<|im_end|>", ""
+    )
 
 
 def test_vocab_round_trip_and_frequency(tmp_path):
