@@ -58,7 +58,8 @@ class LossConfig:
     feature_weight: float = 1.0  # EAGLE-1: SmoothL1(feature)
     token_weight: float = 0.1  # EAGLE-1: soft CE against the target distribution
     noise: float = 0.1  # EAGLE-1: feature noise U(-noise, noise) (scaled like EAGLE's uniform noise)
-    chunk_tokens: int = 1024  # teacher / CE computed over this many positions at a time
+    chunk_tokens: int = 512  # teacher / CE computed over this many positions at a time
+    cache_teacher_mb: float = 64  # keep the draft-vocab teacher [B,S,Vd] fp32 per batch if it fits, else recompute
 
 
 @dataclass

@@ -62,7 +62,7 @@ class Schedule:
 
 
 def collate(items: list[dict], kind: str) -> dict:
-    """Right-pad item dicts into a batch: input_ids, loss_mask (0 on padding), last, feats.
+    """Right-pad item dicts into a batch: input_ids, loss_mask (0 on padding), last, feats (and top).
 
     ``feats`` is what the head's ``fuse`` reads: the EAGLE-3 taps (``hidden``) or, for EAGLE-1, ``last``.
     Right padding under a causal mask leaves every real position's result unchanged.
@@ -74,13 +74,19 @@ def collate(items: list[dict], kind: str) -> dict:
     key = "hidden" if kind == "eagle3" else "last"
     feats = items[0][key].new_zeros(B, width, items[0][key].shape[-1])
     last = items[0]["last"].new_zeros(B, width, items[0]["last"].shape[-1])
+    top = torch.full((B, width), -1, dtype=torch.long) if all("top" in it for it in items) else None
     for b, it in enumerate(items):
         n = len(it["input_ids"])
         ids[b, :n] = torch.as_tensor(it["input_ids"]).long()
         mask[b, :n] = torch.as_tensor(it["loss_mask"]).long()
         feats[b, :n] = it[key]
         last[b, :n] = it["last"]
-    return {"input_ids": ids, "loss_mask": mask, "feats": feats, "last": last}
+        if top is not None:
+            top[b, :n] = it["top"]
+    out = {"input_ids": ids, "loss_mask": mask, "feats": feats, "last": last}
+    if top is not None:
+        out["top"] = top
+    return out
 
 
 def to_device(batch: dict, device, dtype=None) -> dict:

@@ -39,7 +39,9 @@ def teacher_argmax(last: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int 
     return out.view(last.shape[:-1])
 
 
-def _teacher_probs(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _teacher_probs(hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    if weight is None:  # ``hidden`` already holds the teacher probabilities (small draft vocab, cached)
+        return hidden.float()
     return torch.softmax((hidden.to(weight.dtype) @ weight.T).float(), dim=-1)
 
 
@@ -48,6 +50,7 @@ class SoftCrossEntropy(torch.autograd.Function):
 
     student [N, Vd] (grad flows), hidden [N, H] and weight [Vd, H] (frozen), row_weight [N] (0 = skipped).
     Only rows with a nonzero weight are computed; the gradient is ``w_n (softmax(student_n) - p_n)``.
+    ``weight=None`` means ``hidden`` is the teacher's probabilities [N, Vd] already (see ``teacher_probs``).
     """
 
     @staticmethod
@@ -79,6 +82,19 @@ def soft_cross_entropy(student, hidden, weight, row_weight, chunk: int = 512) ->
     """Weighted soft CE summed over rows; see ``SoftCrossEntropy``. Inputs may carry leading batch dims."""
     return SoftCrossEntropy.apply(student.reshape(-1, student.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
                                   weight, row_weight.reshape(-1), chunk)
+
+
+@torch.no_grad()
+def teacher_probs(last: torch.Tensor, weight: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Teacher probabilities over the draft vocab for every position, fp32 [.., Vd], ``chunk`` rows at a time.
+
+    Worth it when ``Vd`` is small: one matmul per batch instead of two per TTT step.
+    """
+    flat = last.reshape(-1, last.shape[-1])
+    out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32, device=last.device)
+    for s in range(0, flat.shape[0], chunk):
+        out[s:s + chunk] = _teacher_probs(flat[s:s + chunk], weight)
+    return out.view(*last.shape[:-1], weight.shape[0])
 
 
 def naive_soft_cross_entropy(student, hidden, weight, row_weight) -> torch.Tensor:
@@ -126,36 +142,54 @@ def supervised_count(loss_mask: torch.Tensor) -> int:
     return int(shift_left(loss_mask, 2).sum())
 
 
+def ttt_unroll(head, input_ids: torch.Tensor, g: torch.Tensor, steps: int, mask_fn, cache_cls):
+    """Yield ``(k, hidden, logits)`` for TTT steps k = 0..steps-1 over a whole (right-padded) batch.
+
+    Step k: element t takes x_{t+1+k}, position t+k, and (k > 0) the head's step-(k-1) hidden as g;
+    one HeadCache carries every step's keys so ``mask_fn(S, k)`` can expose step-0 keys <= t and the
+    step-j keys at index t — exactly what chain drafting from prefix t sees at depth k.
+    """
+    B, S = input_ids.shape
+    cache = cache_cls()
+    pos0 = torch.arange(S, device=input_ids.device).expand(B, S)
+    for k in range(steps):
+        mask = None if k == 0 else mask_fn(S, k, g.dtype, input_ids.device)
+        hidden, logits = head.step(shift_left(input_ids, 1 + k), g, pos0 + k, cache=cache, attn_mask=mask)
+        yield k, hidden, logits
+        g = hidden
+
+
 def ttt_loss(head, teacher: Teacher, batch: dict, *, steps: int, decay: float, chunk: int,
              kind: str = "eagle3", feature_weight: float = 1.0, token_weight: float = 0.1,
-             noise: float = 0.0, mask_fn=None, cache_cls=None):
+             noise: float = 0.0, mask_fn=None, cache_cls=None, cache_teacher_mb: float = 0.0):
     """Unroll the head ``steps`` times over a padded batch; return (loss_sum, StepStats).
 
     ``batch``: input_ids [B,S], loss_mask [B,S] (0 on padding), last [B,S,H], feats [B,S,F] (the head's
-    ``fuse`` input: EAGLE-3 taps or EAGLE-1 ``last``). The caller divides ``loss_sum`` by the number of
+    ``fuse`` input: EAGLE-3 taps or EAGLE-1 ``last``), optionally top [B,S] (``Teacher.targets``, e.g.
+    memoised per sample by the trainer: the full-vocabulary argmax is the costliest part on a CPU). The caller divides ``loss_sum`` by the number of
     supervised positions in its global batch. ``mask_fn(S, k, dtype, device)`` builds the step-k mask.
+    If the fp32 teacher over the draft vocab fits in ``cache_teacher_mb``, it is computed once per batch
+    and shifted per step; otherwise each step recomputes it chunk by chunk (never [B, S, V] at once).
     """
     ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
-    B, S = ids.shape
     feats = batch["feats"]
+    cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= cache_teacher_mb * 2**20
+    source, weight = (teacher_probs(last, teacher.draft_weight, chunk), None) if cached else (last, teacher.draft_weight)
     if noise > 0:
         feats = feats + (torch.rand_like(feats, dtype=torch.float32) * 2 - 1).to(feats.dtype) * noise
-    g = head.fuse(feats)
-    top = teacher.targets(last, chunk)  # [B, S] draft id or -1
-    cache = cache_cls() if cache_cls is not None else None
-    pos0 = torch.arange(S, device=ids.device).expand(B, S)
+    top = batch.get("top")  # [B, S] draft id of the teacher argmax, -1 outside the draft vocab
+    if top is None:
+        top = teacher.targets(last, chunk)
     total_loss = torch.zeros((), device=ids.device)
     stats = StepStats()
-    for k in range(steps):
-        mask = None if k == 0 else mask_fn(S, k, g.dtype, ids.device)
-        hidden, logits = head.step(shift_left(ids, 1 + k), g, pos0 + k, cache=cache, attn_mask=mask)
+    for k, hidden, logits in ttt_unroll(head, ids, head.fuse(feats), steps, mask_fn, cache_cls):
         valid = shift_left(loss_mask, 2 + k).bool()  # predicted token x_{t+2+k} is supervised (and exists)
         want = shift_left(top, 1 + k, fill=-1)  # teacher at position t+1+k
         row_w = (valid & (want >= 0)).float() * (decay ** k)
-        t_hidden = shift_left(last, 1 + k)
-        ce = soft_cross_entropy(logits, t_hidden, teacher.draft_weight, row_w, chunk)
+        ce = soft_cross_entropy(logits, shift_left(source, 1 + k), weight, row_w, chunk)
         step_loss = ce * (token_weight if kind == "eagle1" else 1.0)
         if kind == "eagle1":  # EAGLE-1 also regresses the next feature f_{t+1+k}
+            t_hidden = shift_left(last, 1 + k)
             l1 = F.smooth_l1_loss(hidden.float(), t_hidden.float(), reduction="none").mean(-1)
             step_loss = step_loss + feature_weight * (decay ** k) * (l1 * valid.float()).sum()
         total_loss = total_loss + step_loss
@@ -164,5 +198,4 @@ def ttt_loss(head, teacher: Teacher, batch: dict, *, steps: int, decay: float, c
             stats.loss.append(float(step_loss))
             stats.correct.append(int(((pred == want) & valid).sum()))
             stats.total.append(int(valid.sum()))
-        g = hidden
     return total_loss, stats

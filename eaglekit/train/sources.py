@@ -24,12 +24,21 @@ class Sources:
 
 def load_conversations(spec: str, limit: int = 0) -> list[dict]:
     """``sharegpt`` (the embedded asset) or a path understood by ``data_prep.read_conversations``."""
-    if spec == "sharegpt":
-        from eaglekit.assets import load_sharegpt
-
-        convs = load_sharegpt()
-        return convs[:limit] if limit else convs
     from eaglekit.data_prep import read_conversations
+
+    if spec == "sharegpt":  # validated like any other file: ShareGPT has empty and one-sided items
+        from eaglekit.assets import load_sharegpt
+        from eaglekit.data_prep.conversations import ConversationError, item_messages
+
+        convs = []
+        for item in load_sharegpt():
+            try:
+                convs.append({"id": item["id"], "messages": item_messages(item, f"sharegpt {item['id']}: ")})
+            except ConversationError:
+                continue
+            if limit and len(convs) >= limit:
+                break
+        return convs
 
     return list(read_conversations(spec, limit=limit or None))
 

@@ -36,14 +36,14 @@ class TTTModel(nn.Module):
         self.__dict__["teacher"] = teacher  # frozen target tensors: not parameters, not saved
         self.__dict__["cfg"] = cfg
 
-    def forward(self, input_ids, loss_mask, feats, last, steps: int, noise: float):
+    def forward(self, input_ids, loss_mask, feats, last, steps: int, noise: float, top=None):
         from eaglekit.heads import HeadCache, ttt_mask
 
         lc = self.cfg.loss
-        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "feats": feats, "last": last}
+        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "feats": feats, "last": last, "top": top}
         return ttt_loss(self.head, self.teacher, batch, steps=steps, decay=lc.step_decay, chunk=lc.chunk_tokens,
                         kind=self.cfg.head.kind, feature_weight=lc.feature_weight, token_weight=lc.token_weight,
-                        noise=noise, mask_fn=ttt_mask, cache_cls=HeadCache)
+                        noise=noise, mask_fn=ttt_mask, cache_cls=HeadCache, cache_teacher_mb=lc.cache_teacher_mb)
 
 
 def lr_lambda(total: int, warmup: int, min_ratio: float):
@@ -135,8 +135,16 @@ class Trainer:
         return total, per_epoch
 
     def _batches(self, source, micro_batches: list[list[int]]) -> list[dict]:
-        kind = self.cfg.head.kind
-        return [collate(fetch(source, mb), kind) for mb in micro_batches]
+        return [collate(self._items(source, mb), self.cfg.head.kind) for mb in micro_batches]
+
+    def _items(self, source, indices) -> list[dict]:
+        """Fetch items and memoise the teacher's full-vocab argmax in them (kept when the source caches)."""
+        items = fetch(source, indices)
+        for it in items:
+            if "top" not in it:
+                last = it["last"].to(self.acc.device)
+                it["top"] = self.teacher.targets(last[None], self.cfg.loss.chunk_tokens)[0].cpu()
+        return items
 
     # ---- one optimizer step ----------------------------------------------------------------------
     def _reduce(self, values: list[float]) -> list[float]:
@@ -182,7 +190,7 @@ class Trainer:
         self.model.eval()
         tally = Tally()
         for mb in mbs[self.acc.process_index::self.acc.num_processes]:
-            b = collate(fetch(self.src.eval, mb), self.cfg.head.kind)
+            b = collate(self._items(self.src.eval, mb), self.cfg.head.kind)
             _, stats = self.model(**to_device(b, self.acc.device), steps=steps, noise=0.0)
             tally.add(stats)
         if not tally.total:

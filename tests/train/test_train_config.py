@@ -1,0 +1,67 @@
+"""Configs: unknown keys, bad values and heads that do not fit the features are refused, naming the problem."""
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_target
+
+from eaglekit.config import ConfigError
+from eaglekit.train.config import TrainConfig, load_train_config
+from eaglekit.train.sources import build_sources
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_train_unknown_key_refused_with_file_and_key(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("data:\n  conversations: sharegpt\n  batch_sise: 4\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml:data.*batch_sise"):
+        load_train_config(f)
+    with pytest.raises(ConfigError, match="optim_lr"):
+        load_train_config(None, ["data.conversations=x", "optim_lr=1"])
+
+
+def test_train_bad_values_refused():
+    with pytest.raises(ConfigError, match="exactly one of data.features_dir"):
+        load_train_config(None, [])
+    with pytest.raises(ConfigError, match="head.kind"):
+        load_train_config(None, ["data.conversations=x", "head.kind=eagle2"])
+    with pytest.raises(ConfigError, match="optim.lr must be a float"):
+        load_train_config(None, ["data.conversations=x", "optim.lr=fast"])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*-eagle[13].yaml")), ids=lambda p: p.name)
+def test_train_shipped_configs_load(path):
+    cfg = load_train_config(path)
+    assert isinstance(cfg, TrainConfig) and cfg.head.kind in path.name
+
+
+@pytest.fixture(scope="module")
+def eagle1_features(tmp_path_factory):
+    from eaglekit.data_prep import capture_features
+
+    target = tiny_target(vocab_size=64, hidden=32, layers=6)
+    g = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(7, 64, (10,), generator=g), "loss_mask": torch.ones(10, dtype=torch.long)}
+               for _ in range(6)]
+    out = tmp_path_factory.mktemp("feats") / "eagle1"
+    capture_features(target, samples, out, kind="eagle1", progress=False)
+    return target, out
+
+
+def test_train_head_features_mismatch_refused(eagle1_features):
+    target, feats = eagle1_features
+    cfg = load_train_config(None, [f"data.features_dir={feats}", "head.kind=eagle3", "data.eval_samples=2"])
+    with pytest.raises(ConfigError, match=r"eagle1.*kind=eagle3|kind=eagle3.*eagle1"):
+        build_sources(cfg, target)
+    ok = load_train_config(None, [f"data.features_dir={feats}", "head.kind=eagle1", "data.eval_samples=2"])
+    src = build_sources(ok, target)
+    assert len(src.train) == 4 and len(src.eval) == 2
+
+
+def test_train_features_from_another_target_refused(eagle1_features):
+    _, feats = eagle1_features
+    other = tiny_target(vocab_size=64, hidden=48, layers=6)
+    cfg = load_train_config(None, [f"data.features_dir={feats}", "head.kind=eagle1", "data.eval_samples=2"])
+    with pytest.raises(ValueError, match="hidden_size 32 vs 48"):
+        build_sources(cfg, other)
