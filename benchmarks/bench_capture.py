@@ -111,7 +111,10 @@ def shard_feature_bytes(path: Path) -> tuple[int, int, int]:
 
 def disk_check(target, samples, batch_tokens) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        m = capture_features(target, samples, d, batch_tokens=batch_tokens, shard_tokens=4096, progress=False)
+        tokens = sum(len(s["input_ids"]) for s in samples)
+        m = capture_features(
+            target, samples, d, batch_tokens=batch_tokens, shard_tokens=tokens // 4 + 1, progress=False
+        )
         rows = [shard_feature_bytes(Path(d) / s["file"]) for s in m["shards"]]
     tokens = sum(r[0] for r in rows)
     bpt = feature_bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
@@ -203,9 +206,12 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["throughput", "disk", "rss"])
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from eaglekit.target import load_target
 
     report = {
