@@ -255,7 +255,15 @@ def _write_shard(path: Path, tensors: dict, manifest: dict) -> None:
     save_file(tensors, str(tmp), metadata={"eaglekit": meta})
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
+    make_readable(tmp)
     os.replace(tmp, path)
+
+
+def make_readable(path: Path) -> None:
+    """safetensors creates files 0600; give them the usual umask-based mode so others can read the data."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _check_resume(path: Path, manifest: dict) -> None:

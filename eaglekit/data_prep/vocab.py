@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from eaglekit.data_prep.capture import make_readable
+
 VOCAB_FILE = "draft_vocab.safetensors"
 
 
@@ -59,6 +61,7 @@ def save_draft_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor) -> 
         str(tmp),
         metadata={"draft_vocab_size": str(d2t.numel()), "vocab_size": str(t2d.numel())},
     )
+    make_readable(tmp)
     tmp.replace(path)
     return path
 

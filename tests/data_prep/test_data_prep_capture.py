@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -68,6 +69,9 @@ def test_shards_follow_the_design_layout(tmp_path, target, samples):
             "last": (torch.bfloat16, (T, H)),
         }
         assert t["offsets"][0] == 0 and t["offsets"][-1] == T
+        umask = os.umask(0)
+        os.umask(umask)
+        assert (tmp_path / s["file"]).stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' 0600
     ds = FeatureDataset(tmp_path, target)
     ds.verify()
     assert len(ds) == len(samples) and ds.lengths == [len(s["input_ids"]) for s in samples]
