@@ -8,8 +8,8 @@
 Everything lands in ``output_dir`` (the ``features_dir`` a train config points at): ``manifest.json``,
 ``shard-*.safetensors``, ``draft_vocab.safetensors`` and, with regeneration, ``regenerated.jsonl``.
 Every step resumes: regeneration continues its jsonl, capture skips finished shards. Under a launcher
-every process reads and tokenizes the same data (cheap, deterministic) and writes its own shards;
-regeneration is a single-process step (run it first with ``capture=false``, then launch the capture).
+every process reads and tokenizes the same data (cheap, deterministic), regenerates its share of the
+batches (merged into one ``regenerated.jsonl`` when all are done) and writes its own shards.
 """
 
 from __future__ import annotations
@@ -112,13 +112,14 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         + (f", first: {convs.skipped[0]})" if convs.skipped else ")")
     )
     if cfg.regenerate.enabled:
-        if world > 1 and not _regenerated_all(out / REGENERATED, len(convs)):
-            raise SystemExit(
-                "regeneration runs in one process: run `eaglekit prepare ... capture=false` "
-                "first, then launch the multi-process capture with the same config"
-            )
         path = regenerate(
-            target, convs, out / REGENERATED, cfg.regenerate, progress=cfg.progress and rank == 0
+            target,
+            convs,
+            out / REGENERATED,
+            cfg.regenerate,
+            progress=cfg.progress and rank == 0,
+            rank=rank,
+            world_size=world,
         )
         convs = read_conversations(path, strict=False)
         say(f"regenerated answers in {path} ({len(convs.skipped)} conversation(s) without an answer)")
@@ -160,10 +161,6 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         + (" — capture complete" if manifest["complete"] else " — the other processes write the rest")
     )
     return {**result, "complete": manifest["complete"], "shards": len(manifest["shards"])}
-
-
-def _regenerated_all(path: Path, n: int) -> bool:
-    return path.exists() and sum(1 for line in path.open("rb") if line.endswith(b"\n")) >= n
 
 
 def add_arguments(parser) -> None:

@@ -126,6 +126,12 @@ def test_regeneration_rewrites_answers_and_resumes(tmp_path):
     assert part.read_bytes() == full.read_bytes()
     with pytest.raises(ValueError, match="other conversations"):
         regenerate(target, convs[1:], part, cfg, progress=False)
+    # two ranks (every other batch each, then a merge) write exactly the one-process file
+    two = tmp_path / "two.jsonl"
+    regenerate(target, convs, two, cfg, progress=False, rank=1, world_size=2, wait=False)
+    assert not two.exists() and (tmp_path / "two.part1-of-2.jsonl").exists()
+    regenerate(target, convs, two, cfg, progress=False, rank=0, world_size=2)
+    assert two.read_bytes() == full.read_bytes() and not list(tmp_path.glob("two.part*"))
     # temperature > 0 samples (differs from greedy) and is reproducible from the seed
     hot = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=3, temperature=1.0, seed=1)
     a = regenerate(target, convs, tmp_path / "hot-a.jsonl", hot, progress=False).read_text()
@@ -200,6 +206,9 @@ def test_two_process_capture_gives_the_same_samples_as_one(tmp_path, tiny_dir):
 
     data = write_convs(tmp_path / "convs.jsonl", 16)
     common = [
+        "regenerate.enabled=true",
+        "regenerate.max_new_tokens=4",
+        "regenerate.batch_size=3",
         f"target={tiny_dir}",
         f"data={data}",
         "max_length=64",
@@ -227,6 +236,9 @@ def test_two_process_capture_gives_the_same_samples_as_one(tmp_path, tiny_dir):
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "[rank 0/2]" in run.stdout and "[rank 1/2]" in run.stdout
+    regenerated = (tmp_path / "one" / "regenerated.jsonl").read_text()
+    assert regenerated == (tmp_path / "two" / "regenerated.jsonl").read_text()
+    assert not list((tmp_path / "two").glob("*.part*"))
     one, two = FeatureDataset(tmp_path / "one"), FeatureDataset(tmp_path / "two")
     assert len(one.manifest["shards"]) >= 4
     for key in ("sample_ids", "lengths", "shards", "plan_hash"):
