@@ -17,6 +17,8 @@ COMMANDS = {
     "push": ("eaglekit.heads.push_cli", "upload a head + model card to the Hugging Face Hub (--dry-run)"),
     "prepare": ("eaglekit.data_prep.prepare", "conversations → loss-masked tokens → draft vocab → feature shards"),
     "train": ("eaglekit.train.cli", "train a draft head (same as `accelerate launch train_head.py`)"),
+    "generate": ("eaglekit.decode.cli", "chat with a target + EAGLE head / draft model (streaming, prints tau)"),
+    "bench": ("eaglekit.decode.bench", "tau, tokens/s, speedup vs plain and HF baselines (JSON + PNG)"),
 }
 
 

@@ -205,13 +205,13 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
         kv.keep(cache, past, rows)
         drafter.commit(tree, path, nxt, out, rows)
         emitted = tree.tokens[path].tolist() + [nxt]
-        stats.accept_lengths.append(len(emitted))
-        stats.tree_sizes.append(len(tree))
-        stats.tree_depths.append(int(tree.depths.max()) if len(tree) else 0)
         if on_step is not None:
             on_step(cache, torch.cat([prompt[0].cpu(), torch.tensor(new + emitted[:-1])]))
         before = len(new)
         new, done = _finish(new + emitted, max_new_tokens, eos, stop, target.tokenizer)
+        stats.accept_lengths.append(len(new) - before)  # what this forward emitted (truncation at the end)
+        stats.tree_sizes.append(len(tree))
+        stats.tree_depths.append(int(tree.depths.max()) if len(tree) else 0)
         if streamer is not None and len(new) > before:
             streamer.put(torch.tensor(new[before:]))
         root = nxt

@@ -28,6 +28,15 @@ def tiny_head(target, kind="eagle3", draft_vocab=None, seed=0):
     return head
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run far faster on one thread when the machine is busy (no spin-waiting)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def hf_greedy(target, ids, n):
     return target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)

@@ -1,0 +1,227 @@
+"""``eaglekit bench``: τ, tokens/s and speedup vs plain decoding, measured side by side in one run.
+
+Methods per prompt, interleaved so that machine drift hits all alike: ``plain`` (our loop, no
+drafter: the baseline), ``ours`` (our loop with the head or draft model), ``hf`` (transformers'
+``generate``), ``hf_lookup`` (prompt lookup decoding) and, with a draft model, ``hf_assisted``
+(transformers' assisted generation, same pair). Each (method, temperature) is repeated; the report
+takes the median over repeats of the total tokens/s over the prompt set. Writes JSON and a PNG.
+
+    eaglekit bench target=smollm2-135m-instruct head=runs/smollm2/final prompts=20
+    eaglekit bench target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct dataset=humaneval
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eaglekit.config import load_config
+
+
+@dataclass
+class BenchConfig:
+    target: str = "smollm2-135m-instruct"
+    head: str | None = None
+    draft: str | None = None
+    dataset: str = "mt-bench"  # "mt-bench" (first turns) or "humaneval"
+    prompts: int = 10
+    max_new_tokens: int = 128
+    temperatures: list = field(default_factory=lambda: [0.0, 1.0])
+    repeats: int = 3
+    tree: str = "auto"
+    gamma: int = 4
+    hf_baselines: bool = True
+    prompt_lookup_tokens: int = 10
+    assistant_tokens: list = field(default_factory=lambda: [4, 8])  # best of these is reported
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    out: str = "benchmarks/results/decode"
+
+
+def load_prompts(target, dataset: str, n: int) -> list[torch.Tensor]:
+    from eaglekit import assets
+
+    if dataset == "mt-bench":
+        texts = [q["turns"][0] for q in assets.load_mt_bench()[:n]]
+    elif dataset == "humaneval":
+        texts = ["Complete this Python function:\n```python\n" + p["prompt"] + "```"
+                 for p in assets.load_humaneval()[:n]]
+    else:
+        raise ValueError(f"dataset={dataset!r}: expected 'mt-bench' or 'humaneval'")
+    return [target.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                 return_tensors="pt", return_dict=True)["input_ids"]
+            for t in texts]
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    res = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return res, time.perf_counter() - t0
+
+
+def methods(cfg: BenchConfig, target, drafter, tree):
+    """name -> fn(ids, temperature, seed) -> (new tokens, target forwards or None)."""
+    from eaglekit.decode.generate import generate
+
+    def ours(dr):
+        def fn(ids, temp, seed):
+            out = generate(target, dr, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
+                           gamma=cfg.gamma)
+            return out.stats.new_tokens, out.stats.accept_lengths
+        return fn
+
+    def hf(**kw):
+        def fn(ids, temp, seed):
+            torch.manual_seed(seed)
+            sample = dict(do_sample=True, temperature=temp, top_p=1.0, top_k=0) if temp > 0 else \
+                dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+            seq = target.model.generate(ids.to(target.device), max_new_tokens=cfg.max_new_tokens, **sample, **kw)
+            return seq.shape[1] - ids.shape[1], None
+        return fn
+
+    out = {"plain": ours(None)}
+    if drafter is not None:
+        out["ours"] = ours(drafter)
+    if cfg.hf_baselines:
+        out["hf"] = hf()
+        out["hf_lookup"] = hf(prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
+        if cfg.draft:  # fixed-length drafts, as our loop does (no dynamic schedule or early stop)
+            gc = drafter.model.generation_config
+            gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = "constant", 0.0
+            for k in cfg.assistant_tokens:
+                out[f"hf_assisted_{k}"] = _assisted(hf, drafter, k)
+    return out
+
+
+def _assisted(hf, drafter, k):
+    inner = hf(assistant_model=drafter.model)
+
+    def fn(ids, temp, seed):
+        drafter.model.generation_config.num_assistant_tokens = k
+        return inner(ids, temp, seed)
+    return fn
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    from eaglekit.decode.cli import load_drafter, parse_tree
+    from eaglekit.target import load_target
+
+    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    drafter = load_drafter(cfg, target)
+    tree = parse_tree(cfg.tree)
+    if tree == "auto" and cfg.head:
+        from eaglekit.decode.cost import auto_tree
+
+        tree = auto_tree(target, drafter)
+    prompts = load_prompts(target, cfg.dataset, cfg.prompts)
+    fns = methods(cfg, target, drafter, tree)
+    for fn in fns.values():  # warm-up (allocations, auto-tree cache, kernels)
+        fn(prompts[0][:, :16], 0.0, 0)
+    results = {}
+    for temp in cfg.temperatures:
+        runs = {name: [] for name in fns}
+        for rep in range(cfg.repeats):
+            totals = {name: [0, 0.0, []] for name in fns}
+            for i, ids in enumerate(prompts):
+                for name, fn in fns.items():
+                    (n, lengths), dt = _timed(lambda: fn(ids, temp, cfg.seed + 1000 * rep + i))
+                    totals[name][0] += n
+                    totals[name][1] += dt
+                    totals[name][2] += lengths or []
+            for name, (n, dt, lengths) in totals.items():
+                runs[name].append(dict(tokens=n, seconds=dt, tokens_per_s=n / dt,
+                                       tau=sum(lengths) / len(lengths) if lengths else None))
+        results[str(temp)] = summarise(runs)
+    return dict(config=asdict(cfg), tree=str(tree), device=str(target.device), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results)
+
+
+def summarise(runs: dict) -> dict:
+    plain = statistics.median(r["tokens_per_s"] for r in runs["plain"])
+    out = {}
+    for name, rs in runs.items():
+        tps = statistics.median(r["tokens_per_s"] for r in rs)
+        taus = [r["tau"] for r in rs if r["tau"] is not None]
+        out[name] = dict(tokens_per_s=tps, speedup_vs_plain=tps / plain,
+                         tau=statistics.median(taus) if taus else None, repeats=rs)
+    assisted = [n for n in out if n.startswith("hf_assisted_")]
+    if assisted:
+        best = max(assisted, key=lambda n: out[n]["tokens_per_s"])
+        out[best]["best_of_assisted"] = True
+    return out
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install 'eaglekit[bench]'): no PNG written")
+        return None
+    temps = list(report["results"])
+    names = list(report["results"][temps[0]])
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
+    width = 0.8 / len(temps)
+    for j, temp in enumerate(temps):
+        vals = [report["results"][temp][n]["speedup_vs_plain"] for n in names]
+        bars = ax.bar([i + j * width for i in range(len(names))], vals, width, label=f"T={temp}")
+        for b, n in zip(bars, names):
+            tau = report["results"][temp][n]["tau"]
+            if tau:
+                ax.annotate(f"τ={tau:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                            va="bottom", fontsize=7)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([i + width * (len(temps) - 1) / 2 for i in range(len(names))], names, rotation=20)
+    ax.set_ylabel("speedup vs plain (tokens/s ratio)")
+    c = report["config"]
+    ax.set_title(f"{c['target']} — {c['head'] or c['draft'] or 'no drafter'} — {c['dataset']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def write(report: dict, out_dir: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = report["config"]
+    stem = "-".join(Path(str(x)).name for x in (c["target"], c["head"] or c["draft"] or "plain", c["dataset"]))
+    path = out / f"{stem}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, path)
+    plot(report, path.with_suffix(".png"))
+    return path
+
+
+def table(report: dict) -> str:
+    lines = ["| T | method | tokens/s | speedup vs plain | τ |", "|---|---|---|---|---|"]
+    for temp, res in report["results"].items():
+        for name, r in res.items():
+            tau = f"{r['tau']:.2f}" if r["tau"] else ""
+            lines.append(f"| {temp} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | {tau} |")
+    return "\n".join(lines)
+
+
+def add_arguments(p):
+    p.epilog = "keys: " + ", ".join(BenchConfig.__dataclass_fields__)
+
+
+def run(args) -> int:
+    cfg = load_config(BenchConfig, args.config, args.overrides)
+    torch.manual_seed(cfg.seed)
+    report = run_bench(cfg)
+    path = write(report, cfg.out)
+    print(table(report))
+    print(f"wrote {path} (and .png)")
+    return 0

@@ -1,0 +1,100 @@
+"""``eaglekit generate``: chat with a target (+ an EAGLE head or a draft model), streaming, printing τ.
+
+    eaglekit generate target=smollm2-135m-instruct head=runs/smollm2-eagle3/final
+    eaglekit generate target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct gamma=5 \
+        prompt="Write quicksort in Python" temperature=0.7
+Without ``prompt=`` it reads user turns from stdin (an empty line or EOF ends the chat).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from eaglekit.config import load_config
+
+
+@dataclass
+class GenerateConfig:
+    target: str = "smollm2-135m-instruct"
+    head: str | None = None  # a saved head folder (or Hub id)
+    draft: str | None = None  # a draft model sharing the target's tokenizer
+    prompt: str | None = None  # one turn; None = interactive chat on stdin
+    system: str | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    tree: str = "auto"  # "auto" or "depth,top_k,total_tokens", e.g. "5,8,48"
+    gamma: int = 4
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def parse_tree(text: str):
+    from eaglekit.decode.tree import TreeSpec
+
+    if text == "auto":
+        return "auto"
+    try:
+        depth, top_k, total = (int(x) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"tree={text!r}: expected 'auto' or 'depth,top_k,total_tokens' (e.g. 5,8,48)") from None
+    return TreeSpec(depth, top_k, total)
+
+
+def load_drafter(cfg, target):
+    from eaglekit.target import load_target
+
+    if cfg.head and cfg.draft:
+        raise ValueError("give either head= or draft=, not both")
+    if cfg.head:
+        from eaglekit.heads import load_head
+
+        return load_head(cfg.head, target)
+    if cfg.draft:
+        return load_target(cfg.draft, dtype=target.dtype, device=cfg.device)
+    return None
+
+
+def add_arguments(p):
+    p.epilog = "keys: " + ", ".join(GenerateConfig.__dataclass_fields__)
+
+
+def run(args) -> int:
+    from transformers import TextStreamer
+
+    from eaglekit.decode.generate import generate
+    from eaglekit.target import load_target
+
+    cfg = load_config(GenerateConfig, args.config, args.overrides)
+    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    drafter = load_drafter(cfg, target)
+    tree = parse_tree(cfg.tree)
+    messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    turns = [cfg.prompt] if cfg.prompt else None
+    while True:
+        if turns is None:
+            print("\nuser> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line.strip():
+                return 0
+            text = line.strip()
+        elif turns:
+            text = turns.pop(0)
+        else:
+            return 0
+        messages.append({"role": "user", "content": text})
+        ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                   return_dict=True)["input_ids"]
+        streamer = TextStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        out = generate(target, drafter, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                       top_k=cfg.top_k, seed=cfg.seed, tree=tree, gamma=cfg.gamma, streamer=streamer)
+        answer = target.tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+        s = out.stats
+        kind = "plain" if drafter is None else ("head" if cfg.head else f"draft model, gamma={cfg.gamma}")
+        print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, tau={s.tau:.2f} ({kind}), "
+              f"acceptance per depth {[round(a, 2) for a in s.acceptance_per_depth]}]", file=sys.stderr)

@@ -1,0 +1,54 @@
+"""`eaglekit generate` and `eaglekit bench` end to end on saved tiny models (seconds)."""
+import json
+
+import pytest
+import torch
+from helpers import save_tiny, tiny_target
+
+from eaglekit.cli import main
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from test_decode_core import tiny_head
+
+    root = tmp_path_factory.mktemp("decode_cli")
+    target_dir = save_tiny(root / "target", layers=3, max_position_embeddings=4096)  # MT-bench in chars
+    draft_dir = save_tiny(root / "draft", seed=1, layers=2, max_position_embeddings=4096)
+    from eaglekit.target import load_target
+
+    head = tiny_head(load_target(str(target_dir)), "eagle3", 48)
+    head.save_pretrained(root / "head")
+    return target_dir, draft_dir, root / "head"
+
+
+def test_decode_cli_generate_streams_and_prints_tau(saved, capsys):
+    target_dir, draft_dir, head_dir = saved
+    assert main(["generate", f"target={target_dir}", f"head={head_dir}", "prompt=hello", "max_new_tokens=6",
+                 "tree=2,2,3"]) == 0
+    err = capsys.readouterr().err
+    assert "tau=" in err and "6 tokens" in err
+    assert main(["generate", f"target={target_dir}", f"draft={draft_dir}", "prompt=hi", "max_new_tokens=5",
+                 "temperature=0.8"]) == 0
+    assert "draft model, gamma=4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tree="):
+        main(["generate", f"target={target_dir}", "prompt=hi", "tree=big"])
+
+
+def test_decode_cli_bench_writes_json_with_baselines(saved, tmp_path):
+    target_dir, draft_dir, _ = saved
+    assert main(["bench", f"target={target_dir}", f"draft={draft_dir}", "prompts=2", "max_new_tokens=6",
+                 "repeats=1", "temperatures=[0.0]", "assistant_tokens=[3]", f"out={tmp_path}"]) == 0
+    (path,) = tmp_path.glob("*.json")
+    res = json.loads(path.read_text())["results"]["0.0"]
+    assert set(res) == {"plain", "ours", "hf", "hf_lookup", "hf_assisted_3"}
+    assert res["plain"]["speedup_vs_plain"] == 1.0 and res["ours"]["tau"] >= 1.0
+    assert all(r["repeats"][0]["tokens"] == 12 for r in res.values())  # eos of the tiny model is rare

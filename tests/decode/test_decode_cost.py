@@ -1,0 +1,80 @@
+"""tree="auto": the same chooser picks a small tree when verification cost grows with the tree (CPU)
+and a large one when it is nearly flat (GPU); measuring, calibrating and caching work on a tiny model."""
+import pytest
+import torch
+from helpers import tiny_target
+
+from eaglekit import decode
+from eaglekit.decode import cost
+from eaglekit.decode.tree import TreeSpec
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def synthetic_pools(accept=0.7, contexts=2, untrained=False):
+    """A confident head: the best child has probability `accept`, the next ones share the rest;
+    an untrained one spreads its mass over a 32k vocabulary."""
+    pools = {}
+    for k in cost.LEVEL_SIZES:
+        child = [accept] + [(1 - accept) / 2 ** (i + 1) for i in range(k - 1)]
+        child = [1 / 32000] * k if untrained else child
+        depths, probs, frontier = [], [], [1.0]
+        for d in range(1, cost.MAX_DEPTH + 1):
+            cand = sorted((f * c for f in frontier for c in child), reverse=True)
+            depths += [d] * len(cand)
+            probs += cand
+            frontier = cand[:k]
+        pools[k] = [(depths, probs)] * contexts
+    return pools
+
+
+# SmolLM2-135M on this 2-core CPU (BRIEF: ms per forward over n tokens) and a GPU-like flat curve
+CPU = cost.Costs("cpu", {1: 0.042, 2: 0.068, 8: 0.060, 16: 0.071, 64: 0.147, 96: 0.22},
+                 {k: 0.004 + 0.0005 * k for k in cost.LEVEL_SIZES})
+GPU = cost.Costs("gpu", {1: 0.020, 16: 0.0201, 32: 0.0203, 64: 0.021, 96: 0.024},
+                 {k: 0.0006 for k in cost.LEVEL_SIZES})
+
+
+def test_decode_auto_tree_small_on_cpu_large_on_gpu():
+    pools = synthetic_pools()
+    cpu, cpu_rate = cost.choose(CPU, pools)
+    gpu, gpu_rate = cost.choose(GPU, pools)
+    assert cpu.total_tokens <= 16 and gpu.total_tokens >= 48, (cpu, gpu)
+    assert gpu.depth > cpu.depth
+    # the chosen spec beats plain decoding and EAGLE's fixed 60-node tree under each cost model
+    for costs, spec, rate in ((CPU, cpu, cpu_rate), (GPU, gpu, gpu_rate)):
+        assert rate > 1 / costs.verify(1)
+        fixed = cost.expected_tokens(pools[8], 6, 60) / (costs.level(2) + 5 * costs.level(8) + costs.verify(61))
+        assert rate >= fixed
+
+
+def test_decode_auto_tree_untrained_head_gets_minimal_tree():
+    pools = synthetic_pools(untrained=True)
+    spec, _ = cost.choose(GPU, pools)
+    assert spec.total_tokens <= 2
+
+
+def test_decode_auto_tree_measures_calibrates_and_caches(tmp_path, monkeypatch):
+    from test_decode_core import tiny_head
+
+    t = tiny_target(vocab_size=64, layers=2)
+    head = tiny_head(t, "eagle3", 48)
+    costs = cost.measure(t, head, prefix_len=16, repeats=1)
+    assert set(costs.verify_s) == set(cost.VERIFY_SIZES) and all(v > 0 for v in costs.level_s.values())
+    ids = torch.randint(7, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    pools = cost.calibrate(t, head, ids, contexts=2, depth=3, ks=(1, 2, 3))
+    assert [len(pools[k][0][0]) for k in (1, 2, 3)] == [3, 2 + 2 * 4, 3 + 2 * 9]
+    assert all(0 < p <= 1 for p in pools[3][0][1])
+    monkeypatch.setattr(cost, "calibration_ids", lambda target: ids)
+    spec = cost.auto_tree(t, head, cache_dir=tmp_path)
+    assert isinstance(spec, TreeSpec) and len(list(tmp_path.glob("*.json"))) == 1
+    monkeypatch.setattr(cost, "measure", lambda *a, **k: pytest.fail("cached costs were measured again"))
+    assert cost.auto_tree(t, head, cache_dir=tmp_path) == spec
+    out = decode.generate(t, head, ids[:, :8], 6, eos_token_id=False, tree=spec)
+    assert out.stats.new_tokens == 6
