@@ -112,3 +112,24 @@ def test_missing_and_unsupported_paths(tmp_path):
     (tmp_path / "x.txt").write_text("hi")
     with pytest.raises(ConversationError, match="unsupported"):
         read_conversations(tmp_path / "x.txt")
+
+
+def test_limit_stops_after_good_items(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(['{"bad": 1}'] + [json.dumps({**OPENAI, "id": str(i)}) for i in range(5)]) + "\n")
+    got = read_conversations(f, limit=2)
+    assert [c["id"] for c in got] == ["0", "1"] and len(got.skipped) == 1
+
+
+@pytest.mark.real
+def test_embedded_sharegpt_is_validated_and_counted():
+    from eaglekit.data_prep.prepare import PrepareConfig, load_conversations
+
+    got = load_conversations(PrepareConfig(num_conversations=300))
+    assert len(got) == 300 and got.skipped  # ShareGPT has empty turns etc.; each is named, not lost
+    assert all(s.startswith("sharegpt[") for s in got.skipped)
+    for c in got:
+        roles = [m["role"] for m in c["messages"] if m["role"] != "system"]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) and len(roles) >= 2
+    with pytest.raises(ConversationError, match=r"sharegpt\[\d+\]: "):
+        load_conversations(PrepareConfig(num_conversations=300, strict=True))
