@@ -128,6 +128,7 @@ def test_real_chatml_templates_exact_mask(name):
     assert masked_runs(tok, s) == ["hello there<|im_end|>", "line1\nline2 <|im_end|> x<|im_end|>"]
     text = tok.decode(s["input_ids"])
     assert text == tok.apply_chat_template(conv, tokenize=False)
+    assert s["input_ids"].tolist() == tok.apply_chat_template(conv, return_dict=True)["input_ids"]
     unmasked = tok.decode(s["input_ids"][s["loss_mask"] == 0])
     assert unmasked == text.replace("hello there<|im_end|>", "").replace(
         conv[3]["content"] + "<|im_end|>", ""
