@@ -115,7 +115,7 @@ class FeatureDataset(torch.utils.data.Dataset):
         return item
 
     def verify(self) -> None:
-        """Open every shard and check its tensor shapes against the manifest (names the bad shard)."""
+        """Open every shard; check its shapes and its capture identity against the manifest (names the shard)."""
         from safetensors import safe_open
 
         width = len(self.layer_ids) * self.manifest["hidden_size"]
@@ -124,6 +124,7 @@ class FeatureDataset(torch.utils.data.Dataset):
             try:
                 with safe_open(str(path), framework="pt") as f:
                     shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+                    meta = json.loads((f.metadata() or {}).get("eaglekit", "{}"))
             except Exception as e:
                 raise FeatureError(f"{path}: corrupt or truncated shard: {e}") from e
             want = {
@@ -136,6 +137,11 @@ class FeatureDataset(torch.utils.data.Dataset):
                 want["hidden"] = (s["num_tokens"], width)
             if shapes != want:
                 raise FeatureError(f"{path}: tensor shapes {shapes} do not match the manifest {want}")
+            if meta.get("plan_hash") != self.manifest.get("plan_hash"):
+                raise FeatureError(
+                    f"{path}: written by another capture (plan {meta.get('plan_hash')}, "
+                    f"manifest {self.manifest.get('plan_hash')})"
+                )
 
 
 class OnlineFeatures(torch.utils.data.Dataset):

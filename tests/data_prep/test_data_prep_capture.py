@@ -144,6 +144,14 @@ def test_corrupt_truncated_and_foreign(tmp_path, target, samples):
     shard.write_bytes(b"\x00" * 7)
     with pytest.raises(FeatureError, match=str(shard)):
         ds[i]
+    # a shard from another capture with the same shapes is caught by verify()
+    foreign = capture_features(target, samples[::-1], tmp_path / "rev", shard_tokens=150, progress=False)
+    assert foreign["shards"][0]["num_tokens"] == m["shards"][0]["num_tokens"]  # same shapes, other samples
+    shard0 = tmp_path / m["shards"][0]["file"]
+    shard0.write_bytes((tmp_path / "rev" / m["shards"][0]["file"]).read_bytes())
+    shard.write_bytes(data)
+    with pytest.raises(FeatureError, match=rf"{shard0}: written by another capture"):
+        ds.verify()
     other = tiny_target(hidden=48)
     with pytest.raises(FeatureError, match="hidden_size 32 vs 48"):
         FeatureDataset(tmp_path, other)
