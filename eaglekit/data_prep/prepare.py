@@ -41,6 +41,7 @@ class PrepareConfig:
     data: str = "sharegpt"  # the embedded ShareGPT, or a .json/.jsonl file, folder or saved dataset
     split: str | None = None  # for a saved DatasetDict
     num_conversations: int = 0  # 0 = all
+    max_turns: int = 0  # keep each conversation's first N user turns (0 = all); regeneration cost scales with it
     strict: bool = False  # stop at the first malformed conversation instead of skipping and counting
     max_length: int = 2048  # tokens per sample (truncated)
     output_dir: str = "prepared/smollm2"
@@ -54,7 +55,22 @@ class PrepareConfig:
     progress: bool = True
 
 
+def first_turns(messages: list[dict], n: int) -> list[dict]:
+    """The messages up to and including the answer to the ``n``-th user turn (``n=0``: all)."""
+    if n <= 0:
+        return messages
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return messages if len(users) <= n else messages[: users[n]]
+
+
 def load_conversations(cfg: PrepareConfig) -> Conversations:
+    convs = _read(cfg)
+    if cfg.max_turns:
+        convs[:] = [{**c, "messages": first_turns(c["messages"], cfg.max_turns)} for c in convs]
+    return convs
+
+
+def _read(cfg: PrepareConfig) -> Conversations:
     limit = cfg.num_conversations or None
     if cfg.data != "sharegpt":
         return read_conversations(cfg.data, strict=cfg.strict, split=cfg.split, limit=limit)

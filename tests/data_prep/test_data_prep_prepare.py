@@ -251,3 +251,12 @@ def test_two_process_capture_gives_the_same_samples_as_one(tmp_path, tiny_dir):
     # same thread count, same shard plan, same batches → each rank's shards are byte-equal to one process's
     for s in one.manifest["shards"]:
         assert (tmp_path / "one" / s["file"]).read_bytes() == (tmp_path / "two" / s["file"]).read_bytes()
+
+
+def test_max_turns_keeps_first_user_turns():
+    from eaglekit.data_prep.prepare import first_turns
+
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    assert [m["content"] for m in first_turns(msgs, 1)] == ["s", "u1", "a1"]
+    assert first_turns(msgs, 2) == msgs and first_turns(msgs, 0) == msgs and first_turns(msgs, 5) == msgs
