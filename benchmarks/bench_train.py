@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 
 
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
 
 
-def _current_rss_mb() -> float:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * resource.getpagesize() / 2**20
+def reset_peak() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0), so the next reading is this phase's own peak."""
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
 
 
 def teacher_variant(variant: str, tokens: int, hidden: int, vocab: int, draft: int, chunk: int) -> dict:
@@ -41,7 +45,8 @@ def teacher_variant(variant: str, tokens: int, hidden: int, vocab: int, draft: i
     student = torch.randn(1, tokens, draft, requires_grad=True)
     mask = torch.ones(1, tokens)
     teacher = Teacher.build(weight, t2d)  # the [Vd, H] slice is made once per run, not per batch
-    base = _current_rss_mb()
+    base = _status_mb("VmRSS")
+    reset_peak()
     t0 = time.perf_counter()
     if variant == "naive":  # the full [B, S, V] fp32 teacher, as trainers did before chunking
         logits = (last @ weight.T).float()  # same bf16 matmul as the chunked path, then fp32
@@ -57,7 +62,7 @@ def teacher_variant(variant: str, tokens: int, hidden: int, vocab: int, draft: i
         else:  # recomputed per chunk in forward and backward
             loss = soft_cross_entropy(student, last, teacher.draft_weight, keep, chunk)
     loss.backward()
-    return {"variant": variant, "peak_mb": rss_mb() - base, "seconds": time.perf_counter() - t0,
+    return {"variant": variant, "peak_mb": _status_mb("VmHWM") - base, "seconds": time.perf_counter() - t0,
             "loss": float(loss) / tokens}
 
 

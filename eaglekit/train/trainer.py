@@ -56,6 +56,17 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
+@torch.no_grad()
+def init_from_target(head, target) -> None:
+    """Warm start: the head's lm_head = the target's rows for the draft vocab, its norm = the target's
+    final norm. The head then only has to learn to produce the target's pre-norm last hidden state, which
+    shortens training a lot when data or compute is small (CPU)."""
+    head.init_lm_head_from_target()
+    norm_w = getattr(target.norm, "weight", None)
+    if norm_w is not None and norm_w.shape == head.norm.weight.shape:
+        head.norm.weight.copy_(norm_w.to(head.norm.weight))
+
+
 def make_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
@@ -105,6 +116,8 @@ class Trainer:
         self.head = build_head(hc, self.target, dtype=torch.float32)
         if self.src.d2t is not None:
             self.head.set_draft_vocab(self.src.d2t, self.src.t2d)
+        if h.kind == "eagle3" and h.init_from_target:
+            init_from_target(self.head, self.target)
         self.teacher = Teacher.build(self.target.lm_head.weight, self.src.t2d)
         o = cfg.optim
         self.total_steps, self.plans = self._plan_steps()
@@ -270,7 +283,11 @@ class Trainer:
 def peak_memory_mb(device) -> float:
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    try:  # VmHWM: this process's own peak RSS (ru_maxrss can carry a parent's peak across exec)
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def train(cfg: TrainConfig) -> dict:
