@@ -34,7 +34,7 @@ class HeadSpec:
     num_layers: int = 1
     draft_vocab_size: int = 32000  # EAGLE-3 only; clipped to the target vocab
     aux_layer_ids: list[int] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
-    init_from_target: bool = True  # EAGLE-3: start lm_head (draft rows) and final norm from the target's
+    init_from_target: bool = False  # EAGLE-3: start lm_head (draft rows) and final norm from the target's
 
 
 @dataclass

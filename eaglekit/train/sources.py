@@ -87,16 +87,22 @@ def build_sources(cfg: TrainConfig, target) -> Sources:
 
 
 def draft_vocab(cfg: TrainConfig, target, source, train: Subset, lengths) -> tuple[torch.Tensor, torch.Tensor]:
-    """From ``data.draft_vocab``, else the file beside the shards, else counted on the training split."""
+    """``data.draft_vocab`` if given; else the file beside the shards if it has head.draft_vocab_size
+    tokens; else counted on the training split (loss-masked token frequencies)."""
     from eaglekit.data_prep import build_draft_vocab, load_draft_vocab
 
     size = min(cfg.head.draft_vocab_size, target.vocab_size)
     beside = Path(cfg.data.features_dir or "") / "draft_vocab.safetensors"
+    d2t = t2d = None
     if cfg.data.draft_vocab:
         d2t, t2d = load_draft_vocab(cfg.data.draft_vocab)
     elif cfg.data.features_dir and beside.exists():
         d2t, t2d = load_draft_vocab(beside)
-    else:
+        if d2t.numel() != size:
+            print(f"[eaglekit.train] {beside} has {d2t.numel()} tokens, head.draft_vocab_size={size}: "
+                  "counting the training split instead")
+            d2t = t2d = None
+    if d2t is None:
         base = getattr(source, "source", source)
         samples = getattr(base, "samples", None)
         tokens = ([samples[i] for i in train.indices] if samples is not None else
