@@ -41,6 +41,7 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    threads: int = 0  # torch CPU threads (0 = torch's default)
     out: str = "benchmarks/results/decode"
 
 
@@ -140,7 +141,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 runs[name].append(dict(tokens=n, seconds=dt, tokens_per_s=n / dt,
                                        tau=sum(lengths) / len(lengths) if lengths else None))
         results[str(temp)] = summarise(runs)
-    return dict(config=asdict(cfg), tree=str(tree), device=str(target.device), torch=torch.__version__,
+    return dict(config=asdict(cfg), tree=str(tree), device=str(target.device), threads=torch.get_num_threads(),
+                torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results)
 
 
@@ -220,6 +222,8 @@ def add_arguments(p):
 def run(args) -> int:
     cfg = load_config(BenchConfig, args.config, args.overrides)
     torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     report = run_bench(cfg)
     path = write(report, cfg.out)
     print(table(report))
