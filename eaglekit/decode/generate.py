@@ -101,20 +101,20 @@ def verify(target, cache, root: int, tree: Tree, drafter):
 
 def accept(logits: torch.Tensor, tree: Tree, sampling: Sampling, rule, generator) -> tuple[list[int], int]:
     """Walk down from the root: (accepted node indices, next token sampled from what is left)."""
-    kids = tree.children()
+    kids, tokens = tree.children(), tree.tokens.tolist()
     q_full = tree.q_full
     row, path = 0, []
     while True:
         ch = kids[row]
         if sampling.greedy:
             best = int(logits[row].argmax())
-            hit = [c for c in ch if int(tree.tokens[c]) == best]
+            hit = [c for c in ch if tokens[c] == best]
             if not hit:
                 return path, best
             node = hit[0]
         else:
             p = sampling.probs(logits[row])
-            i, left = (rule(p, tree.tokens[ch].tolist(), tree.q_token[ch], None if q_full is None else q_full[ch],
+            i, left = (rule(p, [tokens[c] for c in ch], tree.q_token[ch], None if q_full is None else q_full[ch],
                             generator) if ch else (None, p))
             if i is None:
                 return path, sample(left, generator)

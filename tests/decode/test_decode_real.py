@@ -9,6 +9,8 @@ target's top-2 logit gap (fresh full forward over the common prefix) is below 1e
 Sizes are set by the test budget: SmolLM2 20 prompts x 24 tokens (EAGLE-3 head on all, EAGLE-1 on 3),
 Qwen 0.5B 20 prompts x 12 tokens (HF, head, self-draft). On one thread, measured on the shared 2-core VM
 (load ~6): ~270 s + ~520 s for the earlier 32/20-token sizes; expect ~1 min + ~1.5 min on a quiet one."""
+import os
+
 import pytest
 import torch
 
@@ -101,3 +103,20 @@ def test_decode_real_greedy_qwen05_head_and_self_draft(qwen05):
             assert 1 <= lengths[-1] <= gamma + 1
         print(f"qwen05 prompt {i} ok", flush=True)
     assert ties <= 2, f"{ties} near-tie divergences: more than chance would give"
+
+
+@pytest.mark.skipif(not os.environ.get("EAGLEKIT_TEST_HEAD"), reason="set EAGLEKIT_TEST_HEAD=<trained head dir>")
+def test_decode_real_greedy_trained_head():
+    """With a trained head (EAGLEKIT_TEST_HEAD, trained for EAGLEKIT_TEST_TARGET, default SmolLM2): still
+    token-identical, and tau > 1.5 (a trained head is accepted)."""
+    from eaglekit.heads import load_head
+    from eaglekit.target import load_target
+
+    t = load_target(os.environ.get("EAGLEKIT_TEST_TARGET", "smollm2-135m-instruct"))
+    head = load_head(os.environ["EAGLEKIT_TEST_HEAD"], t)
+    ties, taus = 0, []
+    for i, ids in enumerate(mt_bench_prompts(t)):
+        out = decode.generate(t, head, ids, 24, tree=TreeSpec(depth=4, top_k=4, total_tokens=16))
+        ties += assert_same_or_near_tie(t, hf_greedy(t, ids, 24), out.sequences, f"trained head prompt {i}")
+        taus.append(out.stats.tau)
+    assert ties <= 2 and sum(taus) / len(taus) > 1.5, (ties, taus)
