@@ -257,7 +257,8 @@ class Trainer:
         final = self.evaluate()
         final.update(step=self.state.step, train_seconds=time.perf_counter() - t0,
                      tokens_per_s=(self.state.tokens - tok0) / max(time.perf_counter() - t0, 1e-9),
-                     peak_memory_mb=peak_memory_mb(self.acc.device))
+                     peak_memory_mb=peak_memory_mb(self.acc.device), processes=self.acc.num_processes,
+                     distributed_type=str(self.acc.distributed_type).split(".")[-1])
         self.log({**final, "final": True})
         self.acc.print("[eaglekit.train] held-out " + " ".join(f"{k}={v:.4g}" for k, v in final.items()
                                                                  if isinstance(v, float)))

@@ -28,7 +28,10 @@ def _train(d: Path, name: str, processes: int, accum: int, config: str | None = 
             "head.draft_vocab_size=40", "head.kind=eagle3", f"output_dir={out}", f"optim.max_steps={STEPS}",
             f"optim.grad_accum={accum}", "optim.lr=3e-3", "optim.warmup_steps=1", "loss.ttt_steps=3",
             "data.batch_size=2", "progress=false", "trackers=[]", "save_interval=0", "eval_interval=0"]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    if config and "ddp" in config:  # real 2-process DDP on CPU; for DeepSpeed it would silently mean plain DDP
+        env["ACCELERATE_USE_CPU"] = "1"
     cmd = train_command(*args, processes=processes,
                         accelerate_config=str(ROOT / "configs/accelerate" / config) if config else None)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -56,9 +59,11 @@ def half(tiny_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["cpu-ddp-2proc.yaml", "cpu-zero2-2proc.yaml"])
-def test_train_two_processes_match_one(tiny_run, single, half, config):
+@pytest.mark.parametrize("config,backend", [("cpu-ddp-2proc.yaml", "MULTI_CPU"), ("cpu-zero2-2proc.yaml", "DEEPSPEED")])
+def test_train_two_processes_match_one(tiny_run, single, half, config, backend):
     multi = _train(tiny_run, config.split(".")[0], processes=2, accum=1, config=config)
+    metrics = json.loads((multi / "metrics.json").read_text())
+    assert (metrics["processes"], metrics["distributed_type"]) == (2, backend)
     c1, c2 = _curve(single), _curve(multi)
     assert len(c1) == len(c2) == STEPS
     assert c1[-1] < c1[0]  # the runs do learn (lr is high), so matching weights is not trivial
