@@ -8,6 +8,7 @@ with grad_accum=1 take the same step (DDP and ZeRO average over ranks, accumulat
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -67,6 +68,23 @@ def init_from_target(head, target) -> None:
         head.norm.weight.copy_(norm_w.to(head.norm.weight))
 
 
+@contextlib.contextmanager
+def no_zero3_partitioning():
+    """Hide Accelerate's ZeRO-3 config from transformers while loading the target: otherwise
+    ``from_pretrained`` partitions the frozen weights (lm_head of shape [0]) whatever zero3_init_flag says."""
+    try:
+        import transformers.integrations.deepspeed as hf_ds
+    except ImportError:
+        yield
+        return
+    saved = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
+
+
 def make_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
@@ -107,7 +125,8 @@ class Trainer:
         self.acc = make_accelerator(cfg)
         set_seed(cfg.seed)
         self.out = Path(cfg.output_dir)
-        self.target = load_target(cfg.target, dtype=DTYPES[cfg.target_dtype], device=self.acc.device)
+        with no_zero3_partitioning():  # the frozen target stays whole on every rank under ZeRO-3
+            self.target = load_target(cfg.target, dtype=DTYPES[cfg.target_dtype], device=self.acc.device)
         self.src = build_sources(cfg, self.target)
         h = cfg.head
         hc = HeadConfig.from_target(self.target, kind=h.kind, num_layers=h.num_layers,
@@ -270,7 +289,7 @@ class Trainer:
         """Gather the full head (ZeRO-3 included) and write it with ``save_pretrained`` (main process)."""
         from eaglekit.heads import build_head
 
-        state = self.acc.get_state_dict(self.model)
+        state = self._full_state()
         path = self.out / "final"
         if self.acc.is_main_process:
             head = build_head(self.head.config, self.target, dtype=torch.float32)
@@ -279,6 +298,19 @@ class Trainer:
             (self.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
         self.acc.wait_for_everyone()
         return path
+
+
+    def _full_state(self) -> dict:
+        """The whole head's weights on every rank; ZeRO-3 shards are gathered (in their training dtype)."""
+        plugin = self.acc.state.deepspeed_plugin
+        if plugin is None or plugin.zero_stage != 3:
+            return self.acc.get_state_dict(self.model)
+        import deepspeed
+
+        model = self.acc.unwrap_model(self.model)
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.cpu().clone()
+                    for k, v in model.state_dict().items()}
 
 
 def peak_memory_mb(device) -> float:

@@ -1,5 +1,5 @@
-"""2-process DDP and 2-process DeepSpeed ZeRO-2 on CPU (gloo) take the same steps as 1 process with the
-same global batch: same loss curve and the same final head up to float reduction order."""
+"""2-process DDP and 2-process DeepSpeed ZeRO-2 / ZeRO-3 on CPU (gloo) take the same steps as 1 process
+with the same global batch: same loss curve and the same final head up to float reduction order."""
 import json
 import os
 import subprocess
@@ -59,7 +59,8 @@ def half(tiny_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,backend", [("cpu-ddp-2proc.yaml", "MULTI_CPU"), ("cpu-zero2-2proc.yaml", "DEEPSPEED")])
+@pytest.mark.parametrize("config,backend", [("cpu-ddp-2proc.yaml", "MULTI_CPU"), ("cpu-zero2-2proc.yaml", "DEEPSPEED"),
+                                            ("cpu-zero3-2proc.yaml", "DEEPSPEED")])
 def test_train_two_processes_match_one(tiny_run, single, half, config, backend):
     multi = _train(tiny_run, config.split(".")[0], processes=2, accum=1, config=config)
     metrics = json.loads((multi / "metrics.json").read_text())
