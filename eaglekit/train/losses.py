@@ -113,7 +113,7 @@ class Teacher:
     target_to_draft: torch.Tensor | None  # long [V]: draft id or -1
 
     @classmethod
-    def build(cls, lm_head_weight: torch.Tensor, t2d: torch.Tensor | None) -> "Teacher":
+    def build(cls, lm_head_weight: torch.Tensor, t2d: torch.Tensor | None) -> Teacher:
         w = lm_head_weight.detach()
         if t2d is None or bool(t2d.all()):
             return cls(w, w, None, None)

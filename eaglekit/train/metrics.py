@@ -38,7 +38,7 @@ class Tally:
         return [*self.loss, *self.correct, *self.total]
 
     @classmethod
-    def from_list(cls, values: list[float]) -> "Tally":
+    def from_list(cls, values: list[float]) -> Tally:
         k = len(values) // 3
         return cls(list(values[:k]), list(values[k:2 * k]), list(values[2 * k:]))
 

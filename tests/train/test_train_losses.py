@@ -2,8 +2,13 @@
 import pytest
 import torch
 
-from eaglekit.train.losses import (Teacher, naive_soft_cross_entropy, shift_left, soft_cross_entropy,
-                                   teacher_argmax)
+from eaglekit.train.losses import (
+    Teacher,
+    naive_soft_cross_entropy,
+    shift_left,
+    soft_cross_entropy,
+    teacher_argmax,
+)
 
 
 def _inputs(seed=0, B=3, S=11, H=16, V=97, Vd=40):

@@ -23,7 +23,7 @@ def setup():
 
 @torch.no_grad()
 def test_train_ttt_unroll_equals_sequential_chain_drafting(setup):
-    target, head, ids, out = setup
+    _, head, ids, out = setup
     g0 = head.fuse(out.aux)
     steps = 3
     unrolled = {k: h for k, h, _ in ttt_unroll(head, ids, g0, steps, ttt_mask, HeadCache)}
