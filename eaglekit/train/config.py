@@ -77,7 +77,7 @@ class TrainConfig:
     save_interval: int = 200  # optimizer steps between checkpoints (0 = none)
     keep_last: int = 2  # checkpoints kept
     resume: str = "auto"  # "auto" (latest checkpoint if any), "none", or a checkpoint dir
-    log_interval: int = 10
+    log_interval: int = 1  # optimizer steps between log.jsonl / tracker records (eval steps always logged)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     seed: int = 0
     progress: bool = True  # tqdm bar on the main process

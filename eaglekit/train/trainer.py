@@ -266,7 +266,11 @@ class Trainer:
             if cfg.eval_interval and self.state.step % cfg.eval_interval == 0 and self.state.step < self.total_steps:
                 last_eval = self.evaluate()
                 rec.update(last_eval)
-            self.log(rec)
+                if self.acc.is_main_process:
+                    bar.write(f"[eaglekit.train] step {self.state.step}: loss {rec['loss']:.4f} held-out "
+                              + " ".join(f"{k.removeprefix('eval_')}={v:.3f}" for k, v in last_eval.items()))
+            if "eval_tau_sim" in rec or self.state.step % max(1, cfg.log_interval) == 0:
+                self.log(rec)
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec.get('acc_0', 0):.2f}",
                             tau_sim=f"{last_eval.get('eval_tau_sim', float('nan')):.2f}")
