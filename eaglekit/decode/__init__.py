@@ -7,4 +7,4 @@ from eaglekit.decode.generate import DecodeStats, GenerateOutput, generate
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.tree import Tree, TreeSpec
 
-__all__ = ["generate", "GenerateOutput", "DecodeStats", "Sampling", "Tree", "TreeSpec"]
+__all__ = ["DecodeStats", "GenerateOutput", "Sampling", "Tree", "TreeSpec", "generate"]

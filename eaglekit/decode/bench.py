@@ -84,7 +84,8 @@ def methods(cfg: BenchConfig, target, drafter, tree):
             torch.manual_seed(seed)
             sample = dict(do_sample=True, temperature=temp, top_p=1.0, top_k=0) if temp > 0 else \
                 dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-            seq = target.model.generate(ids.to(target.device), max_new_tokens=cfg.max_new_tokens, **sample, **kw)
+            seq = target.model.generate(ids.to(target.device), max_new_tokens=cfg.max_new_tokens, **sample,
+                                        **kw)
             return seq.shape[1] - ids.shape[1], None
         return fn
 
@@ -133,7 +134,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             totals = {name: [0, 0.0, []] for name in fns}
             for i, ids in enumerate(prompts):
                 for name, fn in fns.items():
-                    (n, lengths), dt = _timed(lambda: fn(ids, temp, cfg.seed + 1000 * rep + i))
+                    seed = cfg.seed + 1000 * rep + i
+                    (n, lengths), dt = _timed(lambda fn=fn, ids=ids, seed=seed: fn(ids, temp, seed))
                     totals[name][0] += n
                     totals[name][1] += dt
                     totals[name][2] += lengths or []
@@ -141,7 +143,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 runs[name].append(dict(tokens=n, seconds=dt, tokens_per_s=n / dt,
                                        tau=sum(lengths) / len(lengths) if lengths else None))
         results[str(temp)] = summarise(runs)
-    return dict(config=asdict(cfg), tree=str(tree), device=str(target.device), threads=torch.get_num_threads(),
+    return dict(config=asdict(cfg), tree=str(tree), device=str(target.device),
+                threads=torch.get_num_threads(),
                 torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results)
 
@@ -197,7 +200,8 @@ def write(report: dict, out_dir: str) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     c = report["config"]
-    stem = "-".join(Path(str(x)).name for x in (c["target"], c["head"] or c["draft"] or "plain", c["dataset"]))
+    parts = (c["target"], c["head"] or c["draft"] or "plain", c["dataset"])
+    stem = "-".join(Path(str(x)).name for x in parts)
     path = out / f"{stem}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=1))
@@ -211,7 +215,8 @@ def table(report: dict) -> str:
     for temp, res in report["results"].items():
         for name, r in res.items():
             tau = f"{r['tau']:.2f}" if r["tau"] else ""
-            lines.append(f"| {temp} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | {tau} |")
+            tps, speedup = r["tokens_per_s"], r["speedup_vs_plain"]
+            lines.append(f"| {temp} | {name} | {tps:.1f} | {speedup:.2f}x | {tau} |")
     return "\n".join(lines)
 
 

@@ -41,7 +41,8 @@ def parse_tree(text: str):
     try:
         depth, top_k, total = (int(x) for x in str(text).split(","))
     except ValueError:
-        raise ValueError(f"tree={text!r}: expected 'auto' or 'depth,top_k,total_tokens' (e.g. 5,8,48)") from None
+        raise ValueError(f"tree={text!r}: expected 'auto' or 'depth,top_k,total_tokens' (e.g. 5,8,48)") \
+            from None
     return TreeSpec(depth, top_k, total)
 
 

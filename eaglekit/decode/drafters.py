@@ -65,7 +65,8 @@ class ModelDrafter:
     def _next(self, ids: list[int]) -> torch.Tensor:
         dev = self.draft_model.device
         x = torch.tensor([ids], device=dev)
-        logits = self.draft_model.forward(x, past_key_values=self.cache, kind=None, logits_to_keep=1).logits[0, -1]
+        out = self.draft_model.forward(x, past_key_values=self.cache, kind=None, logits_to_keep=1)
+        logits = out.logits[0, -1]
         q = self.sampling.probs(logits)
         if q.shape[-1] != self.vocab:  # same tokenizer, different lm_head padding
             q = torch.nn.functional.pad(q, (0, self.vocab - q.shape[-1])) if q.shape[-1] < self.vocab \
@@ -138,7 +139,8 @@ class EagleDrafter:
     def draft(self, max_depth: int) -> Tree:
         n = len(self.pending_ids)
         pos = torch.arange(self.committed, self.committed + n, device=self.device)
-        hidden, logits = self.head.step(self.pending_ids[None], self.pending_g[None], pos[None], cache=self.cache)
+        hidden, logits = self.head.step(self.pending_ids[None], self.pending_g[None], pos[None],
+                                        cache=self.cache)
         self.committed += n
         depth = min(self.spec.depth, max_depth)
         if depth == 0:

@@ -48,7 +48,8 @@ class DecodeStats:
     def summary(self) -> dict:
         return dict(tau=self.tau, steps=len(self.accept_lengths), new_tokens=self.new_tokens,
                     tokens_per_s=self.tokens_per_s, acceptance_per_depth=self.acceptance_per_depth,
-                    prefill_s=self.prefill_s, draft_s=self.draft_s, verify_s=self.verify_s, total_s=self.total_s)
+                    prefill_s=self.prefill_s, draft_s=self.draft_s, verify_s=self.verify_s,
+                    total_s=self.total_s)
 
 
 @dataclass
@@ -95,8 +96,9 @@ def verify(target, cache, root: int, tree: Tree, drafter):
     ids = torch.cat([torch.tensor([root], device=dev), tree.tokens.to(dev)])[None]
     pos = past + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths.cpu()]).to(dev)[None]
     mask = None if tree.is_chain else verify_mask(tree, past, target.dtype, dev)
-    return target.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, kind=drafter.kind,
-                          layer_ids=drafter.layer_ids), past
+    out = target.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, kind=drafter.kind,
+                         layer_ids=drafter.layer_ids)
+    return out, past
 
 
 def accept(logits: torch.Tensor, tree: Tree, sampling: Sampling, rule, generator) -> tuple[list[int], int]:
@@ -114,8 +116,8 @@ def accept(logits: torch.Tensor, tree: Tree, sampling: Sampling, rule, generator
             node = hit[0]
         else:
             p = sampling.probs(logits[row])
-            i, left = (rule(p, [tokens[c] for c in ch], tree.q_token[ch], None if q_full is None else q_full[ch],
-                            generator) if ch else (None, p))
+            q = None if q_full is None else q_full[ch]
+            i, left = rule(p, [tokens[c] for c in ch], tree.q_token[ch], q, generator) if ch else (None, p)
             if i is None:
                 return path, sample(left, generator)
             node = ch[i]
@@ -135,7 +137,8 @@ def _eos_set(target, eos_token_id):
             eos_token_id = target.tokenizer.eos_token_id
     if eos_token_id is None or eos_token_id is False:
         return set()
-    return {int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
+    many = isinstance(eos_token_id, (list, tuple, set))
+    return {int(e) for e in (eos_token_id if many else [eos_token_id])}
 
 
 def _finish(new: list[int], max_new: int, eos: set, stop, tokenizer) -> tuple[list[int], bool]:
@@ -155,9 +158,10 @@ def _finish(new: list[int], max_new: int, eos: set, stop, tokenizer) -> tuple[li
 
 
 @torch.no_grad()
-def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, eos_token_id=None, stop: list[str] | str | None = None, seed: int | None = None,
-             generator: torch.Generator | None = None, tree=None, gamma: int = 4, streamer=None,
+def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, eos_token_id=None, stop: list[str] | str | None = None,
+             seed: int | None = None, generator: torch.Generator | None = None, tree=None, gamma: int = 4,
+             streamer=None,
              acceptance=None, on_step=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` with ``drafter`` (None, a draft Target, or an EAGLE head).
 

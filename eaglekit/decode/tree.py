@@ -38,12 +38,12 @@ class Tree:
         return int(self.tokens.numel())
 
     @staticmethod
-    def empty(device=None) -> "Tree":
+    def empty(device=None) -> Tree:
         z = torch.zeros(0, dtype=torch.long, device=device)
         return Tree(z, z.clone(), z.clone(), torch.zeros(0, device=device))
 
     @staticmethod
-    def chain(tokens: torch.Tensor, q_token: torch.Tensor, q_full=None, sampled=False) -> "Tree":
+    def chain(tokens: torch.Tensor, q_token: torch.Tensor, q_full=None, sampled=False) -> Tree:
         n = len(tokens)
         ar = torch.arange(n, device=tokens.device)
         return Tree(tokens, ar - 1, ar + 1, q_token, q_full, sampled)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from helpers import save_tiny, tiny_target
+from helpers import save_tiny
 
 from eaglekit.cli import main
 

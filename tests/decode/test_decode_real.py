@@ -57,7 +57,8 @@ def assert_same_or_near_tie(target, ref: torch.Tensor, ours: torch.Tensor, where
     top2 = logits.topk(2).values
     gap = float(top2[0] - top2[1])
     assert gap < TIE_GAP and {a[j], b[j]} <= set(logits.topk(2).indices.tolist()), \
-        f"{where}: diverges at token {j} ({a[j]} vs {b[j]}) where the top-2 logit gap is {gap:.3g} (not a near-tie)"
+        f"{where}: diverges at token {j} ({a[j]} vs {b[j]}) where the top-2 logit gap is {gap:.3g} " \
+        "(not a near-tie)"
     return 1
 
 
@@ -105,7 +106,8 @@ def test_decode_real_greedy_qwen05_head_and_self_draft(qwen05):
     assert ties <= 2, f"{ties} near-tie divergences: more than chance would give"
 
 
-@pytest.mark.skipif(not os.environ.get("EAGLEKIT_TEST_HEAD"), reason="set EAGLEKIT_TEST_HEAD=<trained head dir>")
+@pytest.mark.skipif(not os.environ.get("EAGLEKIT_TEST_HEAD"),
+                    reason="set EAGLEKIT_TEST_HEAD=<trained head dir>")
 def test_decode_real_greedy_trained_head():
     """With a trained head (EAGLEKIT_TEST_HEAD, trained for EAGLEKIT_TEST_TARGET, default SmolLM2): still
     token-identical, and tau > 1.5 (a trained head is accepted)."""

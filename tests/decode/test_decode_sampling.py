@@ -7,7 +7,6 @@ from the chi-square law; a run fails below ALPHA = 1e-3, i.e. a false-alarm rate
 (seeds are fixed, so each check's outcome is deterministic). A token sequence of probability 0
 emitted even once fails at once. The deliberately wrong rule (min(1, p/q) on top-k candidates) must
 fail the same check."""
-import itertools
 
 import pytest
 import torch
@@ -43,8 +42,12 @@ def one_thread():
 
 def exact_joint(target, cfg, n=NEW) -> dict[tuple, float]:
     """Enumerate P(x1..xn | prompt) with transformers' warpers (temperature, then top-k, then top-p)."""
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     warp = LogitsProcessorList([TemperatureLogitsWarper(cfg["temperature"])]
                                + ([TopKLogitsWarper(cfg["top_k"])] if cfg["top_k"] else [])
@@ -97,7 +100,11 @@ def chi_square_pvalue(exact: dict, counts: dict) -> float:
 
 def test_decode_sampling_warpers_match_transformers():
     """Sampling.probs (used by generate) equals transformers' warpers on random logits."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     g = torch.Generator().manual_seed(0)
     for temp, top_k, top_p in [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.6, 20, 0.9), (1.0, 1, 0.5)]:
@@ -110,7 +117,7 @@ def test_decode_sampling_warpers_match_transformers():
 
 @pytest.fixture(scope="module")
 def setup():
-    from test_decode_core import tiny_head  # noqa: E402  (same folder, on sys.path via rootdir)
+    from test_decode_core import tiny_head
 
     target = peaky_target(0)
     head = tiny_head(target, "eagle3", draft_vocab=12)
