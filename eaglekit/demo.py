@@ -1,38 +1,121 @@
-"""``eaglekit demo``: the main job on the embedded default target.
+"""``eaglekit demo``: the main job, end to end, on the embedded default target (SmolLM2-135M-Instruct).
 
-For now: load SmolLM2-135M-Instruct from the asset cache and answer one MT-bench question with plain
-greedy decoding, streaming the text and printing tokens/s.
+1. prepare: the target regenerates the first turn of a ShareGPT subset (self-distillation) and the
+   draft vocabulary is built from its answers          (``eaglekit prepare``)
+2. train:   an EAGLE-3 head on those conversations, online features     (``accelerate launch train_head.py``)
+3. decode:  MT-bench first turns, plain greedy decoding and EAGLE decoding side by side in this run;
+   prints the answers, τ, and the speedup, and checks the two outputs are token-identical (lossless).
+
+Every step is the same command a user would type (printed before it runs) and resumes: a second run
+reuses the regenerated data and the trained head and only decodes again. The head is left in
+``<run_dir>/head/final``, ready for ``eaglekit export`` / ``eaglekit push``.
 """
 from __future__ import annotations
 
+import json
+import os
+import shlex
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from eaglekit import assets
-from eaglekit.target import load_target
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def add_arguments(p):
-    p.add_argument("--target", default=assets.DEFAULT_TARGET)
-    p.add_argument("--question", type=int, default=0, help="index of the MT-bench question")
+    p.add_argument("--run-dir", default="runs/demo", help="where data, head and results go")
+    p.add_argument("--conversations", type=int, default=128, help="ShareGPT conversations to regenerate")
+    p.add_argument("--regen-tokens", type=int, default=192, help="max new tokens per regenerated answer")
+    p.add_argument("--train-config", default=str(ROOT / "configs" / "smollm2-135m-eagle3.yaml"))
+    p.add_argument("--questions", type=int, default=6, help="MT-bench first turns to decode")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", default="auto", help="'auto' or depth,top_k,total_tokens")
+
+
+def _run(cmd: list[str]) -> None:
+    print(f"\n$ {shlex.join(cmd)}", flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+
+
+def prepare(run_dir: Path, n: int, regen_tokens: int, draft_vocab: int) -> Path:
+    data = run_dir / "data"
+    _run([sys.executable, "-m", "eaglekit.cli", "prepare", "--config", str(ROOT / "configs/prepare-smollm2.yaml"),
+          f"output_dir={data}", f"num_conversations={n}", "max_turns=1", "capture=false",
+          f"draft_vocab_size={draft_vocab}", "regenerate.enabled=true", f"regenerate.max_new_tokens={regen_tokens}",
+          "regenerate.max_prompt_tokens=384", "regenerate.batch_size=16"])
+    return data
+
+
+def train(run_dir: Path, data: Path, config: str) -> Path:
+    head = run_dir / "head"
+    accelerate = Path(sys.executable).with_name("accelerate")
+    _run([str(accelerate), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train_head.py"), "--config", config,
+          f"data.conversations={data / 'regenerated.jsonl'}", f"data.draft_vocab={data / 'draft_vocab.safetensors'}",
+          "data.num_conversations=0", f"output_dir={head}"])
+    return head / "final"
+
+
+def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tree) -> dict:
+    """Plain vs EAGLE greedy decoding on MT-bench first turns, timed one after the other per prompt."""
+    from eaglekit import decode
+    from eaglekit.decode.cli import parse_tree
+    from eaglekit.heads import load_head
+    from eaglekit.target import load_target
+
+    target = load_target(assets.DEFAULT_TARGET)
+    head = load_head(head_dir, target)
+    tree = parse_tree(tree)
+    rows = []
+    for q in assets.load_mt_bench()[:questions]:
+        msgs = [{"role": "user", "content": q["turns"][0]}]
+        ids = target.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
+                                                   return_dict=True)["input_ids"]
+        plain = decode.generate(target, None, ids, max_new_tokens=max_new_tokens)
+        fast = decode.generate(target, head, ids, max_new_tokens=max_new_tokens, tree=tree)
+        same = torch.equal(plain.sequences, fast.sequences)
+        text = target.tokenizer.decode(fast.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+        s = fast.stats
+        print(f"\n[{q['category']}] {q['turns'][0][:200]}\n--- {text.strip()}\n"
+              f"--- τ={s.tau:.2f}  eagle {s.tokens_per_s:.1f} tok/s  plain {plain.stats.tokens_per_s:.1f} tok/s  "
+              f"speedup {plain.stats.total_s / s.total_s:.2f}x  identical to plain: {same}", flush=True)
+        rows.append(dict(category=q["category"], tau=s.tau, plain_s=plain.stats.total_s, eagle_s=s.total_s,
+                         new_tokens=s.new_tokens, identical=same, acceptance_per_depth=s.acceptance_per_depth))
+    plain_s, eagle_s = sum(r["plain_s"] for r in rows), sum(r["eagle_s"] for r in rows)
+    taus = [r["tau"] for r in rows]
+    return dict(questions=len(rows), tau_mean=sum(taus) / len(taus), speedup=plain_s / eagle_s,
+                all_identical=all(r["identical"] for r in rows), tree=str(tree), rows=rows)
 
 
 def run(args) -> int:
-    from transformers import TextStreamer
-
     torch.manual_seed(0)
-    target = load_target(args.target)
-    q = assets.load_mt_bench()[args.question]
-    msgs = [{"role": "user", "content": q["turns"][0]}]
-    ids = target.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
-                                               return_dict=True)["input_ids"]
-    print(f"[{q['category']}] {q['turns'][0]}\n")
     t0 = time.perf_counter()
-    out = target.model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                streamer=TextStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True))
-    dt = time.perf_counter() - t0
-    n = out.shape[1] - ids.shape[1]
-    print(f"\n{n} tokens in {dt:.1f} s = {n / dt:.1f} tokens/s (plain greedy decoding, {target.dtype})")
-    return 0
+    run_dir = Path(args.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from eaglekit.train.config import load_train_config
+
+    vocab = load_train_config(args.train_config).head.draft_vocab_size
+    print(f"== 1/3 prepare: regenerate {args.conversations} ShareGPT first turns with the target")
+    data = prepare(run_dir, args.conversations, args.regen_tokens, vocab)
+    print("\n== 2/3 train an EAGLE-3 head (online features)")
+    head_dir = train(run_dir, data, args.train_config)
+    print(f"\n== 3/3 decode {args.questions} MT-bench questions: plain vs EAGLE, greedy, fp32")
+    result = decode_side_by_side(head_dir, args.questions, args.max_new_tokens, args.tree)
+    result["wall_s"] = time.perf_counter() - t0
+    (run_dir / "results.json").write_text(json.dumps(result, indent=1))
+    card = dict(tau=result["tau_mean"], speedup=result["speedup"], device="2-core CPU, fp32" if
+                not torch.cuda.is_available() else torch.cuda.get_device_name(),
+                benchmark=f"MT-bench first turns ({result['questions']}), greedy, {args.max_new_tokens} new tokens")
+    (head_dir / "results.json").write_text(json.dumps(card, indent=1))  # read by the model card
+    print(f"\nτ (mean accepted tokens per target forward) = {result['tau_mean']:.2f}; speedup over plain "
+          f"decoding = {result['speedup']:.2f}x; outputs identical to plain greedy: {result['all_identical']}")
+    print(f"head: {head_dir}\n  eaglekit export --head {head_dir} --out {run_dir / 'sglang'} --to sglang\n"
+          f"  eaglekit push --head {head_dir} --repo-id USER/smollm2-135m-eagle3 --dry-run")
+    print(f"total {result['wall_s'] / 60:.1f} min")
+    return 0 if result["all_identical"] else 1
