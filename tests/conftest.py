@@ -25,3 +25,13 @@ def qwen05():
     from eaglekit.target import load_target
 
     return load_target("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one torch thread (tiny models gain nothing from threads; 2 OpenMP threads spin-wait
+    badly on a busy 2-core machine). Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

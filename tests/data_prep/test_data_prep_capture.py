@@ -13,6 +13,8 @@ from eaglekit.data_prep import (
     tokenize_conversations,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+
 
 def tiny_samples(tok, n=24):
     convs = [
@@ -28,15 +30,6 @@ def tiny_samples(tok, n=24):
     samples, empty = tokenize_conversations(tok, convs, max_length=64)
     assert not empty
     return samples
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and 2 OpenMP threads crawl on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,6 @@ from eaglekit.data_prep.regenerate import RegenerateConfig, regenerate
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and 2 OpenMP threads crawl on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def write_convs(path: Path, n: int = 12) -> Path:
     lines = []
     for i in range(n):
@@ -146,6 +137,8 @@ torch.set_num_threads(int(sys.argv[3]))
 from helpers import tiny_target
 from test_data_prep_capture import tiny_samples
 from eaglekit.data_prep import capture_features
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 t = tiny_target()
 def slow(j):
     print("shard", j, flush=True)

@@ -2,18 +2,11 @@
 import json
 
 import pytest
-import torch
 from helpers import save_tiny
 
 from eaglekit.cli import main
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
 
 @pytest.fixture(scope="module")

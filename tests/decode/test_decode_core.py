@@ -9,6 +9,8 @@ from eaglekit.decode import kv
 from eaglekit.decode.generate import verify
 from eaglekit.decode.tree import Tree, TreeSpec
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+
 PROMPTS = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35], [2, 11]]
 TREE = dict(depth=3, top_k=3, total_tokens=8)
 
@@ -26,15 +28,6 @@ def tiny_head(target, kind="eagle3", draft_vocab=None, seed=0):
         t2d[ids] = True
         head.set_draft_vocab(ids - torch.arange(draft_vocab), t2d)
     return head
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread when the machine is busy (no spin-waiting)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def hf_greedy(target, ids, n):

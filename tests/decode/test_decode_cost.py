@@ -8,13 +8,7 @@ from eaglekit import decode
 from eaglekit.decode import cost
 from eaglekit.decode.tree import TreeSpec
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
 
 def synthetic_pools(accept=0.7, contexts=2, untrained=False):

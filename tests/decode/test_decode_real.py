@@ -17,18 +17,8 @@ import torch
 from eaglekit import assets, decode
 from eaglekit.decode.tree import TreeSpec
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]  # one thread: see conftest
 N_PROMPTS, TIE_GAP = 20, 1e-4
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Batch-1 decoding of these small models gains little from a 2nd thread on a quiet machine and
-    loses up to 6x on a busy one (OpenMP spin-waiting): run on one."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def mt_bench_prompts(target, n=N_PROMPTS):

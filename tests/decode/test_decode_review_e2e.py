@@ -17,13 +17,7 @@ from test_decode_review_sampling import ALPHA, CFG, PROMPT, chi2, hf_probs, reje
 from eaglekit import decode
 from eaglekit.decode.sampling import Sampling, accept_minpq_on_topk
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
 
 def peaky(seed):

@@ -17,6 +17,8 @@ from eaglekit.decode.generate import verify
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.tree import Tree, TreeSpec
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+
 PROMPTS = [[2, 8, 9, 10], [2, 30, 31, 32, 33], [2, 11]]
 TREE = dict(depth=3, top_k=3, total_tokens=8)
 
@@ -267,10 +269,3 @@ def test_decode_review_head_cache_equals_fresh_every_step(kind):
     assert len(checks) == len(out.stats.accept_lengths) >= 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: a second intra-op thread only spins (17x slower on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

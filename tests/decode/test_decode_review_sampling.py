@@ -21,18 +21,11 @@ from eaglekit.decode.generate import accept
 from eaglekit.decode.sampling import Sampling, accept_deterministic, accept_minpq_on_topk, accept_sampled
 from eaglekit.decode.tree import Tree
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+
 CFG = dict(temperature=0.7, top_p=0.8, top_k=5)
 ALPHA = 1e-3
 PROMPT = [2, 8, 9, 10]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: a second intra-op thread only spins (17x slower on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def hf_probs(logits: torch.Tensor, cfg=CFG) -> torch.Tensor:

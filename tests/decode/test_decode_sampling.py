@@ -15,6 +15,8 @@ from helpers import tiny_target
 from eaglekit import decode
 from eaglekit.decode.sampling import Sampling, accept_minpq_on_topk
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+
 V, PROMPT, NEW, ALPHA = 16, [2, 8, 9, 10], 3, 1e-3
 CONFIG = dict(temperature=0.8, top_p=0.9, top_k=6)
 
@@ -29,15 +31,6 @@ def peaky_target(seed, vocab=V, noise=0.0):
         for w in t.model.parameters():
             w.data.add_(noise * w.data.std() * torch.randn(w.shape, generator=g))
     return t
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run ~100x faster on one thread when the machine is busy (no spin-waiting)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def exact_joint(target, cfg, n=NEW) -> dict[tuple, float]:
