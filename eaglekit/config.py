@@ -46,30 +46,38 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     return _build(cls, data, where=str(path or "config"))
 
 
-def _build(cls, data: dict, where: str):
+def _number(value, kind, key: str, where: str):
+    """YAML reads ``1e-4`` as a string (it wants ``1.0e-4``): convert str/int/float values of number fields."""
+    if kind not in (float, int) or isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return value
+    try:
+        num = float(value)
+        if kind is int and num != int(num):
+            raise ValueError
+        return kind(num)
+    except ValueError:
+        raise ConfigError(f"{where}: {key} must be a{'n int' if kind is int else ' float'}, got {value!r}") from None
+
+
+def _build(cls, data: dict, where: str, prefix: str = ""):
+    import typing
+
+    hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown} for {cls.__name__}; "
+        raise ConfigError(f"{where}{':' + prefix[:-1] if prefix else ''}: unknown key(s) {unknown} for {cls.__name__}; "
                           f"known: {sorted(fields)}")
     kwargs = {}
     for name, value in data.items():
-        sub = _dataclass_type(cls, name)
-        if sub is not None and isinstance(value, dict):
-            value = _build(sub, value, f"{where}:{name}")
-        kwargs[name] = value
+        sub = hints.get(name)
+        if dataclasses.is_dataclass(sub) and isinstance(value, dict):
+            value = _build(sub, value, where, f"{prefix}{name}.")
+        kwargs[name] = _number(value, hints.get(name), f"{prefix}{name}", where)
     try:
         return cls(**kwargs)
     except TypeError as e:
         raise ConfigError(f"{where}: {e}") from e
-
-
-def _dataclass_type(cls, name):
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    t = hints.get(name)
-    return t if dataclasses.is_dataclass(t) else None
 
 
 def to_dict(cfg) -> dict:

@@ -50,7 +50,7 @@ class PrepareConfig:
     capture: bool = True  # False: stop after the vocab (online training needs no shards)
     kind: str = "eagle3"  # eagle3 (3 taps + last) or eagle1 (last only)
     layer_ids: list[int] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
-    shard_mb: int = 1024  # feature bytes per shard
+    shard_mb: float = 1024  # feature bytes per shard, MiB
     batch_tokens: int = 8192  # padded tokens per capture forward
     progress: bool = True
 
@@ -166,7 +166,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         out,
         cfg.kind,
         taps,
-        shard_tokens=max(1, cfg.shard_mb * 2**20 // bpt),
+        shard_tokens=max(1, int(cfg.shard_mb * 2**20 // bpt)),
         batch_tokens=cfg.batch_tokens,
         progress=cfg.progress,
         extra=extra,

@@ -4,8 +4,6 @@ Every key a run may set lives here; an unknown key is a ConfigError (no silent n
 """
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,27 +84,8 @@ class TrainConfig:
 def load_train_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> TrainConfig:
     """Read and validate a training config; raises ConfigError with the file and key at fault."""
     cfg = load_config(TrainConfig, path, overrides)
-    coerce_numbers(cfg, where=str(path or "config"))
     validate(cfg, where=str(path or "config"))
     return cfg
-
-
-def coerce_numbers(cfg, where: str, prefix: str = "") -> None:
-    """YAML reads ``1e-4`` as a string (it wants ``1.0e-4``): convert str values of float/int fields."""
-    hints = typing.get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value, kind = getattr(cfg, f.name), hints[f.name]
-        if dataclasses.is_dataclass(value):
-            coerce_numbers(value, where, f"{prefix}{f.name}.")
-        elif kind in (float, int) and not isinstance(value, bool) and isinstance(value, (str, int, float)):
-            try:
-                num = float(value)
-                if kind is int and num != int(num):
-                    raise ValueError
-                setattr(cfg, f.name, kind(num))
-            except ValueError:
-                raise ConfigError(f"{where}: {prefix}{f.name} must be a{'n int' if kind is int else ' float'}, "
-                                  f"got {value!r}") from None
 
 
 def validate(cfg: TrainConfig, where: str = "config") -> None:

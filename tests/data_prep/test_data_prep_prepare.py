@@ -11,6 +11,7 @@ import torch
 from eaglekit.data_prep import FeatureDataset, load_draft_vocab, read_conversations
 from eaglekit.data_prep.regenerate import RegenerateConfig, regenerate
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -138,7 +139,6 @@ from helpers import tiny_target
 from test_data_prep_capture import tiny_samples
 from eaglekit.data_prep import capture_features
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 t = tiny_target()
 def slow(j):
     print("shard", j, flush=True)
