@@ -66,12 +66,21 @@ def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tre
     """Plain vs EAGLE greedy decoding on MT-bench first turns, timed one after the other per prompt."""
     from eaglekit import decode
     from eaglekit.decode.cli import parse_tree
+    from eaglekit.decode.tree import TreeSpec
     from eaglekit.heads import load_head
     from eaglekit.target import load_target
 
     target = load_target(assets.DEFAULT_TARGET)
     head = load_head(head_dir, target)
     tree = parse_tree(tree)
+    if tree == "auto":  # draft with the best measured tree even where plain would win, to show the head's τ
+        from eaglekit.decode.cost import auto_plan, drafting_pays
+
+        plan = auto_plan(target, head)
+        tree = TreeSpec(**plan["spec"])
+        print(f"tree='auto' on this device: {tree} expected {plan['expected_tokens_per_s']:.1f} tokens/s vs plain "
+              f"{plan['plain_tokens_per_s']:.1f}" + ("" if drafting_pays(plan) else " — `eaglekit generate "
+              "tree=auto` would decode without drafting here; the demo drafts anyway to measure the head"))
     rows = []
     for q in assets.load_mt_bench()[:questions]:
         msgs = [{"role": "user", "content": q["turns"][0]}]

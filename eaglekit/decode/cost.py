@@ -183,20 +183,31 @@ def calibration_ids(target, n_new: int = 48) -> torch.Tensor:
     return generate(target, None, ids, n_new, eos_token_id=False).sequences
 
 
-def auto_tree(target, head, cache_dir=None, refresh: bool = False) -> TreeSpec:
-    """Measure (or read the cached) costs and calibration, and return the best TreeSpec."""
+def auto_plan(target, head, cache_dir=None, refresh: bool = False) -> dict:
+    """Measure (or read the cached) costs and calibration: ``{"spec", "expected_tokens_per_s",
+    "plain_tokens_per_s", "costs"}`` for the best tree on this device."""
     from eaglekit.assets import cache_dir as default_dir
 
     path = (cache_dir or default_dir() / "decode-costs") / f"{_key(target, head)}.json"
     if path.exists() and not refresh:
-        data = json.loads(path.read_text())
-        return TreeSpec(**data["spec"])
+        return json.loads(path.read_text())
     costs = measure(target, head)
     pools = calibrate(target, head, calibration_ids(target))
     spec, rate = choose(costs, pools)
+    plan = dict(spec=asdict(spec), expected_tokens_per_s=rate, costs=asdict(costs),
+                plain_tokens_per_s=1 / costs.verify(1))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(spec=asdict(spec), expected_tokens_per_s=rate, costs=asdict(costs),
-                                   plain_tokens_per_s=1 / costs.verify(1)), indent=1))
+    tmp.write_text(json.dumps(plan, indent=1))
     os.replace(tmp, path)
-    return spec
+    return plan
+
+
+def auto_tree(target, head, cache_dir=None, refresh: bool = False) -> TreeSpec:
+    """The best drafting tree on this device (even where plain decoding would be faster)."""
+    return TreeSpec(**auto_plan(target, head, cache_dir, refresh)["spec"])
+
+
+def drafting_pays(plan: dict) -> bool:
+    """Whether the best tree is expected to beat plain decoding (one target forward per token)."""
+    return plan["expected_tokens_per_s"] > plan["plain_tokens_per_s"]

@@ -5,6 +5,7 @@ Batch size 1 (the tree differs per sequence; a batch is refused, loop over promp
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -64,10 +65,16 @@ def make_drafter(target, drafter, sampling: Sampling, tree, gamma: int, generato
     if hasattr(drafter, "fingerprint") and hasattr(drafter, "tokenizer"):  # another Target
         return ModelDrafter(target, drafter, gamma, sampling, generator)
     if hasattr(drafter, "step") and hasattr(drafter, "config"):  # an EAGLE head
-        if tree == "auto":
-            from eaglekit.decode.cost import auto_tree
+        if tree == "auto":  # sized from measured costs; plain decoding where no tree is expected to pay
+            from eaglekit.decode.cost import auto_plan, drafting_pays
 
-            tree = auto_tree(target, drafter)
+            plan = auto_plan(target, drafter)
+            if not drafting_pays(plan):
+                warnings.warn(f"tree='auto': this head's best tree is expected at {plan['expected_tokens_per_s']:.1f} "
+                              f"tokens/s, plain decoding at {plan['plain_tokens_per_s']:.1f} on this device: "
+                              "decoding without drafting (pass an explicit tree to draft anyway)", stacklevel=3)
+                return PlainDrafter()
+            tree = TreeSpec(**plan["spec"])
         return EagleDrafter(target, drafter, tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {})))
     if hasattr(drafter, "draft") and hasattr(drafter, "commit"):  # anything following the protocol
         return drafter

@@ -1,5 +1,7 @@
 """tree="auto": the same chooser picks a small tree when verification cost grows with the tree (CPU)
 and a large one when it is nearly flat (GPU); measuring, calibrating and caching work on a tiny model."""
+import warnings
+
 import pytest
 import torch
 from helpers import tiny_target
@@ -73,3 +75,22 @@ def test_decode_auto_tree_measures_calibrates_and_caches(tmp_path, monkeypatch):
     assert cost.auto_tree(t, head, cache_dir=tmp_path) == spec
     out = decode.generate(t, head, ids[:, :8], 6, eos_token_id=False, tree=spec)
     assert out.stats.new_tokens == 6
+
+
+def test_decode_auto_falls_back_to_plain_when_no_tree_pays(tmp_path, monkeypatch):
+    from test_decode_core import tiny_head
+
+    t = tiny_target(vocab_size=64, layers=2)
+    head = tiny_head(t, "eagle3", 48)
+    ids = torch.randint(7, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    plain = decode.generate(t, None, ids, 6, eos_token_id=False)
+    for expected, plain_rate, drafts in ((5.0, 20.0, False), (30.0, 20.0, True)):
+        plan = dict(spec=dict(depth=2, top_k=2, total_tokens=4), expected_tokens_per_s=expected,
+                    plain_tokens_per_s=plain_rate, costs={})
+        monkeypatch.setattr(cost, "auto_plan", lambda target, head, plan=plan: plan)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = decode.generate(t, head, ids, 6, eos_token_id=False, tree="auto")
+        assert torch.equal(out.sequences, plain.sequences)
+        assert (max(out.stats.tree_sizes) > 0) == drafts, "auto drafts exactly when a tree is expected to pay"
+        assert any("decoding without drafting" in str(w.message) for w in seen) == (not drafts)
