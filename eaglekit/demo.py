@@ -32,6 +32,7 @@ def add_arguments(p):
     p.add_argument("--conversations", type=int, default=128, help="ShareGPT conversations to regenerate")
     p.add_argument("--regen-tokens", type=int, default=192, help="max new tokens per regenerated answer")
     p.add_argument("--train-config", default=str(ROOT / "configs" / "smollm2-135m-eagle3.yaml"))
+    p.add_argument("--epochs", type=int, default=6, help="training epochs over the regenerated data")
     p.add_argument("--questions", type=int, default=6, help="MT-bench first turns to decode")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", default="auto", help="'auto' or depth,top_k,total_tokens")
@@ -52,13 +53,13 @@ def prepare(run_dir: Path, n: int, regen_tokens: int, draft_vocab: int) -> Path:
     return data
 
 
-def train(run_dir: Path, data: Path, config: str) -> Path:
+def train(run_dir: Path, data: Path, config: str, epochs: int) -> Path:
     head = run_dir / "head"
     accelerate = Path(sys.executable).with_name("accelerate")
     _run([str(accelerate), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train_head.py"), "--config", config,
           f"data.conversations={data / 'regenerated.jsonl'}", f"data.draft_vocab={data / 'draft_vocab.safetensors'}",
-          "data.num_conversations=0", f"output_dir={head}"])
+          "data.num_conversations=0", f"optim.epochs={epochs}", f"output_dir={head}"])
     return head / "final"
 
 
@@ -113,7 +114,7 @@ def run(args) -> int:
     print(f"== 1/3 prepare: regenerate {args.conversations} ShareGPT first turns with the target")
     data = prepare(run_dir, args.conversations, args.regen_tokens, vocab)
     print("\n== 2/3 train an EAGLE-3 head (online features)")
-    head_dir = train(run_dir, data, args.train_config)
+    head_dir = train(run_dir, data, args.train_config, args.epochs)
     print(f"\n== 3/3 decode {args.questions} MT-bench questions: plain vs EAGLE, greedy, fp32")
     result = decode_side_by_side(head_dir, args.questions, args.max_new_tokens, args.tree)
     result["wall_s"] = time.perf_counter() - t0
