@@ -9,6 +9,7 @@ must have nothing accepted (tau = 1). Both must still produce the target's own o
 import pytest
 import torch
 from helpers import tiny_target
+from test_decode_core import tiny_head as review_head
 
 from eaglekit import decode
 from eaglekit.decode import kv
@@ -21,21 +22,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, s
 
 PROMPTS = [[2, 8, 9, 10], [2, 30, 31, 32, 33], [2, 11]]
 TREE = dict(depth=3, top_k=3, total_tokens=8)
-
-
-def review_head(target, kind="eagle3", draft_vocab=None, seed=0):
-    from eaglekit.heads import HeadConfig, build_head
-
-    aux = [0, 1, target.num_layers - 1] if kind == "eagle3" else None
-    cfg = HeadConfig.from_target(target, kind=kind, draft_vocab_size=draft_vocab, aux_layer_ids=aux)
-    torch.manual_seed(seed)
-    head = build_head(cfg, target)
-    if kind == "eagle3" and draft_vocab and draft_vocab < target.vocab_size:
-        ids = torch.randperm(target.vocab_size)[:draft_vocab].sort().values
-        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        head.set_draft_vocab(ids - torch.arange(draft_vocab), t2d)
-    return head
 
 
 class OracleDrafter:
