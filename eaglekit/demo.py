@@ -84,9 +84,7 @@ def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tre
               "tree=auto` would decode without drafting here; the demo drafts anyway to measure the head"))
     rows = []
     for q in assets.load_mt_bench()[:questions]:
-        msgs = [{"role": "user", "content": q["turns"][0]}]
-        ids = target.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
-                                                   return_dict=True)["input_ids"]
+        ids = target.chat_ids(q["turns"][0])
         plain = decode.generate(target, None, ids, max_new_tokens=max_new_tokens)
         fast = decode.generate(target, head, ids, max_new_tokens=max_new_tokens, tree=tree)
         same = torch.equal(plain.sequences, fast.sequences)

@@ -67,6 +67,13 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def chat_ids(self, messages: list[dict] | str) -> torch.Tensor:
+        """Token ids [1, T] of a chat (or one user turn) in the tokenizer's template, ready for a reply."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)["input_ids"]
+
     def fingerprint(self) -> str:
         """A short hash of what a head depends on: architecture shape and the tokenizer's vocabulary."""
         keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",

@@ -94,3 +94,11 @@ def test_real_qwen2_taps(qwen05):
     torch.testing.assert_close(t.lm_head(out.last), ref.logits, rtol=1e-6, atol=1e-4)
     for k, layer in enumerate(t.aux_layer_ids):
         torch.testing.assert_close(out.aux[..., k * 896:(k + 1) * 896], ref.hidden_states[layer], rtol=0, atol=0)
+
+
+def test_chat_ids_uses_the_tokenizers_template():
+    t = tiny_target("llama")
+    msgs = [{"role": "user", "content": "hi"}]
+    want = t.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert t.chat_ids("hi").tolist() == [want]
+    assert t.chat_ids(msgs).tolist() == [want]

@@ -55,9 +55,7 @@ def load_prompts(target, dataset: str, n: int) -> list[torch.Tensor]:
                  for p in assets.load_humaneval()[:n]]
     else:
         raise ValueError(f"dataset={dataset!r}: expected 'mt-bench' or 'humaneval'")
-    return [target.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                 return_tensors="pt", return_dict=True)["input_ids"]
-            for t in texts]
+    return [target.chat_ids(t) for t in texts]
 
 
 def _timed(fn):

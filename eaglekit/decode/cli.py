@@ -88,8 +88,7 @@ def run(args) -> int:
         else:
             return 0
         messages.append({"role": "user", "content": text})
-        ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                   return_dict=True)["input_ids"]
+        ids = target.chat_ids(messages)
         streamer = TextStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True)
         out = generate(target, drafter, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                        top_k=cfg.top_k, seed=cfg.seed, tree=tree, gamma=cfg.gamma, streamer=streamer)

@@ -178,9 +178,7 @@ def calibration_ids(target, n_new: int = 48) -> torch.Tensor:
     from eaglekit.decode.generate import generate
 
     q = assets.load_mt_bench()[1]["turns"][0]
-    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)["input_ids"]
-    return generate(target, None, ids, n_new, eos_token_id=False).sequences
+    return generate(target, None, target.chat_ids(q), n_new, eos_token_id=False).sequences
 
 
 def auto_plan(target, head, cache_dir=None, refresh: bool = False) -> dict:
