@@ -59,6 +59,8 @@ def load_prompts(target, dataset: str, n: int) -> list[torch.Tensor]:
 
 
 def _timed(fn):
+    if torch.cuda.is_available():  # start from an idle device: earlier queued kernels are not this call's
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     res = fn()
     if torch.cuda.is_available():

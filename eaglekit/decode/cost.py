@@ -60,6 +60,8 @@ def device_name(device: torch.device) -> str:
 def _best_of(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
+        if torch.cuda.is_available():  # start from an idle device (the warm-up's kernels may still run)
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         if torch.cuda.is_available():

@@ -191,6 +191,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
         return GenerateOutput(prompt.clone(), stats)
     if streamer is not None:
         streamer.put(prompt.cpu())
+    _sync(target.device)  # the caller's queued kernels are not this prefill's
     t_start = time.perf_counter()
     cache = kv.new_cache(target.model)
     out = target.forward(prompt, past_key_values=cache, kind=drafter.kind, layer_ids=drafter.layer_ids)

@@ -64,11 +64,14 @@ class Sampling:
 
 def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token from the (unnormalised, non-negative) distribution ``p`` [V]."""
+    if generator is not None and generator.device != p.device:  # e.g. a CPU generator and CUDA p:
+        p = p.to(generator.device)  # draw on the generator's device (multinomial refuses a mix)
     return int(torch.multinomial(p, 1, generator=generator))
 
 
 def _uniform(p: torch.Tensor, generator) -> float:
-    return float(torch.rand((), generator=generator, device=p.device))
+    device = p.device if generator is None else generator.device  # rand refuses a generator elsewhere
+    return float(torch.rand((), generator=generator, device=device))
 
 
 def accept_greedy(p, tokens, q_token, q_full, generator):
@@ -93,7 +96,7 @@ def accept_sampled(p, tokens, q_token, q_full, generator):
     """Leviathan: children x_i ~ q i.i.d.; accept w.p. min(1, p(x)/q(x)), else p ← norm(max(p − q, 0))."""
     p = p / p.sum()
     for i, x in enumerate(tokens):
-        q = q_full[i]
+        q = q_full[i].to(p.device)  # a draft model may sit on another device than the target
         if _uniform(p, generator) * float(q[x]) < float(p[x]):
             return i, p
         rest = (p - q).clamp_min(0.0)

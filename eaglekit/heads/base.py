@@ -38,7 +38,7 @@ class DraftHead(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self._target_module("embed_tokens")
-        return emb(input_ids.to(emb.weight.device)).to(self.dtype)
+        return emb(input_ids.to(emb.weight.device)).to(self.device, self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -51,7 +51,8 @@ class DraftHead(nn.Module):
     # ---- draft vocabulary ----------------------------------------------------------------------
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft vocabulary: ``target_id = i + d2t[i]``, ``t2d[t]`` = t is in the draft vocab."""
-        d2t, t2d = torch.as_tensor(d2t).long().flatten(), torch.as_tensor(t2d).bool().flatten()
+        # checked on the CPU (the maps may come from a CUDA head or file); copied to the buffers' device below
+        d2t, t2d = torch.as_tensor(d2t).long().flatten().cpu(), torch.as_tensor(t2d).bool().flatten().cpu()
         vd, v = self.config.draft_vocab_size, self.config.target_vocab_size
         if d2t.shape != (vd,) or t2d.shape != (v,):
             raise ValueError(f"set_draft_vocab: expected d2t [{vd}] and t2d [{v}], got {list(d2t.shape)} "

@@ -43,4 +43,4 @@ class Eagle1Head(DraftHead):
         for layer in self.layers:
             x = layer(x, cos, sin, cache, mask)
         lm_head = self._target_module("lm_head")
-        return x, lm_head(x.to(lm_head.weight.dtype))
+        return x, lm_head(x.to(lm_head.weight.device, lm_head.weight.dtype))
