@@ -208,11 +208,38 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     if missing or unexpected:
         raise AssetError(f"{gguf}: conversion lost weights: missing {missing}, unexpected {unexpected}")
     del src
-    if model.generation_config is not None and tok.eos_token_id is not None:
-        model.generation_config.eos_token_id = tok.eos_token_id
+    set_special_tokens(tok, model, gguf_special_ids(gguf))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def gguf_special_ids(gguf: Path) -> dict[str, int]:
+    """The special token ids a GGUF file declares (``tokenizer.ggml.{bos,eos,padding,unknown}_token_id``)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    out = {}
+    for role, key in [("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"),
+                      ("unk", "unknown_token_id")]:
+        f = fields.get(f"tokenizer.ggml.{key}")
+        if f is not None and f.data:
+            out[role] = int(f.parts[f.data[0]][0])
+    return out
+
+
+def set_special_tokens(tok, model, ids: dict[str, int]) -> None:
+    """Make tokenizer, config and generation config agree with the GGUF's own special tokens.
+
+    transformers' GGUF tokenizer conversion is not stable across versions (5.17 makes SmolLM2's
+    ``<|im_start|>`` the eos, which stops generation at the wrong token and makes ``generate`` mask the
+    ``<|im_end|>`` tokens of a chat prompt as padding); the file's metadata is the reference.
+    """
+    for role, i in ids.items():
+        setattr(tok, f"{role}_token", tok.convert_ids_to_tokens(i))
+        setattr(model.config, f"{role}_token_id", i)
+        if model.generation_config is not None and role in ("bos", "eos", "pad"):
+            setattr(model.generation_config, f"{role}_token_id", i)
 
 
 def load_sharegpt(path: Path | None = None) -> list[dict]:

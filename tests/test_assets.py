@@ -84,3 +84,21 @@ def test_embedded_model_folder_is_marked_complete():
     path = assets.model_dir("smollm2-135m-instruct")
     assert (path / ".complete").read_text() == assets.ASSETS["smollm2-135m-instruct"].sha256
     assert (path / "model.safetensors").exists() and (path / "chat_template.jinja").exists()
+
+
+def test_special_tokens_follow_the_gguf_metadata():
+    """transformers 5.17 converts SmolLM2's GGUF tokenizer with eos=<|im_start|>; the file says id 2."""
+    from helpers import tiny_model, tiny_tokenizer
+
+    tok, model = tiny_tokenizer(64), tiny_model("llama", 0, vocab_size=64)
+    wrong = {"eos": 5, "pad": 6, "bos": 7}
+    assets.set_special_tokens(tok, model, wrong)
+    assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (5, 6, 7)
+    assert (model.generation_config.eos_token_id, model.config.pad_token_id) == (5, 6)
+
+
+@pytest.mark.real
+def test_smollm2_gguf_special_ids_match_the_converted_tokenizer(smollm2):
+    ids = assets.gguf_special_ids(assets.asset_file("smollm2-135m-instruct"))
+    assert ids["eos"] == smollm2.tokenizer.eos_token_id == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ids["bos"] == smollm2.tokenizer.convert_tokens_to_ids("<|im_start|>")

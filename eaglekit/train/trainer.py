@@ -276,9 +276,13 @@ class Trainer:
                             tau_sim=f"{last_eval.get('eval_tau_sim', float('nan')):.2f}")
             if cfg.save_interval and self.state.step % cfg.save_interval == 0:
                 save_checkpoint(self.acc, self.out, self.state.step, cfg.keep_last)
+            if self._out_of_time(t0):
+                self.acc.print(f"[eaglekit.train] optim.max_minutes={cfg.optim.max_minutes} spent at step "
+                               f"{self.state.step}/{self.total_steps}: stopping early")
+                break
         bar.close()
         final = self.evaluate()
-        final.update(step=self.state.step, train_seconds=time.perf_counter() - t0,
+        final.update(step=self.state.step, planned_steps=self.total_steps, train_seconds=time.perf_counter() - t0,
                      tokens_per_s=(self.state.tokens - tok0) / max(time.perf_counter() - t0, 1e-9),
                      peak_memory_mb=peak_memory_mb(self.acc.device), processes=self.acc.num_processes,
                      distributed_type=str(self.acc.distributed_type).split(".")[-1])
@@ -288,6 +292,14 @@ class Trainer:
         self.save_final(final)
         self.acc.end_training()
         return final
+
+    def _out_of_time(self, t0: float) -> bool:
+        """True once ``optim.max_minutes`` is spent on any rank (all ranks stop at the same step)."""
+        budget = self.cfg.optim.max_minutes
+        if budget <= 0:
+            return False
+        late = float(time.perf_counter() - t0 > 60 * budget)
+        return self._reduce([late])[0] > 0
 
     def save_final(self, metrics: dict) -> Path | None:
         """Gather the full head (ZeRO-3 included) and write it with ``save_pretrained`` (main process)."""
