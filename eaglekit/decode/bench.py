@@ -69,14 +69,14 @@ def _timed(fn):
 
 
 def methods(cfg: BenchConfig, target, drafter, tree):
-    """name -> fn(ids, temperature, seed) -> (new tokens, target forwards or None)."""
+    """name -> fn(ids, temperature, seed) -> (new tokens, accept lengths or None, sequences)."""
     from eaglekit.decode.generate import generate
 
     def ours(dr):
         def fn(ids, temp, seed):
             out = generate(target, dr, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
                            gamma=cfg.gamma)
-            return out.stats.new_tokens, out.stats.accept_lengths
+            return out.stats.new_tokens, out.stats.accept_lengths, out.sequences
         return fn
 
     def hf(**kw):
@@ -86,7 +86,7 @@ def methods(cfg: BenchConfig, target, drafter, tree):
                 dict(do_sample=False, temperature=None, top_p=None, top_k=None)
             seq = target.model.generate(ids.to(target.device), max_new_tokens=cfg.max_new_tokens, **sample,
                                         **kw)
-            return seq.shape[1] - ids.shape[1], None
+            return seq.shape[1] - ids.shape[1], None, seq
         return fn
 
     out = {"plain": ours(None)}
@@ -131,17 +131,22 @@ def run_bench(cfg: BenchConfig) -> dict:
     for temp in cfg.temperatures:
         runs = {name: [] for name in fns}
         for rep in range(cfg.repeats):
-            totals = {name: [0, 0.0, []] for name in fns}
+            totals = {name: [0, 0.0, [], 0] for name in fns}
             for i, ids in enumerate(prompts):
+                plain_seq = None
                 for name, fn in fns.items():
                     seed = cfg.seed + 1000 * rep + i
-                    (n, lengths), dt = _timed(lambda fn=fn, ids=ids, seed=seed: fn(ids, temp, seed))
+                    (n, lengths, seq), dt = _timed(lambda fn=fn, ids=ids, seed=seed: fn(ids, temp, seed))
+                    plain_seq = seq if name == "plain" else plain_seq
                     totals[name][0] += n
                     totals[name][1] += dt
                     totals[name][2] += lengths or []
-            for name, (n, dt, lengths) in totals.items():
+                    totals[name][3] += int(torch.equal(seq.cpu(), plain_seq.cpu()))
+            for name, (n, dt, lengths, same) in totals.items():
                 runs[name].append(dict(tokens=n, seconds=dt, tokens_per_s=n / dt,
-                                       tau=sum(lengths) / len(lengths) if lengths else None))
+                                       tau=sum(lengths) / len(lengths) if lengths else None,
+                                       # greedy: lossless methods give plain's tokens (bf16 ties may differ)
+                                       identical_to_plain=f"{same}/{len(prompts)}" if temp == 0 else None))
         results[str(temp)] = summarise(runs)
     return dict(config=asdict(cfg), tree=str(tree), device=str(target.device),
                 threads=torch.get_num_threads(),
@@ -155,8 +160,10 @@ def summarise(runs: dict) -> dict:
     for name, rs in runs.items():
         tps = statistics.median(r["tokens_per_s"] for r in rs)
         taus = [r["tau"] for r in rs if r["tau"] is not None]
+        same = [r["identical_to_plain"] for r in rs if r.get("identical_to_plain")]
         out[name] = dict(tokens_per_s=tps, speedup_vs_plain=tps / plain,
-                         tau=statistics.median(taus) if taus else None, repeats=rs)
+                         tau=statistics.median(taus) if taus else None,
+                         identical_to_plain=", ".join(same) if same else None, repeats=rs)
     assisted = [n for n in out if n.startswith("hf_assisted_")]
     if assisted:
         best = max(assisted, key=lambda n: out[n]["tokens_per_s"])
@@ -211,12 +218,12 @@ def write(report: dict, out_dir: str) -> Path:
 
 
 def table(report: dict) -> str:
-    lines = ["| T | method | tokens/s | speedup vs plain | τ |", "|---|---|---|---|---|"]
+    lines = ["| T | method | tokens/s | speedup vs plain | τ | same tokens as plain |", "|---|---|---|---|---|---|"]
     for temp, res in report["results"].items():
         for name, r in res.items():
             tau = f"{r['tau']:.2f}" if r["tau"] else ""
             tps, speedup = r["tokens_per_s"], r["speedup_vs_plain"]
-            lines.append(f"| {temp} | {name} | {tps:.1f} | {speedup:.2f}x | {tau} |")
+            lines.append(f"| {temp} | {name} | {tps:.1f} | {speedup:.2f}x | {tau} | {r.get('identical_to_plain') or ''} |")
     return "\n".join(lines)
 
 
