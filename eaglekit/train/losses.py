@@ -135,6 +135,7 @@ class StepStats:
     loss: list[float] = field(default_factory=list)  # weighted CE (+ feature) loss sum, step k
     correct: list[int] = field(default_factory=list)  # head argmax == teacher argmax, at supervised positions
     total: list[int] = field(default_factory=list)  # supervised positions (loss_mask at the predicted token)
+    chain: list[int] = field(default_factory=list)  # ... where steps 0..k were all right (chain acceptance)
 
 
 def supervised_count(loss_mask: torch.Tensor) -> int:
@@ -182,6 +183,7 @@ def ttt_loss(head, teacher: Teacher, batch: dict, *, steps: int, decay: float, c
         top = teacher.targets(last, chunk)
     total_loss = torch.zeros((), device=ids.device)
     stats = StepStats()
+    all_right = torch.ones_like(ids, dtype=torch.bool)
     for k, hidden, logits in ttt_unroll(head, ids, head.fuse(feats), steps, mask_fn, cache_cls):
         valid = shift_left(loss_mask, 2 + k).bool()  # predicted token x_{t+2+k} is supervised (and exists)
         want = shift_left(top, 1 + k, fill=-1)  # teacher at position t+1+k
@@ -196,6 +198,9 @@ def ttt_loss(head, teacher: Teacher, batch: dict, *, steps: int, decay: float, c
         with torch.no_grad():
             pred = logits.argmax(-1)
             stats.loss.append(float(step_loss))
-            stats.correct.append(int(((pred == want) & valid).sum()))
+            right = pred == want
+            all_right &= right
+            stats.correct.append(int((right & valid).sum()))
             stats.total.append(int(valid.sum()))
+            stats.chain.append(int((all_right & valid).sum()))
     return total_loss, stats

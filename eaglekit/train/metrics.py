@@ -5,6 +5,10 @@ a position whose teacher argmax lies outside the draft vocabulary counts as a mi
 propose that token), so the figure is what greedy chain drafting would see, not an optimistic subset.
 τ_sim = 1 + Σ_k Π_{j≤k} acc_j: the bonus token plus the expected accepted chain length if step k is
 accepted with probability acc_k given steps < k were (TTT feeds ground-truth tokens, i.e. the accepted path).
+That product treats the steps as independent, but acc_k is measured over all positions, not only where
+steps < k were right, and right predictions cluster (easy spans), so it underestimates. τ_chain counts the
+event itself: at each position, are steps 0..k all right? τ_chain = 1 + Σ_k P(steps 0..k right) is the
+greedy chain-drafting acceptance length when the data is the target's own greedy text (regenerated).
 """
 from __future__ import annotations
 
@@ -25,9 +29,12 @@ class Tally:
     loss: list[float] = field(default_factory=list)
     correct: list[float] = field(default_factory=list)
     total: list[float] = field(default_factory=list)
+    chain: list[float] = field(default_factory=list)  # positions where steps 0..k were all right
+
+    FIELDS = ("loss", "correct", "total", "chain")
 
     def add(self, stats) -> None:
-        for name in ("loss", "correct", "total"):
+        for name in self.FIELDS:
             mine, new = getattr(self, name), getattr(stats, name)
             if not mine:
                 mine.extend([0.0] * len(new))
@@ -35,12 +42,13 @@ class Tally:
                 mine[k] += float(v)
 
     def as_list(self) -> list[float]:
-        return [*self.loss, *self.correct, *self.total]
+        k = len(self.loss)
+        return [*self.loss, *self.correct, *self.total, *(self.chain or [0.0] * k)]
 
     @classmethod
     def from_list(cls, values: list[float]) -> Tally:
-        k = len(values) // 3
-        return cls(list(values[:k]), list(values[k:2 * k]), list(values[2 * k:]))
+        k = len(values) // 4
+        return cls(*(list(values[i * k:(i + 1) * k]) for i in range(4)))
 
     def accuracy(self) -> list[float]:
         return [c / t if t else 0.0 for c, t in zip(self.correct, self.total)]
@@ -49,6 +57,7 @@ class Tally:
         acc = self.accuracy()
         out = {f"{prefix}acc_{k}": a for k, a in enumerate(acc)}
         out[f"{prefix}tau_sim"] = tau_sim(acc)
+        out[f"{prefix}tau_chain"] = 1.0 + sum(c / t for c, t in zip(self.chain, self.total) if t)
         if self.total and self.total[0]:
             out[f"{prefix}loss"] = sum(self.loss) / self.total[0]
         return out

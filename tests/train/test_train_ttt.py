@@ -78,3 +78,39 @@ def test_train_cached_teacher_equals_recomputed(setup):
     (l0, g0), (l1, g1) = results
     assert torch.allclose(l0, l1, rtol=1e-5) and torch.allclose(g0, g1, rtol=1e-4, atol=1e-7)
     assert g0.abs().sum() > 0
+
+
+@torch.no_grad()
+def test_train_chain_counts_positions_whose_steps_are_all_right(setup):
+    """stats.chain[k] = supervised positions where steps 0..k all predicted the teacher argmax, counted by hand."""
+    target, head, ids, out = setup
+    loss_mask = torch.ones_like(ids)
+    loss_mask[1, :4] = 0
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "feats": out.aux, "last": out.last}
+    teacher = Teacher.build(target.lm_head.weight, head.t2d)
+    _, stats = ttt_loss(head, teacher, batch, steps=3, decay=0.8, chunk=5, mask_fn=ttt_mask, cache_cls=HeadCache)
+    top = teacher.targets(out.last, 5)
+    preds = [logits.argmax(-1) for _, _, logits in ttt_unroll(head, ids, head.fuse(out.aux), 3, ttt_mask, HeadCache)]
+    B, S = ids.shape
+    want = []
+    for k in range(3):
+        n = 0
+        for b in range(B):
+            for t in range(S):
+                valid = t + 2 + k < S and loss_mask[b, t + 2 + k] == 1
+                ok = all(t + 1 + j < S and preds[j][b, t] == top[b, t + 1 + j] for j in range(k + 1))
+                n += int(valid and ok)
+        want.append(n)
+    assert stats.chain == want
+    assert all(c <= r for c, r in zip(stats.chain, stats.correct)) and stats.chain[0] == stats.correct[0]
+
+
+def test_train_tau_chain_and_tau_sim_from_a_tally():
+    from eaglekit.train.metrics import Tally
+
+    t = Tally(loss=[1.0, 1.0], correct=[5.0, 4.0], total=[10.0, 8.0], chain=[5.0, 3.0])
+    s = Tally.from_list(t.as_list()).summary("eval_")
+    assert s["eval_tau_sim"] == pytest.approx(1 + 0.5 + 0.5 * 0.5)
+    assert s["eval_tau_chain"] == pytest.approx(1 + 0.5 + 3 / 8)
+    old = Tally([0.0] * 2, [0.0] * 2, [0.0] * 2)  # the trainer's empty-rank tally has no chain counts
+    assert Tally.from_list(old.as_list()).chain == [0.0, 0.0]
