@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device command (run from the repository root on the GPU machine), see benchmarks/gpu/README.md.
+# The device command (run from the repository root on the GPU machine); payload from benchmarks/gpu/pack.sh.
 # Needs .dev/b (second half of the SmolLM2 GGUF, ShareGPT subset, MT-bench, gguf wheel) and the first
 # half at /root/gguf.a from a previous call; $OUT receives the results.
 set -euo pipefail
