@@ -4,14 +4,19 @@ Methods per prompt, interleaved so that machine drift hits all alike: ``plain`` 
 drafter: the baseline), ``ours`` (our loop with the head or draft model), ``hf`` (transformers'
 ``generate``), ``hf_lookup`` (prompt lookup decoding) and, with a draft model, ``hf_assisted``
 (transformers' assisted generation, same pair). Each (method, temperature) is repeated; the report
-takes the median over repeats of the total tokens/s over the prompt set. Writes JSON and a PNG.
+takes the median over repeats of the total tokens/s over the prompt set. Per prompt, ``plain`` and
+``ours`` keep their tokens and seconds per repeat (and ``ours`` its acceptance per depth), from which
+the report adds the speedup per prompt category and the acceptance per draft depth. Writes JSON and
+PNGs (``bench_plots``).
 
     eaglekit bench target=smollm2-135m-instruct head=runs/smollm2/final prompts=20
     eaglekit bench target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct dataset=humaneval
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import statistics
 import time
@@ -21,6 +26,7 @@ from pathlib import Path
 import torch
 
 from eaglekit.config import load_config
+from eaglekit.decode.bench_plots import plot, plot_acceptance, plot_categories
 
 
 @dataclass
@@ -30,6 +36,7 @@ class BenchConfig:
     draft: str | None = None
     dataset: str = "mt-bench"  # "mt-bench" (first turns) or "humaneval"
     prompts: int = 10
+    prompt_order: str = "first"  # "first": the first n questions; "spread": round-robin over categories
     max_new_tokens: int = 128
     temperatures: list = field(default_factory=lambda: [0.0, 1.0])
     repeats: int = 3
@@ -45,17 +52,29 @@ class BenchConfig:
     out: str = "benchmarks/results/decode"
 
 
-def load_prompts(target, dataset: str, n: int) -> list[torch.Tensor]:
+def load_questions(dataset: str, n: int, order: str = "first") -> list[tuple[str, str]]:
+    """``[(category, text)]``: MT-bench first turns with their category, or HumanEval ("humaneval")."""
     from eaglekit import assets
 
+    if order not in ("first", "spread"):
+        raise ValueError(f"prompt_order={order!r}: expected 'first' or 'spread'")
     if dataset == "mt-bench":
-        texts = [q["turns"][0] for q in assets.load_mt_bench()[:n]]
+        items = [(q["category"], q["turns"][0]) for q in assets.load_mt_bench()]
     elif dataset == "humaneval":
-        texts = ["Complete this Python function:\n```python\n" + p["prompt"] + "```"
-                 for p in assets.load_humaneval()[:n]]
+        items = [("humaneval", "Complete this Python function:\n```python\n" + p["prompt"] + "```")
+                 for p in assets.load_humaneval()]
     else:
         raise ValueError(f"dataset={dataset!r}: expected 'mt-bench' or 'humaneval'")
-    return [target.chat_ids(t) for t in texts]
+    if order == "spread":  # MT-bench lists 10 questions per category in a row: take one of each in turn
+        groups = {}
+        for item in items:
+            groups.setdefault(item[0], []).append(item)
+        items = [it for row in itertools.zip_longest(*groups.values()) for it in row if it is not None]
+    return items[:n]
+
+
+def load_prompts(target, dataset: str, n: int, order: str = "first") -> list[torch.Tensor]:
+    return [target.chat_ids(text) for _, text in load_questions(dataset, n, order)]
 
 
 def _timed(fn):
@@ -69,14 +88,14 @@ def _timed(fn):
 
 
 def methods(cfg: BenchConfig, target, drafter, tree):
-    """name -> fn(ids, temperature, seed) -> (new tokens, accept lengths or None, sequences)."""
+    """name -> fn(ids, temperature, seed) -> (new tokens, DecodeStats or None, sequences)."""
     from eaglekit.decode.generate import generate
 
     def ours(dr):
         def fn(ids, temp, seed):
             out = generate(target, dr, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
                            gamma=cfg.gamma)
-            return out.stats.new_tokens, out.stats.accept_lengths, out.sequences
+            return out.stats.new_tokens, out.stats, out.sequences
         return fn
 
     def hf(**kw):
@@ -123,35 +142,95 @@ def run_bench(cfg: BenchConfig) -> dict:
         from eaglekit.decode.cost import auto_tree
 
         tree = auto_tree(target, drafter)
-    prompts = load_prompts(target, cfg.dataset, cfg.prompts)
+    questions = load_questions(cfg.dataset, cfg.prompts, cfg.prompt_order)
+    prompts = [target.chat_ids(text) for _, text in questions]
     fns = methods(cfg, target, drafter, tree)
     for fn in fns.values():  # warm-up (allocations, auto-tree cache, kernels)
         fn(prompts[0][:, :16], 0.0, 0)
-    results = {}
+    results, per_prompt, per_category, acceptance = {}, {}, {}, {}
     for temp in cfg.temperatures:
-        runs = {name: [] for name in fns}
-        for rep in range(cfg.repeats):
-            totals = {name: [0, 0.0, [], 0] for name in fns}
-            for i, ids in enumerate(prompts):
-                plain_seq = None
-                for name, fn in fns.items():
-                    seed = cfg.seed + 1000 * rep + i
-                    (n, lengths, seq), dt = _timed(lambda fn=fn, ids=ids, seed=seed: fn(ids, temp, seed))
-                    plain_seq = seq if name == "plain" else plain_seq
-                    totals[name][0] += n
-                    totals[name][1] += dt
-                    totals[name][2] += lengths or []
-                    totals[name][3] += int(torch.equal(seq.cpu(), plain_seq.cpu()))
-            for name, (n, dt, lengths, same) in totals.items():
-                runs[name].append(dict(tokens=n, seconds=dt, tokens_per_s=n / dt,
-                                       tau=sum(lengths) / len(lengths) if lengths else None,
-                                       # greedy: lossless methods give plain's tokens (bf16 ties may differ)
-                                       identical_to_plain=f"{same}/{len(prompts)}" if temp == 0 else None))
+        runs, records, pooled = bench_temperature(cfg, fns, prompts, [c for c, _ in questions], temp)
         results[str(temp)] = summarise(runs)
+        per_prompt[str(temp)] = records
+        if "ours" in fns:
+            per_category[str(temp)] = speedup_per_category(records)
+            acceptance[str(temp)] = _rates(pooled)
+    extra = dict(speedup_per_category=per_category, acceptance_per_depth=acceptance) if "ours" in fns else {}
     return dict(config=asdict(cfg), tree=str(tree), device=str(target.device),
                 threads=torch.get_num_threads(),
                 torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results)
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results,
+                per_prompt=per_prompt, **extra)
+
+
+def bench_temperature(cfg: BenchConfig, fns: dict, prompts: list, categories: list[str], temp: float):
+    """Every method on every prompt, ``cfg.repeats`` times. Returns (per-method totals per repeat,
+    per-prompt records of plain and ours, ours' DecodeStats pooled over all prompts and repeats)."""
+    from eaglekit.decode.generate import DecodeStats
+
+    runs = {name: [] for name in fns}
+    records = [dict(category=c, **{m: dict(tokens=[], seconds=[]) for m in ("plain", "ours") if m in fns})
+               for c in categories]
+    ours_stats = [DecodeStats() for _ in prompts]  # per prompt, pooled over repeats
+    for rep in range(cfg.repeats):
+        totals = {name: [0, 0.0, [], 0] for name in fns}
+        for i, ids in enumerate(prompts):
+            plain_seq = None
+            for name, fn in fns.items():
+                seed = cfg.seed + 1000 * rep + i
+                (n, stats, seq), dt = _timed(lambda fn=fn, ids=ids, seed=seed: fn(ids, temp, seed))
+                plain_seq = seq if name == "plain" else plain_seq
+                totals[name][0] += n
+                totals[name][1] += dt
+                totals[name][2] += stats.accept_lengths if stats else []
+                totals[name][3] += int(torch.equal(seq.cpu(), plain_seq.cpu()))
+                if name in records[i]:
+                    records[i][name]["tokens"].append(n)
+                    records[i][name]["seconds"].append(dt)
+                if name == "ours":
+                    _pool_into(ours_stats[i], stats)
+        for name, (n, dt, lengths, same) in totals.items():
+            runs[name].append(dict(tokens=n, seconds=dt, tokens_per_s=n / dt,
+                                   tau=sum(lengths) / len(lengths) if lengths else None,
+                                   # greedy: lossless methods give plain's tokens (bf16 ties may differ)
+                                   identical_to_plain=f"{same}/{len(prompts)}" if temp == 0 else None))
+    pooled = DecodeStats()
+    for rec, stats in zip(records, ours_stats):
+        if "ours" in rec:
+            rec["ours"]["tau"] = stats.tau
+            rec["ours"]["acceptance_per_depth"] = _rates(stats)
+            _pool_into(pooled, stats)
+    return runs, records, pooled
+
+
+def _pool_into(pooled, stats) -> None:
+    """Append one run's verify steps to ``pooled``: its rates are then ratios of summed counts."""
+    pooled.accept_lengths += stats.accept_lengths
+    pooled.tree_depths += stats.tree_depths
+
+
+def _rates(stats) -> list[float | None]:
+    """DecodeStats.acceptance_per_depth, the one definition: the rate at depth d is
+    P(the depth-d draft token is accepted | depths 1..d-1 were accepted and the tree reached depth d),
+    i.e. #steps accepting >= d drafted tokens / #steps accepting >= d-1 whose tree reached depth d.
+    A conditional rate, so not monotone in d. None where no step qualified (NaN is not JSON)."""
+    return [None if math.isnan(r) else r for r in stats.acceptance_per_depth]
+
+
+def speedup_per_category(records: list[dict]) -> dict[str, float]:
+    """category -> median over repeats of ours' tokens/s over plain's, totals over the category's
+    prompts (= plain seconds / ours seconds when both emit the same tokens, as greedy decoding does)."""
+    out = {}
+    for cat in dict.fromkeys(r["category"] for r in records):
+        rs = [r for r in records if r["category"] == cat]
+        repeats = range(len(rs[0]["plain"]["seconds"]))
+        out[cat] = statistics.median(_tokens_per_s(rs, "ours", k) / _tokens_per_s(rs, "plain", k)
+                                     for k in repeats)
+    return out
+
+
+def _tokens_per_s(records: list[dict], method: str, rep: int) -> float:
+    return sum(r[method]["tokens"][rep] for r in records) / sum(r[method]["seconds"][rep] for r in records)
 
 
 def summarise(runs: dict) -> dict:
@@ -171,38 +250,6 @@ def summarise(runs: dict) -> dict:
     return out
 
 
-def plot(report: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install 'eaglekit[bench]'): no PNG written")
-        return None
-    temps = list(report["results"])
-    names = list(report["results"][temps[0]])
-    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
-    width = 0.8 / len(temps)
-    for j, temp in enumerate(temps):
-        vals = [report["results"][temp][n]["speedup_vs_plain"] for n in names]
-        bars = ax.bar([i + j * width for i in range(len(names))], vals, width, label=f"T={temp}")
-        for b, n in zip(bars, names):
-            tau = report["results"][temp][n]["tau"]
-            if tau:
-                ax.annotate(f"τ={tau:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
-                            va="bottom", fontsize=7)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks([i + width * (len(temps) - 1) / 2 for i in range(len(names))], names, rotation=20)
-    ax.set_ylabel("speedup vs plain (tokens/s ratio)")
-    c = report["config"]
-    ax.set_title(f"{c['target']} — {c['head'] or c['draft'] or 'no drafter'} — {c['dataset']}", fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
-
-
 def write(report: dict, out_dir: str) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -214,6 +261,9 @@ def write(report: dict, out_dir: str) -> Path:
     tmp.write_text(json.dumps(report, indent=1))
     os.replace(tmp, path)
     plot(report, path.with_suffix(".png"))
+    if "acceptance_per_depth" in report:  # a drafter was given
+        plot_acceptance(report, path.with_name(f"{path.stem}-acceptance.png"))
+        plot_categories(report, path.with_name(f"{path.stem}-categories.png"))
     return path
 
 
@@ -239,5 +289,5 @@ def run(args) -> int:
     report = run_bench(cfg)
     path = write(report, cfg.out)
     print(table(report))
-    print(f"wrote {path} (and .png)")
+    print(f"wrote {path} (and PNGs beside it)")
     return 0

@@ -1,0 +1,107 @@
+"""`eaglekit bench` per-prompt records, speedup per category, acceptance per depth and their PNGs
+(tiny saved models, seconds)."""
+import json
+import math
+import statistics
+
+import pytest
+import torch
+from helpers import save_tiny
+
+from eaglekit import assets
+from eaglekit.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from test_decode_core import tiny_head
+
+    from eaglekit.target import load_target
+
+    root = tmp_path_factory.mktemp("bench_plots")
+    target_dir = save_tiny(root / "target", layers=3, max_position_embeddings=4096)
+    tiny_head(load_target(str(target_dir)), "eagle3", 48).save_pretrained(root / "head")
+    return target_dir, root / "head"
+
+
+def bench(tmp_path, *overrides):
+    assert main(["bench", "hf_baselines=false", "max_new_tokens=8", f"out={tmp_path}", *overrides]) == 0
+    (path,) = tmp_path.glob("*.json")
+    return path, json.loads(path.read_text())
+
+
+def first_of_each_category(n):
+    return list(dict.fromkeys(q["category"] for q in assets.load_mt_bench()))[:n]
+
+
+def test_decode_bench_plots_target_as_its_own_draft(saved, tmp_path):
+    """The target drafting for itself is accepted at every depth, greedy and sampled (p = q)."""
+    target_dir, _ = saved
+    path, rep = bench(tmp_path, f"target={target_dir}", f"draft={target_dir}", "prompts=3", "prompt_order=spread",
+                      "repeats=2", "gamma=3", "temperatures=[0.0, 1.0]")
+    assert set(rep["results"]["0.0"]) == {"plain", "ours"}  # the existing keys are unchanged
+    cats = first_of_each_category(3)
+    assert len(set(cats)) == 3
+    for temp in ("0.0", "1.0"):
+        records = rep["per_prompt"][temp]
+        # an eos that stops a step early counts as a rejection in DecodeStats: these seeds have none
+        assert all(n == 8 for r in records for n in r["ours"]["tokens"]), records
+        assert rep["acceptance_per_depth"][temp] == [1.0, 1.0, 1.0]
+        assert [r["category"] for r in records] == cats
+        assert all(r["ours"]["acceptance_per_depth"] == [1.0, 1.0, 1.0] for r in records)
+        for r in records:
+            assert len(r["plain"]["seconds"]) == len(r["ours"]["tokens"]) == 2
+        assert list(rep["speedup_per_category"][temp]) == cats
+        for cat, speedup in rep["speedup_per_category"][temp].items():  # recomputed from the records
+            (r,) = [r for r in records if r["category"] == cat]
+            ratios = [(r["ours"]["tokens"][k] / r["ours"]["seconds"][k]) /
+                      (r["plain"]["tokens"][k] / r["plain"]["seconds"][k]) for k in range(2)]
+            assert speedup == pytest.approx(statistics.median(ratios))
+    assert rep["per_prompt"]["0.0"][0]["ours"]["tokens"] == rep["per_prompt"]["0.0"][0]["plain"]["tokens"]
+    for suffix in ("", "-acceptance", "-categories"):
+        png = path.with_name(f"{path.stem}{suffix}.png")
+        assert png.read_bytes()[:8] == PNG_MAGIC, png
+
+
+def test_decode_bench_plots_head_acceptance_pools_generate_stats(saved, tmp_path):
+    """A random head: the report's acceptance per depth is DecodeStats' rate over all prompts' steps pooled."""
+    from eaglekit.decode.bench import load_prompts
+    from eaglekit.decode.cli import parse_tree
+    from eaglekit.decode.generate import DecodeStats, generate
+    from eaglekit.heads import load_head
+    from eaglekit.target import load_target
+
+    target_dir, head_dir = saved
+    _, rep = bench(tmp_path, f"target={target_dir}", f"head={head_dir}", "prompts=2", "repeats=1",
+                   "tree=3,2,6", "temperatures=[0.0]")
+    target = load_target(str(target_dir))
+    head = load_head(str(head_dir), target)
+    pooled, per_prompt = DecodeStats(), []
+    for i, ids in enumerate(load_prompts(target, "mt-bench", 2)):
+        stats = generate(target, head, ids, 8, temperature=0.0, seed=i, tree=parse_tree("3,2,6")).stats
+        pooled.accept_lengths += stats.accept_lengths
+        pooled.tree_depths += stats.tree_depths
+        per_prompt.append([None if math.isnan(r) else r for r in stats.acceptance_per_depth])
+    expected = [None if math.isnan(r) else r for r in pooled.acceptance_per_depth]
+    assert len(expected) >= 2  # the tree reached depth 2 at least once
+    assert rep["acceptance_per_depth"]["0.0"] == expected  # ratios of counts: exact through JSON
+    assert [r["ours"]["acceptance_per_depth"] for r in rep["per_prompt"]["0.0"]] == per_prompt
+    assert all(r is None or 0.0 <= r <= 1.0 for r in expected)
+    assert list(rep["speedup_per_category"]["0.0"]) == ["writing"]  # the first two questions
+    assert torch.isfinite(torch.tensor(rep["speedup_per_category"]["0.0"]["writing"]))
+
+
+def test_decode_bench_plots_only_with_a_drafter(saved, tmp_path):
+    target_dir, _ = saved
+    path, rep = bench(tmp_path, f"target={target_dir}", "prompts=1", "repeats=1", "temperatures=[0.0]")
+    assert "acceptance_per_depth" not in rep and "speedup_per_category" not in rep
+    assert set(rep["per_prompt"]["0.0"][0]) == {"category", "plain"}
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [f"{path.stem}.png"]
+    from eaglekit.decode.bench import load_questions
+
+    assert [c for c, _ in load_questions("humaneval", 2)] == ["humaneval", "humaneval"]
+    with pytest.raises(ValueError, match="prompt_order"):
+        load_questions("mt-bench", 2, "random")
