@@ -33,6 +33,7 @@ class HeadSpec:
     draft_vocab_size: int = 32000  # EAGLE-3 only; clipped to the target vocab
     aux_layer_ids: list[int] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
     init_from_target: bool = False  # EAGLE-3: start lm_head (draft rows) and final norm from the target's
+    init_from: str | None = None  # a saved head (folder or export): start from its weights and draft vocab
 
 
 @dataclass
@@ -80,6 +81,7 @@ class TrainConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     seed: int = 0
     progress: bool = True  # tqdm bar on the main process
+    eval_only: bool = False  # evaluate head.init_from on the held-out split, write metrics.json, no training
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> TrainConfig:
@@ -102,5 +104,7 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
                         ("loss.chunk_tokens", cfg.loss.chunk_tokens)):
         if int(value) < 1:
             raise ConfigError(f"{where}: {name} must be >= 1, got {value}")
+    if cfg.eval_only and not h.init_from:
+        raise ConfigError(f"{where}: eval_only=true needs head.init_from=<saved head> to evaluate")
     if cfg.target_dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"{where}: target_dtype must be float32, bfloat16 or float16")

@@ -129,13 +129,16 @@ class Trainer:
             self.target = load_target(cfg.target, dtype=DTYPES[cfg.target_dtype], device=self.acc.device)
         self.src = build_sources(cfg, self.target)
         h = cfg.head
+        start = self._start_head(h.init_from) if h.init_from else None
         hc = HeadConfig.from_target(self.target, kind=h.kind, num_layers=h.num_layers,
                                     draft_vocab_size=(self.src.d2t.numel() if self.src.d2t is not None else None),
                                     aux_layer_ids=list(self.src.layer_ids) or None)
         self.head = build_head(hc, self.target, dtype=torch.float32)
         if self.src.d2t is not None:
             self.head.set_draft_vocab(self.src.d2t, self.src.t2d)
-        if h.kind == "eagle3" and h.init_from_target:
+        if start is not None:
+            self.head.load_state_dict(start.state_dict())
+        elif h.kind == "eagle3" and h.init_from_target:
             init_from_target(self.head, self.target)
         self.teacher = Teacher.build(self.target.lm_head.weight, self.src.t2d)
         o = cfg.optim
@@ -148,6 +151,20 @@ class Trainer:
         self.state = TrainState()
         self.acc.register_for_checkpointing(self.scheduler, self.state)
         self.log_path = self.out / "log.jsonl"
+
+    def _start_head(self, path: str):
+        """A saved head to start from; its draft vocabulary replaces the data's (the rows must match)."""
+        from eaglekit.heads import load_head
+
+        head = load_head(path, self.target, dtype=torch.float32, device="cpu")
+        c, h, taps = head.config, self.cfg.head, list(self.src.layer_ids)
+        theirs = {"kind": c.kind, "num_layers": c.num_layers, "aux_layer_ids": list(c.aux_layer_ids or [])}
+        ours = {"kind": h.kind, "num_layers": h.num_layers, "aux_layer_ids": taps if c.kind == "eagle3" else []}
+        if theirs != ours:
+            raise ValueError(f"head.init_from={path}: the saved head has {theirs}, this run wants {ours}")
+        if c.kind == "eagle3":
+            self.src.d2t, self.src.t2d = head.d2t.cpu(), head.t2d.cpu()
+        return head
 
     # ---- data ------------------------------------------------------------------------------------
     def _schedule(self, epoch: int) -> Schedule:
@@ -248,11 +265,12 @@ class Trainer:
 
         cfg = self.cfg
         self.acc.init_trackers("eaglekit", config={"output_dir": cfg.output_dir})
-        self.resume()
+        if not cfg.eval_only:
+            self.resume()
         bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not (cfg.progress and self.acc.is_local_main_process),
                    desc="train", dynamic_ncols=True)
         t0, tok0, last_eval = time.perf_counter(), self.state.tokens, {}
-        while self.state.step < self.total_steps:
+        while self.state.step < self.total_steps and not cfg.eval_only:
             sched = self._schedule(self.state.epoch)
             if self.state.step_in_epoch >= sched.steps:
                 self.state.epoch, self.state.step_in_epoch = self.state.epoch + 1, 0
@@ -289,7 +307,12 @@ class Trainer:
         self.log({**final, "final": True})
         self.acc.print("[eaglekit.train] held-out " + " ".join(f"{k}={v:.4g}" for k, v in final.items()
                                                                  if isinstance(v, float)))
-        self.save_final(final)
+        if cfg.eval_only:
+            if self.acc.is_main_process:
+                self.out.mkdir(parents=True, exist_ok=True)
+                (self.out / "metrics.json").write_text(json.dumps({**final, "eval_of": cfg.head.init_from}, indent=1))
+        else:
+            self.save_final(final)
         self.acc.end_training()
         return final
 

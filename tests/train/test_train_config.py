@@ -28,6 +28,8 @@ def test_train_bad_values_refused():
         load_train_config(None, ["data.conversations=x", "head.kind=eagle2"])
     with pytest.raises(ConfigError, match="optim.lr must be a float"):
         load_train_config(None, ["data.conversations=x", "optim.lr=fast"])
+    with pytest.raises(ConfigError, match="eval_only=true needs head.init_from"):
+        load_train_config(None, ["data.conversations=x", "eval_only=true"])
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*-eagle[13].yaml")), ids=lambda p: p.name)
