@@ -135,7 +135,7 @@ class StepStats:
     loss: list[float] = field(default_factory=list)  # weighted CE (+ feature) loss sum, step k
     correct: list[int] = field(default_factory=list)  # head argmax == teacher argmax, at supervised positions
     total: list[int] = field(default_factory=list)  # supervised positions (loss_mask at the predicted token)
-    chain: list[int] = field(default_factory=list)  # ... where steps 0..k were all right (chain acceptance)
+    chain: list[int] = field(default_factory=list)  # ... where steps 0..k were all right (see metrics.py)
 
 
 def supervised_count(loss_mask: torch.Tensor) -> int:

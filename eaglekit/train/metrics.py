@@ -5,10 +5,11 @@ a position whose teacher argmax lies outside the draft vocabulary counts as a mi
 propose that token), so the figure is what greedy chain drafting would see, not an optimistic subset.
 τ_sim = 1 + Σ_k Π_{j≤k} acc_j: the bonus token plus the expected accepted chain length if step k is
 accepted with probability acc_k given steps < k were (TTT feeds ground-truth tokens, i.e. the accepted path).
-That product treats the steps as independent, but acc_k is measured over all positions, not only where
-steps < k were right, and right predictions cluster (easy spans), so it underestimates. τ_chain counts the
-event itself: at each position, are steps 0..k all right? τ_chain = 1 + Σ_k P(steps 0..k right) is the
-greedy chain-drafting acceptance length when the data is the target's own greedy text (regenerated).
+That product treats the steps as independent (acc_k is measured over all positions, not only where steps
+< k were right). τ_chain counts the joint event instead: at each position, were steps 0..k all right?
+τ_chain = 1 + Σ_k P(steps 0..k right). Which one predicts decoding better is measured, not assumed
+(benchmarks/bench_tau_check.py): for the H200-trained SmolLM2 head, greedy chain decoding of 12 held-out
+prompts gave τ 1.65 against τ_sim 1.67 and τ_chain 1.82 — right answers cluster less than one would think.
 """
 from __future__ import annotations
 
