@@ -194,7 +194,8 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     _sync(target.device)  # the caller's queued kernels are not this prefill's
     t_start = time.perf_counter()
     cache = kv.new_cache(target.model)
-    out = target.forward(prompt, past_key_values=cache, kind=drafter.kind, layer_ids=drafter.layer_ids)
+    out = target.forward(prompt, past_key_values=cache, kind=drafter.kind, layer_ids=drafter.layer_ids,
+                         logits_to_keep=1)  # only the last row: [S, V] logits of a long prompt cost seconds
     last = out.logits[0, -1]
     root = int(last.argmax()) if sampling.greedy else sample(sampling.probs(last), generator)
     drafter.prefill(prompt, out, root)
