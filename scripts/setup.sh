@@ -4,14 +4,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.eaglekit-installed
-want=$(cat pyproject.toml constraints-cpu.txt | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml constraints-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "eaglekit setup: installing into .venv (first time only, a few minutes)..."
   .venv/bin/python -m pip install -q -U pip
-  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev]'
+  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,bench]'
   echo "$want" > "$stamp"
 fi
 export HF_HUB_OFFLINE=1
