@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -32,7 +33,7 @@ def main() -> None:
 
     target = load_target("smollm2-135m-instruct")
     head = load_head(a.head, target)
-    rows = [json.loads(line) for line in open(a.data)]
+    rows = [json.loads(line) for line in Path(a.data).read_text().splitlines()]
     rows = [r for r in rows if r["messages"]][-a.n:]
     chain = TreeSpec(depth=a.depth, top_k=1, total_tokens=a.depth)
     taus, lengths = [], []
@@ -45,7 +46,7 @@ def main() -> None:
     report = {"prompts": len(rows), "depth": a.depth, "tau_per_step": sum(lengths) / len(lengths),
               "tau_median_prompt": statistics.median(taus)}
     if a.metrics:
-        m = json.load(open(a.metrics))
+        m = json.loads(Path(a.metrics).read_text())
         report.update({k: m[k] for k in ("eval_tau_sim", "eval_tau_chain") if k in m})
     print(json.dumps(report, indent=1))
 
