@@ -48,8 +48,9 @@ class Tally:
 
     @classmethod
     def from_list(cls, values: list[float]) -> Tally:
-        k = len(values) // 4
-        return cls(*(list(values[i * k:(i + 1) * k]) for i in range(4)))
+        n = len(cls.FIELDS)
+        k = len(values) // n
+        return cls(*(list(values[i * k:(i + 1) * k]) for i in range(n)))
 
     def accuracy(self) -> list[float]:
         return [c / t if t else 0.0 for c, t in zip(self.correct, self.total)]
