@@ -49,6 +49,7 @@ class BenchConfig:
     device: str = "cpu"
     seed: int = 0
     threads: int = 0  # torch CPU threads (0 = torch's default)
+    cpu_linear: str = "packed"  # "packed" (oneDNN pre-packed weights, every method alike) or "aten"
     out: str = "benchmarks/results/decode"
 
 
@@ -132,11 +133,12 @@ def _assisted(hf, drafter, k):
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    from eaglekit.decode.cli import load_drafter, parse_tree
+    from eaglekit.decode.cli import load_drafter, parse_tree, use_cpu_linear
     from eaglekit.target import load_target
 
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     drafter = load_drafter(cfg, target)
+    packed = use_cpu_linear(cfg.cpu_linear, target, drafter)  # HF baselines run the same packed modules
     tree = parse_tree(cfg.tree)
     if tree == "auto" and cfg.head:
         from eaglekit.decode.cost import auto_tree
@@ -157,7 +159,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             acceptance[str(temp)] = _rates(pooled)
     extra = dict(speedup_per_category=per_category, acceptance_per_depth=acceptance) if "ours" in fns else {}
     return dict(config=asdict(cfg), tree=str(tree), device=str(target.device),
-                threads=torch.get_num_threads(),
+                threads=torch.get_num_threads(), packed_linears=packed,
                 torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results,
                 per_prompt=per_prompt, **extra)

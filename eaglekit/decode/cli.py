@@ -31,6 +31,18 @@ class GenerateConfig:
     gamma: int = 4
     dtype: str = "float32"
     device: str = "cpu"
+    cpu_linear: str = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
+
+
+def use_cpu_linear(choice: str, *models) -> int:
+    """Apply ``cpu_linear=`` to targets / heads / draft models (None skipped); returns linears packed."""
+    from eaglekit.packed_linear import pack_linears
+
+    if choice not in ("packed", "aten"):
+        raise ValueError(f"cpu_linear={choice!r}: expected 'packed' or 'aten'")
+    if choice == "aten":
+        return 0
+    return sum(pack_linears(getattr(m, "model", m)) for m in models if m is not None)
 
 
 def parse_tree(text: str):
@@ -73,6 +85,7 @@ def run(args) -> int:
     cfg = load_config(GenerateConfig, args.config, args.overrides)
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     drafter = load_drafter(cfg, target)
+    use_cpu_linear(cfg.cpu_linear, target, drafter)
     tree = parse_tree(cfg.tree)
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
     turns = [cfg.prompt] if cfg.prompt else None

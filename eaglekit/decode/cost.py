@@ -165,12 +165,13 @@ def choose(costs: Costs, pools: dict, max_total: int = 96) -> tuple[TreeSpec, fl
 
 def _key(target, head) -> str:
     from eaglekit import __version__
+    from eaglekit.packed_linear import packed_count
 
     with torch.no_grad():
         w = float(sum(p.double().abs().sum() for p in head.parameters()))
     blob = json.dumps([device_name(target.device), str(target.dtype), target.fingerprint(),
                        head.config.kind, head.config.num_layers, head.config.draft_vocab_size, round(w, 3),
-                       __version__])
+                       __version__, packed_count(target.model), packed_count(head)])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

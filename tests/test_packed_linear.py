@@ -1,0 +1,90 @@
+"""oneDNN pre-packed linears (eaglekit/packed_linear.py): same outputs as aten's linear, autograd falls
+back to the live weight, unpack restores, and greedy decoding on a packed real target still equals the
+target's own (unpacked) greedy decoding."""
+import pytest
+import torch
+from helpers import tiny_target
+
+from eaglekit import decode
+from eaglekit.decode.tree import TreeSpec
+from eaglekit.packed_linear import available, pack_linears, packed_count, unpack_linears
+
+pytestmark = [pytest.mark.skipif(not available(), reason="this torch build has no oneDNN packed linear"),
+              pytest.mark.usefixtures("one_thread")]
+
+
+def n_linears(module):
+    return sum(isinstance(m, torch.nn.Linear) for m in module.modules())
+
+
+def test_packed_logits_equal_aten_and_unpack_restores():
+    t = tiny_target(vocab_size=64, layers=3)
+    ids = torch.randint(3, 64, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = t.model(ids).logits
+        assert pack_linears(t.model) == n_linears(t.model) > 0
+        assert pack_linears(t.model) == n_linears(t.model)  # packing twice is a no-op
+        got = t.model(ids).logits
+        # fp32 with another summation order: a few ulps of the logits' scale, far below any real difference
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        unpack_linears(t.model)
+        assert packed_count(t.model) == 0
+        assert torch.equal(t.model(ids).logits, ref)  # aten again, bit for bit
+
+
+def test_autograd_runs_on_the_live_weight():
+    lin = torch.nn.Linear(16, 8)
+    pack_linears(lin)
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # an edit after packing: the packed copy is stale, autograd must not use it
+    x = torch.randn(3, 16, requires_grad=True)
+    y = lin(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    y.sum().backward()
+    assert lin.weight.grad is not None and torch.equal(lin.weight.grad, x.detach().sum(0).expand(8, 16))
+
+
+def test_bf16_packed_close_to_aten():
+    lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = lin(x).float()
+        pack_linears(lin)
+        got = lin(x).float()
+    assert packed_count(lin) == 1
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)  # bf16: 8 mantissa bits, other rounding order
+
+
+def test_greedy_decode_on_a_packed_tiny_target_equals_hf():
+    from decode.test_decode_core import hf_greedy, tiny_head
+
+    t = tiny_target(vocab_size=64, layers=3)
+    head = tiny_head(t)
+    prompt = [2, 8, 9, 10]
+    ref = hf_greedy(t, prompt, 20)
+    pack_linears(t.model)
+    pack_linears(head)
+    out = decode.generate(t, head, torch.tensor([prompt]), 20, eos_token_id=False,
+                          tree=TreeSpec(depth=3, top_k=3, total_tokens=8))
+    assert out.sequences.tolist() == ref.tolist()
+
+
+@pytest.mark.real
+def test_packed_smollm2_greedy_matches_unpacked_hf(smollm2):
+    """A second SmolLM2, packed, decoding 6 MT-bench prompts (plain and with a random EAGLE-3 head) must
+    match transformers' greedy decoding on the unpacked fixture (near-tie rule of test_decode_real)."""
+    from decode.test_decode_real import assert_same_or_near_tie, hf_greedy, mt_bench_prompts, random_head
+
+    from eaglekit.target import load_target
+
+    packed = load_target("smollm2-135m-instruct")
+    head = random_head(packed)
+    assert pack_linears(packed.model) == n_linears(packed.model)
+    pack_linears(head)
+    ties = 0
+    for i, ids in enumerate(mt_bench_prompts(smollm2, 6)):
+        ref = hf_greedy(smollm2, ids, 24)
+        for name, drafter in (("plain", None), ("eagle3", head)):
+            out = decode.generate(packed, drafter, ids, 24, tree=TreeSpec(depth=3, top_k=4, total_tokens=10))
+            ties += assert_same_or_near_tie(smollm2, ref, out.sequences, f"packed {name} prompt {i}")
+    assert ties <= 1, f"{ties} near-tie divergences in 12 decodes"
