@@ -139,6 +139,10 @@ def test_decode_bad_input():
         decode.generate(t, tiny_head(other, "eagle3", 32), torch.tensor([PROMPTS[0]]), 4)
     with pytest.raises(ValueError, match="does not share the tokenizer"):
         decode.generate(t, other, torch.tensor([PROMPTS[0]]), 4)
+    decode.generate(other, other, torch.tensor([PROMPTS[0]]), 2)  # a pair found equal is remembered...
+    for _ in range(2):  # ...but only for that pair: the same draft against another target is still refused
+        with pytest.raises(ValueError, match="does not share the tokenizer"):
+            decode.generate(t, other, torch.tensor([PROMPTS[0]]), 4)
     out = decode.generate(t, t, torch.tensor([PROMPTS[0]]), 0)  # documented: the prompt unchanged
     assert out.sequences.tolist() == [PROMPTS[0]] and out.stats.accept_lengths == []
     with pytest.raises(ValueError, match="TreeSpec"):
