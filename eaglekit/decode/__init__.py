@@ -1,10 +1,11 @@
 """Lossless speculative decoding: EAGLE-2 trees from a head, a draft model's chain, or plain decoding.
 
 ``decode.generate(target, drafter, input_ids, ...)`` with ``drafter`` an EAGLE head, another Target
-sharing the tokenizer, or None. See ``eaglekit/decode/generate.py`` for the loop.
+sharing the tokenizer (a chain of ``gamma`` tokens; ``ModelTreeDrafter`` for a tree), or None. See ``eaglekit/decode/generate.py`` for the loop.
 """
+from eaglekit.decode.drafters import ModelTreeDrafter
 from eaglekit.decode.generate import DecodeStats, GenerateOutput, generate
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.tree import Tree, TreeSpec
 
-__all__ = ["DecodeStats", "GenerateOutput", "Sampling", "Tree", "TreeSpec", "generate"]
+__all__ = ["DecodeStats", "GenerateOutput", "ModelTreeDrafter", "Sampling", "Tree", "TreeSpec", "generate"]

@@ -42,6 +42,7 @@ class BenchConfig:
     repeats: int = 3
     tree: str = "auto"
     gamma: int = 4
+    draft_tree: str | None = None  # with draft=: "depth,top_k,total_tokens", our loop drafts a tree, not a chain
     hf_baselines: bool = True
     prompt_lookup_tokens: int = 10
     assistant_tokens: list = field(default_factory=lambda: [4, 8])  # best of these is reported
@@ -109,9 +110,11 @@ def methods(cfg: BenchConfig, target, drafter, tree):
             return seq.shape[1] - ids.shape[1], None, seq
         return fn
 
+    from eaglekit.decode.cli import with_draft_tree
+
     out = {"plain": ours(None)}
     if drafter is not None:
-        out["ours"] = ours(drafter)
+        out["ours"] = ours(with_draft_tree(cfg, target, drafter))
     if cfg.hf_baselines:
         out["hf"] = hf()
         out["hf_lookup"] = hf(prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)

@@ -29,6 +29,7 @@ class GenerateConfig:
     seed: int = 0
     tree: str = "auto"  # "auto" or "depth,top_k,total_tokens", e.g. "5,8,48"
     gamma: int = 4
+    draft_tree: str | None = None  # with draft=: "depth,top_k,total_tokens" grows a tree instead of a chain
     dtype: str = "float32"
     device: str = "cpu"
     cpu_linear: str = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
@@ -72,6 +73,17 @@ def load_drafter(cfg, target):
     return None
 
 
+def with_draft_tree(cfg, target, drafter):
+    """``draft_tree=`` with ``draft=``: wrap the draft model in a ``ModelTreeDrafter``; else unchanged."""
+    if not getattr(cfg, "draft_tree", None):
+        return drafter
+    if not cfg.draft:
+        raise ValueError("draft_tree= needs draft= (a head drafts a tree through tree=)")
+    from eaglekit.decode.drafters import ModelTreeDrafter
+
+    return ModelTreeDrafter(target, drafter, parse_tree(cfg.draft_tree))
+
+
 def add_arguments(p):
     p.epilog = "keys: " + ", ".join(GenerateConfig.__dataclass_fields__)
 
@@ -86,6 +98,7 @@ def run(args) -> int:
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     drafter = load_drafter(cfg, target)
     use_cpu_linear(cfg.cpu_linear, target, drafter)
+    drafter = with_draft_tree(cfg, target, drafter)
     tree = parse_tree(cfg.tree)
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
     turns = [cfg.prompt] if cfg.prompt else None
@@ -108,6 +121,7 @@ def run(args) -> int:
         answer = target.tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
         s = out.stats
-        kind = "plain" if drafter is None else ("head" if cfg.head else f"draft model, gamma={cfg.gamma}")
+        kind = "plain" if drafter is None else "head" if cfg.head else \
+            f"draft model, tree {cfg.draft_tree}" if cfg.draft_tree else f"draft model, gamma={cfg.gamma}"
         print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, tau={s.tau:.2f} ({kind}), "
               f"acceptance per depth {[round(a, 2) for a in s.acceptance_per_depth]}]", file=sys.stderr)

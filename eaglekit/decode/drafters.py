@@ -151,8 +151,8 @@ class EagleDrafter:
     def draft(self, max_depth: int) -> Tree:
         n = len(self.pending_ids)
         pos = torch.arange(self.committed, self.committed + n, device=self.device)
-        hidden, logits = self.head.step(self.pending_ids[None], self.pending_g[None], pos[None],
-                                        cache=self.cache)
+        g = None if self.pending_g is None else self.pending_g[None]
+        hidden, logits = self.head.step(self.pending_ids[None], g, pos[None], cache=self.cache)
         self.committed += n
         depth = min(self.spec.depth, max_depth)
         if depth == 0:
@@ -209,3 +209,65 @@ class EagleDrafter:
                 allowed[i, slots[a]] = True
                 a = int(pool_parents[a])
         return additive(allowed.to(self.device), self.dtype)[None, None]
+
+
+class _ModelCache:
+    """A draft model's ``DynamicCache`` behind the two calls the tree expansion makes (``length``, ``crop``)."""
+
+    def __init__(self, model):
+        self.dyn = kv.new_cache(model)
+
+    @property
+    def length(self) -> int:
+        return kv.cache_length(self.dyn)
+
+    def crop(self, n: int) -> None:
+        kv.crop(self.dyn, n)
+
+
+class _ModelAsHead:
+    """A draft Target driven like a head by the tree expansion: ``step`` = one draft-model forward over the
+    given tokens (tree mask and positions given) on its own cache. It reads no features: the ``hidden`` it
+    returns is an empty placeholder for the feature slot the expansion carries."""
+
+    def __init__(self, draft, vocab: int):
+        self.draft, self.vocab = draft, vocab
+
+    def step(self, ids, g, pos, cache: _ModelCache, attn_mask=None):
+        keep = 1 if attn_mask is None else 0  # the pending tokens (a whole prompt at first): last row only
+        out = self.draft.forward(ids, attention_mask=attn_mask, position_ids=pos, past_key_values=cache.dyn,
+                                 kind=None, logits_to_keep=keep)
+        logits = out.logits[..., : self.vocab]  # a draft lm_head padded past the target's vocab: never propose those
+        return logits.new_zeros(logits.shape[:2] + (1,)), logits
+
+    @staticmethod
+    def draft_to_target(ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+
+class ModelTreeDrafter(EagleDrafter):
+    """A draft model growing an EAGLE-2 dynamic tree instead of a chain (SpecInfer-style token tree).
+
+    Each level is one draft-model forward over the ``top_k`` frontier nodes with a tree mask; on a CPU
+    that costs about one token, so the extra branches are nearly free to draft. Candidates are chosen
+    (top-k), so acceptance uses the one-hot rule, exact at any temperature. The draft cache is cropped
+    after drafting and the accepted tokens re-fed in the next draft forward, like the head cache.
+    ``decode.generate(target, ModelTreeDrafter(target, draft, TreeSpec(...)), ...)``.
+    """
+
+    kind, layer_ids = None, None
+
+    def __init__(self, target, draft, spec: TreeSpec):
+        check_same_tokenizer(target, draft)
+        self.draft_model, self.head, self.spec = draft, _ModelAsHead(draft, target.vocab_size), spec
+        self.device, self.dtype = draft.device, draft.dtype
+
+    def prefill(self, prompt, out, root):
+        self.cache = _ModelCache(self.draft_model.model)
+        self.committed = 0
+        self.pending_ids = torch.tensor(prompt[0].tolist() + [root], device=self.device)
+        self.pending_g = None
+
+    def commit(self, tree, path, next_token, out, rows):
+        ids = (tree.tokens[path].tolist() if path else []) + [next_token]
+        self.pending_ids = torch.tensor(ids, device=self.device)

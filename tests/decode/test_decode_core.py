@@ -6,6 +6,7 @@ from helpers import tiny_target
 
 from eaglekit import decode
 from eaglekit.decode import kv
+from eaglekit.decode.drafters import ModelTreeDrafter
 from eaglekit.decode.generate import verify
 from eaglekit.decode.tree import Tree, TreeSpec
 
@@ -38,8 +39,11 @@ def hf_greedy(target, ids, n):
 @pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa")])
 def test_decode_greedy_equals_hf_every_drafter(arch, attn):
     t = tiny_target(arch, attn=attn, vocab_size=64, layers=3)
-    drafters = {"plain": None, "chain": tiny_target(arch, seed=1, vocab_size=64, layers=2),
-                "self": t, "eagle3": tiny_head(t, "eagle3", 48), "eagle1": tiny_head(t, "eagle1")}
+    small = tiny_target(arch, seed=1, vocab_size=64, layers=2, attn=attn)
+    drafters = {"plain": None, "chain": small, "self": t, "eagle3": tiny_head(t, "eagle3", 48),
+                "eagle1": tiny_head(t, "eagle1"), "model_tree": ModelTreeDrafter(t, small, TreeSpec(**TREE)),
+                "self_tree": ModelTreeDrafter(t, t, TreeSpec(**TREE)),
+                "self_chain_tree": ModelTreeDrafter(t, t, TreeSpec(depth=3, top_k=1, total_tokens=3))}
     for ids in PROMPTS:
         ref = hf_greedy(t, ids, 20)
         for name, dr in drafters.items():
@@ -48,7 +52,11 @@ def test_decode_greedy_equals_hf_every_drafter(arch, attn):
             assert out.stats.new_tokens == 20 and sum(out.stats.accept_lengths) == 19  # + 1 from the prefill
             if name == "self":  # a target drafting for itself is always right: gamma+1 per forward
                 assert out.stats.accept_lengths[:-1] == [4] * (len(out.stats.accept_lengths) - 1)
-            if name in ("eagle3", "eagle1"):
+            if name == "self_chain_tree":  # top_k 1 from itself = its greedy path: depth+1 per forward
+                assert out.stats.accept_lengths[:-1] == [4] * (len(out.stats.accept_lengths) - 1)
+            if name == "self_tree":  # the best-scored node is its own greedy next token: always accepted
+                assert min(out.stats.accept_lengths[:-1]) >= 2
+            if name in ("eagle3", "eagle1", "model_tree", "self_tree"):
                 assert max(out.stats.tree_sizes) == TREE["total_tokens"]
 
 
@@ -87,13 +95,14 @@ def _cache_equals_fresh(target, tol):
     return on_step, checked
 
 
-@pytest.mark.parametrize("drafter", ["eagle3", "self", "chain"])
+@pytest.mark.parametrize("drafter", ["eagle3", "self", "chain", "model_tree"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_decode_kv_keep_equals_fresh_forward(drafter, temperature):
     """After every step the target cache equals a fresh forward over the accepted text (fp32, 1e-5)."""
     t = tiny_target(vocab_size=64, layers=3)
-    dr = {"eagle3": tiny_head(t, "eagle3", 48), "self": t,
-          "chain": tiny_target(seed=1, vocab_size=64, layers=2)}[drafter]
+    small = tiny_target(seed=1, vocab_size=64, layers=2)
+    dr = {"eagle3": tiny_head(t, "eagle3", 48), "self": t, "chain": small,
+          "model_tree": ModelTreeDrafter(t, small, TreeSpec(**TREE))}[drafter]
     on_step, checked = _cache_equals_fresh(t, 1e-5)
     out = decode.generate(t, dr, torch.tensor([PROMPTS[0]]), 24, temperature=temperature, seed=0,
                           eos_token_id=False, tree=TREE, gamma=3, on_step=on_step)

@@ -1,6 +1,7 @@
 """Lossless sampling: the joint distribution of the first 3 generated tokens, enumerated exactly from
 the target (with transformers' own temperature / top-k / top-p warpers), against the empirical
-distribution of many runs of decode.generate — plain, draft-model chain and EAGLE tree drafting.
+distribution of many runs of decode.generate — plain, draft-model chain, EAGLE tree and draft-model tree
+drafting.
 
 Statistic: Pearson chi-square over the joint cells (cells expected below 5 pooled into one), p-value
 from the chi-square law; a run fails below ALPHA = 1e-3, i.e. a false-alarm rate of 0.1% per check
@@ -121,10 +122,11 @@ def setup():
 TREE = dict(depth=2, top_k=5, total_tokens=10)
 
 
-@pytest.mark.parametrize("mode", ["plain", "chain", "tree"])
+@pytest.mark.parametrize("mode", ["plain", "chain", "tree", "model_tree"])
 def test_decode_sampling_matches_target_distribution(setup, mode):
     target, head, draft, exact = setup
-    drafter = {"plain": None, "chain": draft, "tree": head}[mode]
+    model_tree = decode.ModelTreeDrafter(target, draft, decode.TreeSpec(**TREE))
+    drafter = {"plain": None, "chain": draft, "tree": head, "model_tree": model_tree}[mode]
     counts, lengths = sample_runs(target, drafter, CONFIG, runs=1000, seed=1, tree=TREE, gamma=2)
     p = chi_square_pvalue(exact, counts)
     assert p > ALPHA, (mode, p)
