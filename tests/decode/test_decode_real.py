@@ -1,6 +1,6 @@
 """Greedy exactness on real targets (fp32): decode.generate must equal transformers' own greedy
 ``generate`` token for token, with an untrained EAGLE head (tree drafting) and with a model drafting
-for itself (chain; every draft is right, so tau must be maximal).
+for itself (chain; every draft is right, so tau must be maximal; and a draft-model tree on 5 prompts).
 
 Near-tie rule (DESIGN.md): a verify pass does its matmuls in another shape than one-token decoding, so
 a genuine near-tie may flip. A divergence is accepted only if, at the first divergent position, the
@@ -80,11 +80,17 @@ def test_decode_real_greedy_qwen05_head_and_self_draft(qwen05):
     t, n, gamma = qwen05, 12, 3
     head = random_head(t, "eagle3")
     tree = TreeSpec(depth=2, top_k=2, total_tokens=3)
+    self_tree = decode.ModelTreeDrafter(t, t, TreeSpec(depth=3, top_k=2, total_tokens=6))
     ties = 0
     for i, ids in enumerate(mt_bench_prompts(t)):
         ref = hf_greedy(t, ids, n)
         out = decode.generate(t, head, ids, n, tree=tree)
         ties += assert_same_or_near_tie(t, ref, out.sequences, f"qwen05 eagle3 prompt {i}")
+        if i < 5:  # a draft-model tree (the model drafting for itself): its best node is always accepted
+            out = decode.generate(t, self_tree, ids, n)
+            tie = assert_same_or_near_tie(t, ref, out.sequences, f"qwen05 self-draft tree prompt {i}")
+            ties += tie
+            assert tie or min(out.stats.accept_lengths[:-1]) >= 2, (i, out.stats.accept_lengths)
         out = decode.generate(t, t, ids, n, gamma=gamma)
         tie = assert_same_or_near_tie(t, ref, out.sequences, f"qwen05 self-draft prompt {i}")
         ties += tie
