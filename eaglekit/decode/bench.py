@@ -211,6 +211,7 @@ def bench_temperature(cfg: BenchConfig, fns: dict, prompts: list, categories: li
 def _pool_into(pooled, stats) -> None:
     """Append one run's verify steps to ``pooled``: its rates are then ratios of summed counts."""
     pooled.accept_lengths += stats.accept_lengths
+    pooled.path_lengths += stats.path_lengths
     pooled.tree_depths += stats.tree_depths
 
 

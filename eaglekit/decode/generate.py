@@ -21,6 +21,7 @@ class DecodeStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify forward (bonus incl.)
     tree_sizes: list[int] = field(default_factory=list)  # nodes verified per forward (root excluded)
     tree_depths: list[int] = field(default_factory=list)
+    path_lengths: list[int] = field(default_factory=list)  # root + accepted nodes per forward, before EOS/stop cut
     new_tokens: int = 0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -34,11 +35,15 @@ class DecodeStats:
 
     @property
     def acceptance_per_depth(self) -> list[float]:
-        """Rate at depth d: P(node at depth d accepted | depth d-1 accepted and the tree reached d)."""
+        """Rate at depth d: P(node at depth d accepted | depth d-1 accepted and the tree reached d).
+
+        Counted on the accepted paths before an EOS or stop string cut the step short (the cut tokens were
+        accepted, not rejected)."""
+        paths = self.path_lengths if len(self.path_lengths) == len(self.tree_depths) else self.accept_lengths
         rates = []
         for d in range(1, max(self.tree_depths, default=0) + 1):
-            tried = sum(1 for a, t in zip(self.accept_lengths, self.tree_depths) if a >= d and t >= d)
-            ok = sum(1 for a, t in zip(self.accept_lengths, self.tree_depths) if a >= d + 1 and t >= d)
+            tried = sum(1 for a, t in zip(paths, self.tree_depths) if a >= d and t >= d)
+            ok = sum(1 for a, t in zip(paths, self.tree_depths) if a >= d + 1 and t >= d)
             rates.append(ok / tried if tried else float("nan"))
         return rates
 
@@ -222,6 +227,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
         before = len(new)
         new, done = _finish(new + emitted, max_new_tokens, eos, stop, target.tokenizer)
         stats.accept_lengths.append(len(new) - before)  # what this forward emitted (truncation at the end)
+        stats.path_lengths.append(len(path) + 1)
         stats.tree_sizes.append(len(tree))
         stats.tree_depths.append(int(tree.depths.max()) if len(tree) else 0)
         if streamer is not None and len(new) > before:

@@ -83,6 +83,7 @@ def test_decode_bench_plots_head_acceptance_pools_generate_stats(saved, tmp_path
     for i, ids in enumerate(load_prompts(target, "mt-bench", 2)):
         stats = generate(target, head, ids, 8, temperature=0.0, seed=i, tree=parse_tree("3,2,6")).stats
         pooled.accept_lengths += stats.accept_lengths
+        pooled.path_lengths += stats.path_lengths
         pooled.tree_depths += stats.tree_depths
         per_prompt.append([None if math.isnan(r) else r for r in stats.acceptance_per_depth])
     expected = [None if math.isnan(r) else r for r in pooled.acceptance_per_depth]

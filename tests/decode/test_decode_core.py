@@ -130,6 +130,9 @@ def test_decode_eos_and_stop_strings():
     eos = free[5]
     out = decode.generate(t, t, torch.tensor([PROMPTS[0]]), 16, eos_token_id=eos, gamma=3)
     assert out.sequences[0, 4:].tolist() == free[: free.index(eos) + 1]
+    # drafting for itself every node is accepted; the EOS cut the last step short, which is not a rejection
+    assert out.stats.accept_lengths[-1] < out.stats.path_lengths[-1] == 4
+    assert out.stats.acceptance_per_depth == [1.0, 1.0, 1.0]
     text = t.tokenizer.decode(free[:7])
     out = decode.generate(t, None, torch.tensor([PROMPTS[0]]), 16, eos_token_id=False, stop=text[-2:])
     assert t.tokenizer.decode(out.sequences[0, 4:]).endswith(text[-2:])
