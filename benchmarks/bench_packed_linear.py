@@ -2,46 +2,20 @@
 
     python benchmarks/bench_packed_linear.py --target smollm2-135m-instruct --threads 2
 
-Prints one row per kernel (median ms of ``--repeats`` forwards) and the largest logit difference.
+Prints one row per kernel (median ms of ``--repeats`` forwards, timed by ``decode.cost.verify_costs``)
+and the largest logit difference.
 """
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from eaglekit.decode import kv
+from eaglekit.decode.cost import verify_costs
 from eaglekit.packed_linear import pack_linears
 from eaglekit.target import load_target
 
 SIZES = (1, 2, 4, 8, 13, 16, 32)
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[repeats // 2] * 1000
-
-
-@torch.no_grad()
-def forward_costs(target, prefix: torch.Tensor, repeats: int) -> tuple[dict, torch.Tensor]:
-    cache = kv.new_cache(target.model)
-    logits = target.forward(prefix, past_key_values=cache, kind=None).logits
-    gen = torch.Generator().manual_seed(1)
-    costs = {}
-    for m in SIZES:
-        ids = torch.randint(10, target.vocab_size - 1, (1, m), generator=gen)
-
-        def step(ids=ids):
-            target.forward(ids, past_key_values=cache, kind=None)
-            kv.crop(cache, prefix.shape[1])
-        costs[m] = median_ms(step, repeats)
-    return costs, logits
 
 
 def main() -> None:
@@ -55,14 +29,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     target = load_target(args.target)
     prefix = torch.randint(10, target.vocab_size - 1, (1, args.prefix), generator=torch.Generator().manual_seed(0))
-    aten, ref = forward_costs(target, prefix, args.repeats)
-    n = pack_linears(target.model)
-    packed, got = forward_costs(target, prefix, args.repeats)
+    with torch.no_grad():
+        ref = target.forward(prefix, kind=None).logits
+        aten = verify_costs(target, prefix, args.repeats, SIZES)
+        n = pack_linears(target.model)
+        packed = verify_costs(target, prefix, args.repeats, SIZES)
+        got = target.forward(prefix, kind=None).logits
     print(f"{args.target}, {torch.get_num_threads()} threads, prefix {args.prefix}, {n} linears packed")
     print("| verified tokens m | " + " | ".join(map(str, SIZES)) + " |")
     print("|---" * (len(SIZES) + 1) + "|")
     for name, costs in (("aten `linear`, ms", aten), ("packed, ms", packed)):
-        print(f"| {name} | " + " | ".join(f"{costs[m]:.1f}" for m in SIZES) + " |")
+        print(f"| {name} | " + " | ".join(f"{costs[m] * 1000:.1f}" for m in SIZES) + " |")
     print(f"max |logit difference| over the prefix: {float((got - ref).abs().max()):.2e}; "
           f"argmax agreement {float((got.argmax(-1) == ref.argmax(-1)).float().mean()):.4f}")
 

@@ -66,16 +66,14 @@ def train(run_dir: Path, data: Path, config: str, epochs: int) -> Path:
 def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tree) -> dict:
     """Plain vs EAGLE greedy decoding on MT-bench first turns, timed one after the other per prompt."""
     from eaglekit import decode
-    from eaglekit.decode.cli import parse_tree
+    from eaglekit.decode.cli import parse_tree, use_cpu_linear
     from eaglekit.decode.tree import TreeSpec
     from eaglekit.heads import load_head
-    from eaglekit.packed_linear import pack_linears
     from eaglekit.target import load_target
 
     target = load_target(assets.DEFAULT_TARGET)
     head = load_head(head_dir, target)
-    pack_linears(target.model)  # decoding only: oneDNN pre-packed weights, plain and EAGLE alike
-    pack_linears(head)
+    use_cpu_linear("packed", target, head)  # decoding only: oneDNN pre-packed weights, plain and EAGLE alike
     tree = parse_tree(tree)
     if tree == "auto":  # draft with the best measured tree even where plain would win, to show the head's τ
         from eaglekit.decode.cost import auto_plan, drafting_pays

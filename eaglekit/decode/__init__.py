@@ -1,7 +1,8 @@
 """Lossless speculative decoding: EAGLE-2 trees from a head, a draft model's chain, or plain decoding.
 
 ``decode.generate(target, drafter, input_ids, ...)`` with ``drafter`` an EAGLE head, another Target
-sharing the tokenizer (a chain of ``gamma`` tokens; ``ModelTreeDrafter`` for a tree), or None. See ``eaglekit/decode/generate.py`` for the loop.
+sharing the tokenizer (a chain of ``gamma`` tokens; ``ModelTreeDrafter`` for a tree), or None.
+See ``eaglekit/decode/generate.py`` for the loop.
 """
 from eaglekit.decode.drafters import ModelTreeDrafter
 from eaglekit.decode.generate import DecodeStats, GenerateOutput, generate

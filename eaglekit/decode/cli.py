@@ -75,7 +75,7 @@ def load_drafter(cfg, target):
 
 def with_draft_tree(cfg, target, drafter):
     """``draft_tree=`` with ``draft=``: wrap the draft model in a ``ModelTreeDrafter``; else unchanged."""
-    if not getattr(cfg, "draft_tree", None):
+    if not cfg.draft_tree:
         return drafter
     if not cfg.draft:
         raise ValueError("draft_tree= needs draft= (a head drafts a tree through tree=)")

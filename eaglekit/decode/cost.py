@@ -71,24 +71,32 @@ def _best_of(fn, repeats: int) -> float:
 
 
 @torch.no_grad()
+def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SIZES, kind=None,
+                 layer_ids=None) -> dict:
+    """m -> median seconds of a target forward over m new tokens on the cached ``prefix`` [1, P]."""
+    dev, prefix_len = target.device, prefix.shape[1]
+    cache = kv.new_cache(target.model)
+    target.forward(prefix.to(dev), past_key_values=cache, kind=None)
+    verify_s = {}
+    for m in sizes:
+        ids = torch.randint(10, target.vocab_size - 1, (1, m), device=dev)
+
+        def run():
+            target.forward(ids, past_key_values=cache, kind=kind, layer_ids=layer_ids)
+            kv.crop(cache, prefix_len)
+        run()  # warm-up
+        verify_s[m] = _best_of(run, repeats)
+    return verify_s
+
+
+@torch.no_grad()
 def measure(target, head, prefix_len: int = 128, repeats: int = 3) -> Costs:
     """Median wall time of a target forward over m new tokens on a cached prefix, and of a head step."""
     from eaglekit.heads import HeadCache
 
-    dev = target.device
-    prefix = torch.randint(10, target.vocab_size - 1, (1, prefix_len), device=dev)
-    cache = kv.new_cache(target.model)
-    target.forward(prefix, past_key_values=cache, kind=None)
-    verify_s = {}
-    for m in VERIFY_SIZES:
-        ids = torch.randint(10, target.vocab_size - 1, (1, m), device=dev)
-
-        def run():
-            target.forward(ids, past_key_values=cache, kind=head.config.kind,
-                           layer_ids=tuple(head.config.aux_layer_ids) or None)
-            kv.crop(cache, prefix_len)
-        run()  # warm-up
-        verify_s[m] = _best_of(run, repeats)
+    prefix = torch.randint(10, target.vocab_size - 1, (1, prefix_len), device=target.device)
+    verify_s = verify_costs(target, prefix, repeats, kind=head.config.kind,
+                            layer_ids=tuple(head.config.aux_layer_ids) or None)
     hdev, H = head.device, head.config.hidden_size
     hcache = HeadCache()
     head.step(prefix[:, 1:].to(hdev), torch.randn(1, prefix_len - 1, H, device=hdev, dtype=head.dtype),
@@ -107,7 +115,7 @@ def measure(target, head, prefix_len: int = 128, repeats: int = 3) -> Costs:
             hcache.crop(prefix_len - 1)
         step()
         level_s[k] = _best_of(step, repeats)
-    return Costs(device_name(dev), verify_s, level_s)
+    return Costs(device_name(target.device), verify_s, level_s)
 
 
 @torch.no_grad()

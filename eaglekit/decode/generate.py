@@ -39,11 +39,10 @@ class DecodeStats:
 
         Counted on the accepted paths before an EOS or stop string cut the step short (the cut tokens were
         accepted, not rejected)."""
-        paths = self.path_lengths if len(self.path_lengths) == len(self.tree_depths) else self.accept_lengths
         rates = []
         for d in range(1, max(self.tree_depths, default=0) + 1):
-            tried = sum(1 for a, t in zip(paths, self.tree_depths) if a >= d and t >= d)
-            ok = sum(1 for a, t in zip(paths, self.tree_depths) if a >= d + 1 and t >= d)
+            tried = sum(1 for a, t in zip(self.path_lengths, self.tree_depths) if a >= d and t >= d)
+            ok = sum(1 for a, t in zip(self.path_lengths, self.tree_depths) if a >= d + 1 and t >= d)
             rates.append(ok / tried if tried else float("nan"))
         return rates
 
