@@ -2,11 +2,15 @@
 
     python benchmarks/bench_train.py teacher-memory              # V=151,936 (Qwen2.5), chunked vs naive
     python benchmarks/bench_train.py train --config configs/smollm2-135m-eagle3.yaml [key=value ...]
+    python benchmarks/bench_train.py step-speed --config configs/smollm2-135m-eagle3-long.yaml  # bf16 x teacher cache
 
 ``teacher-memory`` runs each variant in a fresh subprocess and reports the peak RSS growth of one
 loss forward+backward over the same inputs (student logits over the draft vocab, ``last`` hidden
 states, the frozen lm_head), so allocator state from one variant cannot hide another's peak.
 ``train`` runs train_head.py's trainer and prints the held-out τ_sim, tokens/s and peak memory.
+``step-speed`` times one loss forward+backward of the config's head on a [batch, seq] micro-batch (random
+features: the cost does not depend on their values) with bf16 autocast and the per-batch teacher cache
+each on and off, median of ``--repeats``, all variants in one process side by side.
 """
 from __future__ import annotations
 
@@ -95,6 +99,55 @@ def train(args) -> dict:
     return final
 
 
+def step_speed(args) -> dict:
+    import statistics
+
+    import torch
+
+    from eaglekit.heads import HeadConfig, build_head
+    from eaglekit.target import load_target
+    from eaglekit.train.config import load_train_config
+    from eaglekit.train.losses import Teacher
+    from eaglekit.train.trainer import TTTModel
+
+    torch.manual_seed(0)
+    cfg = load_train_config(args.config, ["data.conversations=unused", *args.overrides])
+    target = load_target(cfg.target, dtype=torch.float32)
+    hc = HeadConfig.from_target(target, kind=cfg.head.kind, num_layers=cfg.head.num_layers,
+                                draft_vocab_size=cfg.head.draft_vocab_size if cfg.head.kind == "eagle3" else None)
+    head = build_head(hc, target, dtype=torch.float32)
+    V, H, taps = hc.target_vocab_size, hc.hidden_size, len(hc.aux_layer_ids or []) or 1
+    Vd = hc.draft_vocab_size if cfg.head.kind == "eagle3" else V
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[:Vd] = True
+    model = TTTModel(head, Teacher.build(target.lm_head.weight, t2d), cfg)
+    B, S = args.batch, args.seq
+    batch = dict(input_ids=torch.randint(0, Vd, (B, S)), loss_mask=torch.ones(B, S),
+                 feats=torch.randn(B, S, taps * H).bfloat16(), last=torch.randn(B, S, H).bfloat16(),
+                 top=torch.randint(0, Vd, (B, S)))
+
+    def once(bf16: bool) -> float:
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = model(**batch, steps=cfg.loss.ttt_steps, noise=0.0)
+        loss.backward()
+        return time.perf_counter() - t0
+
+    rows = []
+    for bf16 in (False, True):
+        for cache_mb in (0.0, 1e6):
+            cfg.loss.cache_teacher_mb = cache_mb
+            once(bf16)  # warm-up
+            sec = statistics.median(once(bf16) for _ in range(args.repeats))
+            rows.append({"bf16": bf16, "teacher_cache": cache_mb > 0, "seconds": sec, "tokens_per_s": B * S / sec})
+    print(f"{cfg.head.kind} K={cfg.loss.ttt_steps} Vd={Vd} batch {B}x{S}, threads {torch.get_num_threads()}, "
+          f"median of {args.repeats}")
+    for r in rows:
+        print(f"  bf16={r['bf16']!s:5} teacher_cache={r['teacher_cache']!s:5} {r['seconds']:6.2f} s/step "
+              f"{r['tokens_per_s']:7.0f} tok/s  {r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
+    return {"rows": rows}
+
+
 def main(argv=None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -113,8 +166,14 @@ def main(argv=None) -> int:
     t = sub.add_parser("train")
     t.add_argument("--config", required=True)
     t.add_argument("overrides", nargs="*", default=[])
+    s = sub.add_parser("step-speed")
+    s.add_argument("--config", required=True)
+    s.add_argument("--batch", type=int, default=8)
+    s.add_argument("--seq", type=int, default=600)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("overrides", nargs="*", default=[])
     args = p.parse_args(argv)
-    {"teacher-memory": teacher_memory, "train": train}[args.cmd](args)
+    {"teacher-memory": teacher_memory, "train": train, "step-speed": step_speed}[args.cmd](args)
     return 0
 
 

@@ -23,6 +23,7 @@ class TrainState:
     epoch: int = 0
     step_in_epoch: int = 0  # optimizer steps done within ``epoch``
     tokens: int = 0  # supervised tokens seen (all ranks)
+    seconds: float = 0.0  # wall time spent in the loop, counted only under optim.max_minutes
 
     def state_dict(self) -> dict:
         return asdict(self)

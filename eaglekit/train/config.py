@@ -49,7 +49,8 @@ class OptimConfig:
     epochs: int = 1
     max_steps: int = 0  # optimizer steps; 0 = epochs * steps_per_epoch
     bf16: bool = False  # autocast the head in bf16 (weights and optimizer stay fp32)
-    max_minutes: float = 0  # wall-clock budget: stop, evaluate and save the final head once spent (0 = none)
+    max_minutes: float = 0  # wall-clock budget (kept across resumes): the cosine follows steps or time, whichever
+    # is further, so the run ends annealed; then it stops, evaluates and saves the final head (0 = none)
 
 
 @dataclass

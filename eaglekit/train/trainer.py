@@ -47,12 +47,17 @@ class TTTModel(nn.Module):
                         noise=noise, mask_fn=ttt_mask, cache_cls=HeadCache, cache_teacher_mb=lc.cache_teacher_mb)
 
 
-def lr_lambda(total: int, warmup: int, min_ratio: float):
-    """Linear warmup to 1, then cosine to ``min_ratio`` at ``total`` steps."""
+def lr_lambda(total: int, warmup: int, min_ratio: float, spent=None):
+    """Linear warmup to 1, then cosine to ``min_ratio`` at ``total`` steps.
+
+    ``spent()`` (the fraction of a wall-clock budget used, 0..1) moves the cosine along whichever is
+    further, steps or time, so a run that the budget stops early still ends annealed at ``min_ratio``."""
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        if spent is not None:
+            frac = max(frac, min(1.0, spent()))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
     return f
 
@@ -146,9 +151,11 @@ class Trainer:
         warmup = o.warmup_steps or int(o.warmup_ratio * self.total_steps)
         model = TTTModel(self.head, self.teacher, cfg)
         opt = torch.optim.AdamW(self.head.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.total_steps, warmup, o.min_lr_ratio))
-        self.model, self.opt = self.acc.prepare(model, opt)
         self.state = TrainState()
+        spent = (lambda: self.state.seconds / (60 * o.max_minutes)) if o.max_minutes > 0 else None
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            opt, lr_lambda(self.total_steps, warmup, o.min_lr_ratio, spent))
+        self.model, self.opt = self.acc.prepare(model, opt)
         self.acc.register_for_checkpointing(self.scheduler, self.state)
         self.log_path = self.out / "log.jsonl"
 
@@ -219,10 +226,8 @@ class Trainer:
                 self.opt.step()
                 self.opt.zero_grad()
             tally.add(stats)
-        self.scheduler.step()
         total = Tally.from_list(self._reduce(tally.as_list()))
-        out = {"loss": sum(total.loss) / max(count, 1.0), "lr": self.scheduler.get_last_lr()[0],
-               "supervised": count, "tokens": tokens}
+        out = {"loss": sum(total.loss) / max(count, 1.0), "supervised": count, "tokens": tokens}
         out.update({f"acc_{k}": a for k, a in enumerate(total.accuracy())})
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
@@ -270,12 +275,16 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not (cfg.progress and self.acc.is_local_main_process),
                    desc="train", dynamic_ncols=True)
         t0, tok0, last_eval = time.perf_counter(), self.state.tokens, {}
+        tick = time.perf_counter()
         while self.state.step < self.total_steps and not cfg.eval_only:
             sched = self._schedule(self.state.epoch)
             if self.state.step_in_epoch >= sched.steps:
                 self.state.epoch, self.state.step_in_epoch = self.state.epoch + 1, 0
                 continue
             rec = self.train_step(sched.local_step(self.state.step_in_epoch))
+            tick = self._count_seconds(tick)  # before the LR update: a budget moves the schedule
+            self.scheduler.step()
+            rec["lr"] = self.scheduler.get_last_lr()[0]  # the next step's
             self.state.step += 1
             self.state.step_in_epoch += 1
             self.state.tokens += int(rec["tokens"])
@@ -294,7 +303,7 @@ class Trainer:
                             tau_sim=f"{last_eval.get('eval_tau_sim', float('nan')):.2f}")
             if cfg.save_interval and self.state.step % cfg.save_interval == 0:
                 save_checkpoint(self.acc, self.out, self.state.step, cfg.keep_last)
-            if self._out_of_time(t0):
+            if self._out_of_time():
                 self.acc.print(f"[eaglekit.train] optim.max_minutes={cfg.optim.max_minutes} spent at step "
                                f"{self.state.step}/{self.total_steps}: stopping early")
                 break
@@ -316,13 +325,18 @@ class Trainer:
         self.acc.end_training()
         return final
 
-    def _out_of_time(self, t0: float) -> bool:
-        """True once ``optim.max_minutes`` is spent on any rank (all ranks stop at the same step)."""
+    def _count_seconds(self, since: float) -> float:
+        """Add the wall time since ``since`` to ``state.seconds`` (checkpointed: a resumed run keeps its
+        budget) as the mean over ranks, so every rank takes the same learning rate and stop decision."""
+        now = time.perf_counter()
+        if self.cfg.optim.max_minutes > 0:
+            self.state.seconds += self._reduce([now - since])[0] / self.acc.num_processes
+        return now
+
+    def _out_of_time(self) -> bool:
+        """True once ``optim.max_minutes`` of training (summed over resumes) are spent."""
         budget = self.cfg.optim.max_minutes
-        if budget <= 0:
-            return False
-        late = float(time.perf_counter() - t0 > 60 * budget)
-        return self._reduce([late])[0] > 0
+        return budget > 0 and self.state.seconds >= 60 * budget
 
     def save_final(self, metrics: dict) -> Path | None:
         """Gather the full head (ZeRO-3 included) and write it with ``save_pretrained`` (main process)."""

@@ -1,5 +1,8 @@
 """``optim.max_minutes``: a wall-clock budget stops training early and still evaluates and saves the head."""
 import json
+import math
+
+import pytest
 
 from helpers import save_tiny, tiny_conversations
 
@@ -50,3 +53,50 @@ def test_train_init_from_a_saved_head_and_eval_only(tmp_path):
     assert not torch.equal(a.fc.weight, b.fc.weight)
     with pytest.raises(ValueError, match="init_from.*num_layers"):
         train(_cfg(tmp_path, f"head.init_from={saved}", "head.num_layers=2", f"output_dir={tmp_path / 'bad'}"))
+
+
+def test_lr_lambda_anneals_by_steps_or_budget_whichever_is_further():
+    import pytest
+
+    from eaglekit.train.trainer import lr_lambda
+
+    spent = [0.0]
+    f = lr_lambda(total=110, warmup=10, min_ratio=0.1, spent=lambda: spent[0])
+    assert f(4) == pytest.approx(0.5)  # warmup ignores the clock
+    assert f(60) == pytest.approx(0.55)  # half the steps, no time spent: cosine midpoint
+    spent[0] = 0.75
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.75)))
+    spent[0] = 3.0
+    assert f(11) == pytest.approx(0.1)  # budget gone: the floor, never below it
+    assert lr_lambda(110, 10, 0.1)(60) == pytest.approx(0.55)
+
+
+class _FakeClock:
+    """``time.perf_counter`` that advances a fixed amount per call: budgets without sleeping."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_budget_stop_ends_annealed_and_a_resume_keeps_the_spent_time(tmp_path, monkeypatch):
+    import eaglekit.train.trainer as trainer_mod
+
+    save_tiny(tmp_path / "tiny", vocab_size=64, hidden=32, layers=4)
+    tiny_conversations(tmp_path / "convs.jsonl", n=24)
+    monkeypatch.setattr(trainer_mod, "time", _FakeClock(0.5))  # two calls a step: 1 s per step
+    budget = ["optim.max_minutes=0.1", "optim.lr=1e-2", "optim.min_lr_ratio=0.2", "optim.warmup_steps=1"]
+    final = train(_cfg(tmp_path, *budget, "optim.epochs=4"))
+    rows = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in rows if "lr" in r]
+    assert 4 <= final["step"] <= 8 < final["planned_steps"]  # ~6 s of a 6 s budget, long before the planned end
+    assert lrs[-1] == pytest.approx(1e-2 * 0.2)  # annealed to the floor, not cut mid-schedule
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    # a run stopped by max_steps and resumed keeps its clock: ~4 s spent, ~2 s left of the budget
+    out2 = f"output_dir={tmp_path / 'out2'}"
+    train(_cfg(tmp_path, *budget, "optim.epochs=4", "optim.max_steps=4", "save_interval=2", out2))
+    again = train(_cfg(tmp_path, *budget, "optim.epochs=4", "optim.max_steps=40", "save_interval=2", out2))
+    assert 4 < again["step"] <= final["step"] + 1  # a fresh clock would run ~final["step"] more steps
