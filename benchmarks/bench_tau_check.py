@@ -20,6 +20,7 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head", required=True)
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="the target the head was trained for")
     ap.add_argument("--data", required=True, help="regenerated .jsonl (held-out = its last --n lines)")
     ap.add_argument("--metrics", default=None, help="metrics.json of `train_head.py eval_only=true`")
     ap.add_argument("--n", type=int, default=12)
@@ -31,7 +32,7 @@ def main() -> None:
     from eaglekit.heads import load_head
     from eaglekit.target import load_target
 
-    target = load_target("smollm2-135m-instruct")
+    target = load_target(a.target)
     head = load_head(a.head, target)
     rows = [json.loads(line) for line in Path(a.data).read_text().splitlines()]
     rows = [r for r in rows if r["messages"]][-a.n:]
