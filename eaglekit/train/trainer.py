@@ -275,7 +275,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not (cfg.progress and self.acc.is_local_main_process),
                    desc="train", dynamic_ncols=True)
         t0, tok0, last_eval = time.perf_counter(), self.state.tokens, {}
-        tick = time.perf_counter()
+        tick = t0
         while self.state.step < self.total_steps and not cfg.eval_only:
             sched = self._schedule(self.state.epoch)
             if self.state.step_in_epoch >= sched.steps:

@@ -34,7 +34,6 @@ def test_train_max_minutes_stops_early_and_saves_final(tmp_path):
 
 def test_train_init_from_a_saved_head_and_eval_only(tmp_path):
     """``head.init_from`` starts from a saved head (weights and draft vocab); ``eval_only`` scores it unchanged."""
-    import pytest
     import torch
 
     save_tiny(tmp_path / "tiny", vocab_size=64, hidden=32, layers=4)
@@ -56,8 +55,6 @@ def test_train_init_from_a_saved_head_and_eval_only(tmp_path):
 
 
 def test_lr_lambda_anneals_by_steps_or_budget_whichever_is_further():
-    import pytest
-
     from eaglekit.train.trainer import lr_lambda
 
     spent = [0.0]
