@@ -1,7 +1,8 @@
 """``eaglekit bench``: τ, tokens/s and speedup vs plain decoding, measured side by side in one run.
 
 Methods per prompt, interleaved so that machine drift hits all alike: ``plain`` (our loop, no
-drafter: the baseline), ``ours`` (our loop with the head or draft model), ``hf`` (transformers'
+drafter: the baseline), ``ours`` (our loop with the head or draft model), with ``lookup_tokens=N``
+``lookup`` and ``ours_lookup`` (our loop with a prompt-lookup branch, alone and grafted onto ours), ``hf`` (transformers'
 ``generate``), ``hf_lookup`` (prompt lookup decoding) and, with a draft model, ``hf_assisted``
 (transformers' assisted generation, same pair). Each (method, temperature) is repeated; the report
 takes the median over repeats of the total tokens/s over the prompt set. Per prompt, ``plain`` and
@@ -45,6 +46,7 @@ class BenchConfig:
     draft_tree: str | None = None  # with draft=: "depth,top_k,total_tokens", our loop drafts a tree, not a chain
     hf_baselines: bool = True
     prompt_lookup_tokens: int = 10
+    lookup_tokens: int = 0  # > 0: add "lookup" (our loop, prompt lookup only) and "ours_lookup" (drafter + lookup)
     assistant_tokens: list = field(default_factory=lambda: [4, 8])  # best of these is reported
     dtype: str = "float32"
     device: str = "cpu"
@@ -93,10 +95,10 @@ def methods(cfg: BenchConfig, target, drafter, tree):
     """name -> fn(ids, temperature, seed) -> (new tokens, DecodeStats or None, sequences)."""
     from eaglekit.decode.generate import generate
 
-    def ours(dr):
+    def ours(dr, lookup=0):
         def fn(ids, temp, seed):
             out = generate(target, dr, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
-                           gamma=cfg.gamma)
+                           gamma=cfg.gamma, prompt_lookup=lookup)
             return out.stats.new_tokens, out.stats, out.sequences
         return fn
 
@@ -115,6 +117,10 @@ def methods(cfg: BenchConfig, target, drafter, tree):
     out = {"plain": ours(None)}
     if drafter is not None:
         out["ours"] = ours(with_draft_tree(cfg, target, drafter))
+    if cfg.lookup_tokens:
+        out["lookup"] = ours(None, cfg.lookup_tokens)
+        if cfg.head or cfg.draft_tree:  # a tree of chosen tokens (a draft-model chain is sampled)
+            out["ours_lookup"] = ours(with_draft_tree(cfg, target, drafter), cfg.lookup_tokens)
     if cfg.hf_baselines:
         out["hf"] = hf()
         out["hf_lookup"] = hf(prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)

@@ -30,6 +30,7 @@ class GenerateConfig:
     tree: str = "auto"  # "auto" or "depth,top_k,total_tokens", e.g. "5,8,48"
     gamma: int = 4
     draft_tree: str | None = None  # with draft=: "depth,top_k,total_tokens" grows a tree instead of a chain
+    prompt_lookup: int = 0  # > 0: also verify up to N tokens copied from the context (eaglekit.decode.lookup)
     dtype: str = "float32"
     device: str = "cpu"
     cpu_linear: str = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
@@ -117,11 +118,13 @@ def run(args) -> int:
         ids = target.chat_ids(messages)
         streamer = TextStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True)
         out = generate(target, drafter, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                       top_k=cfg.top_k, seed=cfg.seed, tree=tree, gamma=cfg.gamma, streamer=streamer)
+                       top_k=cfg.top_k, seed=cfg.seed, tree=tree, gamma=cfg.gamma, streamer=streamer,
+                       prompt_lookup=cfg.prompt_lookup)
         answer = target.tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
         s = out.stats
         kind = "plain" if drafter is None else "head" if cfg.head else \
             f"draft model, tree {cfg.draft_tree}" if cfg.draft_tree else f"draft model, gamma={cfg.gamma}"
+        kind += f" + prompt lookup {cfg.prompt_lookup}" if cfg.prompt_lookup else ""
         print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, tau={s.tau:.2f} ({kind}), "
               f"acceptance per depth {[round(a, 2) for a in s.acceptance_per_depth]}]", file=sys.stderr)

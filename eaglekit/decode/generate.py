@@ -12,6 +12,7 @@ import torch
 
 from eaglekit.decode import kv
 from eaglekit.decode.drafters import EagleDrafter, ModelDrafter, PlainDrafter
+from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.sampling import Sampling, accept_deterministic, accept_greedy, accept_sampled, sample
 from eaglekit.decode.tree import Tree, TreeSpec, verify_mask
 
@@ -172,11 +173,13 @@ def _finish(new: list[int], max_new: int, eos: set, stop, tokenizer) -> tuple[li
 def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eos_token_id=None, stop: list[str] | str | None = None,
              seed: int | None = None, generator: torch.Generator | None = None, tree=None, gamma: int = 4,
-             streamer=None, acceptance=None, on_step=None) -> GenerateOutput:
+             prompt_lookup: int = 0, streamer=None, acceptance=None, on_step=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` with ``drafter`` (None, a draft Target, or an EAGLE head).
 
     ``tree``: a ``TreeSpec`` / dict of its fields / ``"auto"`` (sized from measured costs) for heads;
-    ``gamma``: chain length for a draft model. ``eos_token_id`` defaults to the model's generation
+    ``gamma``: chain length for a draft model. ``prompt_lookup=N`` adds a branch of up to N tokens copied
+    from the context after its last matching n-gram (``lookup.LookupDrafter``; with ``drafter=None`` this
+    is prompt lookup decoding). ``eos_token_id`` defaults to the model's generation
     config (``False`` disables it). ``acceptance`` overrides the acceptance rule (tests only).
     ``max_new_tokens=0`` returns the prompt unchanged. ``on_step(cache, tokens)`` is called after each
     KV keep with the target cache and the token ids it now covers (for tests).
@@ -189,6 +192,8 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     stop = [stop] if isinstance(stop, str) else stop
     eos = _eos_set(target, eos_token_id)
     drafter = make_drafter(target, drafter, sampling, tree, gamma, generator)
+    if prompt_lookup:
+        drafter = LookupDrafter(drafter, prompt_lookup)
     stats = DecodeStats()
     prompt = input_ids.to(target.device)
     if max_new_tokens == 0:

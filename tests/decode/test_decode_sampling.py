@@ -1,7 +1,7 @@
 """Lossless sampling: the joint distribution of the first 3 generated tokens, enumerated exactly from
 the target (with transformers' own temperature / top-k / top-p warpers), against the empirical
 distribution of many runs of decode.generate — plain, draft-model chain, EAGLE tree and draft-model tree
-drafting.
+drafting, and an EAGLE tree with a prompt-lookup branch.
 
 Statistic: Pearson chi-square over the joint cells (cells expected below 5 pooled into one), p-value
 from the chi-square law; a run fails below ALPHA = 1e-3, i.e. a false-alarm rate of 0.1% per check
@@ -34,7 +34,7 @@ def peaky_target(seed, vocab=V, noise=0.0):
     return t
 
 
-def exact_joint(target, cfg, n=NEW) -> dict[tuple, float]:
+def exact_joint(target, cfg, n=NEW, prompt=PROMPT) -> dict[tuple, float]:
     """Enumerate P(x1..xn | prompt) with transformers' warpers (temperature, then top-k, then top-p)."""
     from transformers.generation.logits_process import (
         LogitsProcessorList,
@@ -50,7 +50,7 @@ def exact_joint(target, cfg, n=NEW) -> dict[tuple, float]:
     for _ in range(n):
         nxt = {}
         for seq, p in joint.items():
-            ids = torch.tensor([PROMPT + list(seq)])
+            ids = torch.tensor([prompt + list(seq)])
             logits = warp(ids, target.model(ids).logits[:, -1].double())
             probs = torch.softmax(logits, -1)[0]
             for x in torch.nonzero(probs).flatten().tolist():
@@ -59,16 +59,16 @@ def exact_joint(target, cfg, n=NEW) -> dict[tuple, float]:
     return joint
 
 
-def sample_runs(target, drafter, cfg, runs, seed=0, **kw) -> tuple[dict[tuple, int], list[int]]:
+def sample_runs(target, drafter, cfg, runs, seed=0, prompt=PROMPT, **kw) -> tuple[dict[tuple, int], list[int]]:
     """Counts of the first NEW tokens. Drafted runs generate NEW + 1 tokens so that the first verify
     gets a depth-2 tree/chain and the acceptance walk really descends below the first level."""
     gen = torch.Generator().manual_seed(seed)
     counts, lengths = {}, []
     n = NEW if drafter is None else NEW + 1
     for _ in range(runs):
-        out = decode.generate(target, drafter, torch.tensor([PROMPT]), n, eos_token_id=False, generator=gen,
+        out = decode.generate(target, drafter, torch.tensor([prompt]), n, eos_token_id=False, generator=gen,
                               **cfg, **kw)
-        key = tuple(out.sequences[0, len(PROMPT):len(PROMPT) + NEW].tolist())
+        key = tuple(out.sequences[0, len(prompt):len(prompt) + NEW].tolist())
         counts[key] = counts.get(key, 0) + 1
         lengths += out.stats.accept_lengths
     return counts, lengths
@@ -140,3 +140,19 @@ def test_decode_sampling_check_catches_wrong_rule(setup):
     counts, _ = sample_runs(target, head, CONFIG, runs=500, seed=1, tree=TREE,  # half the runs: still rejected
                             acceptance=accept_minpq_on_topk)
     assert chi_square_pvalue(exact, counts) < ALPHA
+
+
+def test_decode_sampling_with_lookup_matches_target_distribution(setup):
+    """An EAGLE tree with a prompt-lookup branch grafted on: every token is in the prompt, so lookup
+    proposes a chain at every step, sharing head nodes or adding its own; the law must still hold."""
+    from eaglekit.decode.drafters import EagleDrafter
+    from eaglekit.decode.lookup import LookupDrafter
+
+    target, head, _, _ = setup
+    prompt = list(range(1, V)) + [0, 3, 1]
+    dr = LookupDrafter(EagleDrafter(target, head, decode.TreeSpec(**TREE)), 3)
+    counts, lengths = sample_runs(target, dr, CONFIG, runs=1000, seed=1, prompt=prompt)
+    p = chi_square_pvalue(exact_joint(target, CONFIG, prompt=prompt), counts)
+    assert p > ALPHA, p
+    # lookup proposed at every step with room to draft (the last step of a run has none)
+    assert dr.matches > len(lengths) // 2 and dr.accepted > 50, (dr.matches, len(lengths), dr.accepted)

@@ -1,0 +1,84 @@
+"""Prompt lookup grafted onto any draft tree: text that repeats its context gets a long branch for free.
+
+A head proposes what the target would say next; an n-gram match in the context (the prompt and the
+answer so far) proposes text the answer is copying (a quoted passage, a variable name, a list's shape).
+The two fail in different places, so ``LookupDrafter`` verifies both in the same forward: the tokens that
+followed the latest earlier occurrence of the context's last n-gram become one extra chain below the
+root, sharing the nodes the inner drafter already proposed. Every node is a chosen (not sampled) token,
+so the one-hot acceptance rule stays exact at any temperature; the inner drafter's commit sees accepted
+nodes with the target's features wherever they came from. ``decode.generate(..., prompt_lookup=N)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from eaglekit.decode.tree import Tree
+
+
+def find_continuation(seq: list[int], max_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of ``seq``'s last n-gram,
+    trying n from ``max_ngram`` down to ``min_ngram``; [] when nothing matches."""
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        tail = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):  # latest first: recent text is the likeliest copy
+            if seq[start:start + n] == tail:
+                return seq[start + n:start + n + max_tokens]
+    return []
+
+
+def graft_chain(tree: Tree, chain: list[int]) -> Tree:
+    """``tree`` plus ``chain`` hung below the root; the chain's leading tokens that are already a path of
+    the tree reuse those nodes (a node's children stay distinct tokens, as the acceptance rule needs)."""
+    if not chain or tree.sampled:
+        return tree
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    node, i = -1, 0
+    while i < len(chain):
+        child = next((c for c, (p, t) in enumerate(zip(parents, tokens)) if p == node and t == chain[i]), None)
+        if child is None:
+            break
+        node, i = child, i + 1
+    rest = chain[i:]
+    if not rest:
+        return tree
+    dev, n = tree.tokens.device, len(tokens)
+    top = int(tree.depths[node]) if node >= 0 else 0
+    new_parents = torch.tensor([node] + list(range(n, n + len(rest) - 1)), device=dev)
+    return Tree(tokens=torch.cat([tree.tokens, torch.tensor(rest, device=dev, dtype=tree.tokens.dtype)]),
+                parents=torch.cat([tree.parents, new_parents.to(tree.parents.dtype)]),
+                depths=torch.cat([tree.depths, torch.arange(top + 1, top + 1 + len(rest), device=dev)]),
+                q_token=torch.cat([tree.q_token, torch.ones(len(rest), device=tree.q_token.device)]))
+
+
+class LookupDrafter:
+    """Wrap a tree drafter (EAGLE head, draft-model tree, or none) with a prompt-lookup branch of up to
+    ``tokens`` tokens from an n-gram of ``max_ngram`` down to ``min_ngram`` tokens."""
+
+    def __init__(self, inner, tokens: int, max_ngram: int = 3, min_ngram: int = 1):
+        from eaglekit.decode.drafters import ModelDrafter
+
+        if isinstance(inner, ModelDrafter):
+            raise ValueError("prompt_lookup grafts onto a tree of chosen tokens; a draft-model chain is sampled "
+                             "(Leviathan's rule): use a draft-model tree (draft_tree / ModelTreeDrafter) instead")
+        if tokens < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs tokens >= 1 and 1 <= min_ngram <= max_ngram, got "
+                             f"tokens={tokens}, min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.inner, self.tokens, self.max_ngram, self.min_ngram = inner, tokens, max_ngram, min_ngram
+        self.kind, self.layer_ids = inner.kind, inner.layer_ids
+        self.matches = self.accepted = 0  # since construction: drafts with a continuation, lookup nodes accepted
+
+    def prefill(self, prompt, out, root):
+        self.context = prompt[0].tolist() + [root]
+        self.inner.prefill(prompt, out, root)
+
+    def draft(self, max_depth: int) -> Tree:
+        tree = self.inner.draft(max_depth)
+        chain = find_continuation(self.context, min(self.tokens, max_depth), self.max_ngram, self.min_ngram)
+        self.matches += bool(chain)
+        self.first_grafted = len(tree)  # grafted nodes come after the inner drafter's
+        return graft_chain(tree, chain)
+
+    def commit(self, tree, path, next_token, out, rows):
+        self.accepted += sum(1 for node in path if node >= self.first_grafted)
+        self.context += (tree.tokens[path].tolist() if path else []) + [next_token]
+        self.inner.commit(tree, path, next_token, out, rows)

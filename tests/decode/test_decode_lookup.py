@@ -1,0 +1,95 @@
+"""Prompt lookup grafted onto draft trees: the n-gram search, the graft, greedy exactness with every tree
+drafter, and the KV cache after each step. The sampling law with lookup is in test_decode_sampling.py."""
+import pytest
+import torch
+from helpers import tiny_target
+from test_decode_core import PROMPTS, TREE, _cache_equals_fresh, hf_greedy, tiny_head
+
+from eaglekit import decode
+from eaglekit.decode.drafters import EagleDrafter, ModelTreeDrafter, PlainDrafter
+from eaglekit.decode.lookup import LookupDrafter, find_continuation, graft_chain
+from eaglekit.decode.tree import Tree, TreeSpec, ancestors
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+
+
+def test_decode_lookup_find_continuation():
+    seq = [5, 1, 2, 7, 8, 1, 2, 9, 4, 1, 2]
+    assert find_continuation(seq, 3, max_ngram=2) == [9, 4, 1]  # latest earlier "1 2", not the first
+    assert find_continuation(seq, 1, max_ngram=2) == [9]
+    assert find_continuation(seq + [3], 4) == []  # 3 never occurred before
+    assert find_continuation([4, 7, 5, 9, 7, 5], 2, max_ngram=3) == [9, 7]  # "7 5" (no "9 7 5" before)
+    # the longest n-gram wins over a later shorter match: "1 2 9" after "8 1 2 9 ... 2 9" context
+    assert find_continuation([8, 1, 2, 9, 6, 3, 2, 9, 0, 1, 2, 9], 2, max_ngram=3) == [6, 3]
+    assert find_continuation([3, 3], 4) == [3]  # the continuation may run into the tail itself
+    assert find_continuation([6], 4) == [] and find_continuation([1, 2, 1], 2, min_ngram=2) == []
+
+
+def _tree(tokens, parents):
+    parents = torch.tensor(parents)
+    depths = torch.zeros(len(parents), dtype=torch.long)
+    for i, p in enumerate(parents.tolist()):
+        depths[i] = 1 if p < 0 else depths[p] + 1
+    return Tree(torch.tensor(tokens), parents, depths, torch.full((len(tokens),), 0.5))
+
+
+def test_decode_lookup_graft_shares_nodes_and_keeps_children_distinct():
+    base = _tree([10, 11, 12, 13], [-1, -1, 0, 0])  # root -> 10 -> {12, 13}; root -> 11
+    t = graft_chain(base, [10, 13, 20, 21])  # shares 10 -> 13, hangs 20 -> 21 below 13
+    assert t.tokens.tolist() == [10, 11, 12, 13, 20, 21]
+    assert t.parents.tolist() == [-1, -1, 0, 0, 3, 4] and t.depths.tolist() == [1, 1, 2, 2, 3, 4]
+    assert t.q_token[:4].tolist() == [0.5] * 4 and not t.sampled
+    t = graft_chain(base, [12, 10])  # no shared first token: a new branch below the root
+    assert t.parents.tolist()[4:] == [-1, 4] and t.depths.tolist()[4:] == [1, 2]
+    assert graft_chain(base, [10, 12]) is base and graft_chain(base, []) is base  # already a path
+    chain = graft_chain(Tree.empty(), [7, 8, 9])
+    assert chain.is_chain and chain.tokens.tolist() == [7, 8, 9] and chain.depths.tolist() == [1, 2, 3]
+    for tree in (graft_chain(base, [10, 13, 20, 21]), graft_chain(base, [12, 10])):
+        kids = tree.children()
+        assert all(len(set(tree.tokens[k].tolist())) == len(k) for k in kids)
+        a = ancestors(tree.parents)
+        assert all(int(a[i + 1].sum()) == int(d) + 1 for i, d in enumerate(tree.depths))  # a path per node
+
+
+def test_decode_lookup_greedy_equals_hf_every_tree_drafter():
+    """Greedy decoding with a lookup branch on no drafter, an EAGLE-3 head and a draft-model tree gives the
+    target's own tokens; lookup found continuations, and drafts beyond what the inner drafter could
+    propose (none at all for PlainDrafter) were accepted."""
+    t = tiny_target(vocab_size=64, layers=3)
+    small = tiny_target(seed=1, vocab_size=64, layers=2)
+    head = tiny_head(t, "eagle3", 48)
+    for ids in PROMPTS + [[2, 5, 6, 7, 5, 6, 7, 5, 6]]:
+        ref = hf_greedy(t, ids, 40)
+        for name in ("plain", "eagle3", "model_tree"):
+            inner = {"plain": PlainDrafter(), "eagle3": EagleDrafter(t, head, TreeSpec(**TREE)),
+                     "model_tree": ModelTreeDrafter(t, small, TreeSpec(**TREE))}[name]
+            dr = LookupDrafter(inner, 5)
+            out = decode.generate(t, dr, torch.tensor([ids]), 40, eos_token_id=False)
+            assert out.sequences.tolist() == ref.tolist(), (name, ids)
+            assert dr.matches > 0, (name, ids)
+            if name == "plain":  # the only drafts are lookup's: more than one token per forward means it hit
+                assert max(out.stats.accept_lengths) > 1, ids
+            # the generate() switch builds the same wrapper around what make_drafter builds
+            plain_arg = {"plain": None, "eagle3": head, "model_tree": ModelTreeDrafter(t, small, TreeSpec(**TREE))}
+            out = decode.generate(t, plain_arg[name], torch.tensor([ids]), 40, eos_token_id=False, tree=TREE,
+                                  prompt_lookup=5)
+            assert out.sequences.tolist() == ref.tolist(), (name, ids)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_lookup_kv_keep_equals_fresh_forward(temperature):
+    t = tiny_target(vocab_size=64, layers=3)
+    on_step, checked = _cache_equals_fresh(t, 1e-5)
+    out = decode.generate(t, tiny_head(t, "eagle3", 48), torch.tensor([[2, 5, 6, 7, 5, 6, 7, 5, 6]]), 24,
+                          temperature=temperature, seed=0, eos_token_id=False, tree=TREE, prompt_lookup=4,
+                          on_step=on_step)
+    assert len(checked) == len(out.stats.accept_lengths) >= 4
+
+
+def test_decode_lookup_refuses_a_sampled_chain_and_bad_sizes():
+    t = tiny_target(vocab_size=64, layers=2)
+    small = tiny_target(seed=1, vocab_size=64, layers=2)
+    with pytest.raises(ValueError, match="draft-model chain"):
+        decode.generate(t, small, torch.tensor([PROMPTS[0]]), 4, prompt_lookup=3)
+    with pytest.raises(ValueError, match="tokens >= 1"):
+        LookupDrafter(PlainDrafter(), 4, max_ngram=1, min_ngram=2)
