@@ -6,7 +6,8 @@ Near-tie rule (DESIGN.md): a verify pass does its matmuls in another shape than 
 a genuine near-tie may flip. A divergence is accepted only if, at the first divergent position, the
 target's top-2 logit gap (fresh full forward over the common prefix) is below 1e-4; anything else fails.
 
-Sizes are set by the test budget: SmolLM2 20 prompts x 24 tokens (EAGLE-3 head on all, EAGLE-1 on 3),
+Sizes are set by the test budget: SmolLM2 20 prompts x 24 tokens (EAGLE-3 head on all, EAGLE-1 on 3;
+prompt lookup alone and on a head's tree: 6 x 40),
 Qwen 0.5B 20 prompts x 12 tokens (HF, head, self-draft). On one thread, measured on the shared 2-core VM
 (load ~6): ~270 s + ~520 s for the earlier 32/20-token sizes; expect ~1 min + ~1.5 min on a quiet one."""
 import os
@@ -74,6 +75,25 @@ def test_decode_real_greedy_smollm2(smollm2):
             assert max(out.stats.tree_sizes) == tree.total_tokens
         print(f"smollm2 prompt {i} ok", flush=True)
     assert ties <= 2, f"{ties} near-tie divergences: more than chance would give"
+
+
+def test_decode_real_greedy_smollm2_prompt_lookup(smollm2):
+    """Prompt lookup on a real target, alone and grafted onto an untrained EAGLE-3 head's tree: still
+    token-identical, and lookup's copies of the context were accepted (SmolLM2 repeats its prompt)."""
+    from eaglekit.decode.drafters import EagleDrafter, PlainDrafter
+    from eaglekit.decode.lookup import LookupDrafter
+
+    t, n = smollm2, 40
+    head = random_head(t, "eagle3")
+    ties, accepted = 0, {}
+    for i, ids in enumerate(mt_bench_prompts(t, 6)):
+        ref = hf_greedy(t, ids, n)
+        for name, inner in (("lookup", PlainDrafter()), ("head+lookup", EagleDrafter(t, head, TreeSpec(2, 3, 4)))):
+            dr = LookupDrafter(inner, 5)
+            out = decode.generate(t, dr, ids, n)
+            ties += assert_same_or_near_tie(t, ref, out.sequences, f"smollm2 {name} prompt {i}")
+            accepted[name] = accepted.get(name, 0) + dr.accepted
+    assert ties <= 1 and min(accepted.values()) > 0, (ties, accepted)
 
 
 def test_decode_real_greedy_qwen05_head_and_self_draft(qwen05):
