@@ -15,15 +15,31 @@ import torch
 from eaglekit.decode.tree import Tree
 
 
-def find_continuation(seq: list[int], max_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of ``seq``'s last n-gram,
-    trying n from ``max_ngram`` down to ``min_ngram``; [] when nothing matches."""
-    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
-        tail = seq[-n:]
-        for start in range(len(seq) - n - 1, -1, -1):  # latest first: recent text is the likeliest copy
-            if seq[start:start + n] == tail:
-                return seq[start + n:start + n + max_tokens]
-    return []
+class NgramIndex:
+    """The context's n-grams (``min_ngram``..``max_ngram`` tokens) -> where their latest occurrence ends,
+    kept up to date as the context grows (O(new tokens) per step, not a scan of the whole context)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self.ends: dict[tuple, int] = {}  # n-grams ending before the last token: the tail never finds itself
+
+    def extend(self, tokens: list[int]) -> None:
+        seq, start = self.tokens, max(len(self.tokens), 1)
+        seq += tokens
+        for end in range(start, len(seq)):  # n-grams ending at end - 1, now that end is no longer the tail
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self.ends[tuple(seq[end - n:end])] = end
+
+    def continuation(self, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the context's last
+        n-gram, longest n first; [] when nothing matches."""
+        seq = self.tokens
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            end = self.ends.get(tuple(seq[-n:]))
+            if end is not None:
+                return seq[end:end + max_tokens]
+        return []
 
 
 def graft_chain(tree: Tree, chain: list[int]) -> Tree:
@@ -68,17 +84,18 @@ class LookupDrafter:
         self.matches = self.accepted = 0  # since construction: drafts with a continuation, lookup nodes accepted
 
     def prefill(self, prompt, out, root):
-        self.context = prompt[0].tolist() + [root]
+        self.context = NgramIndex(self.max_ngram, self.min_ngram)
+        self.context.extend(prompt[0].tolist() + [root])
         self.inner.prefill(prompt, out, root)
 
     def draft(self, max_depth: int) -> Tree:
         tree = self.inner.draft(max_depth)
-        chain = find_continuation(self.context, min(self.tokens, max_depth), self.max_ngram, self.min_ngram)
+        chain = self.context.continuation(min(self.tokens, max_depth))
         self.matches += bool(chain)
         self.first_grafted = len(tree)  # grafted nodes come after the inner drafter's
         return graft_chain(tree, chain)
 
     def commit(self, tree, path, next_token, out, rows):
         self.accepted += sum(1 for node in path if node >= self.first_grafted)
-        self.context += (tree.tokens[path].tolist() if path else []) + [next_token]
+        self.context.extend((tree.tokens[path].tolist() if path else []) + [next_token])
         self.inner.commit(tree, path, next_token, out, rows)

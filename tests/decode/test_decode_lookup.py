@@ -1,4 +1,4 @@
-"""Prompt lookup grafted onto draft trees: the n-gram search, the graft, greedy exactness with every tree
+"""Prompt lookup grafted onto draft trees: the n-gram index (against a brute-force scan), the graft, greedy exactness with every tree
 drafter, and the KV cache after each step. The sampling law with lookup is in test_decode_sampling.py."""
 import pytest
 import torch
@@ -7,10 +7,25 @@ from test_decode_core import PROMPTS, TREE, _cache_equals_fresh, hf_greedy, tiny
 
 from eaglekit import decode
 from eaglekit.decode.drafters import EagleDrafter, ModelTreeDrafter, PlainDrafter
-from eaglekit.decode.lookup import LookupDrafter, find_continuation, graft_chain
+from eaglekit.decode.lookup import LookupDrafter, NgramIndex, graft_chain
 from eaglekit.decode.tree import Tree, TreeSpec, ancestors
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+
+
+def find_continuation(seq, max_tokens, max_ngram=3, min_ngram=1):
+    index = NgramIndex(max_ngram, min_ngram)
+    index.extend(seq)
+    return index.continuation(max_tokens)
+
+
+def scan_continuation(seq, max_tokens, max_ngram, min_ngram):
+    """The definition, by brute force: latest earlier occurrence of the longest matching tail n-gram."""
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == seq[-n:]:
+                return seq[start + n:start + n + max_tokens]
+    return []
 
 
 def test_decode_lookup_find_continuation():
@@ -23,6 +38,17 @@ def test_decode_lookup_find_continuation():
     assert find_continuation([8, 1, 2, 9, 6, 3, 2, 9, 0, 1, 2, 9], 2, max_ngram=3) == [6, 3]
     assert find_continuation([3, 3], 4) == [3]  # the continuation may run into the tail itself
     assert find_continuation([6], 4) == [] and find_continuation([1, 2, 1], 2, min_ngram=2) == []
+
+
+def test_decode_lookup_index_grown_in_steps_equals_the_scan():
+    g = torch.Generator().manual_seed(0)
+    for max_n, min_n in ((3, 1), (2, 2), (4, 2)):
+        seq, index = [], NgramIndex(max_n, min_n)
+        for _ in range(60):
+            step = torch.randint(0, 6, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+            seq += step
+            index.extend(step)
+            assert index.continuation(4) == scan_continuation(seq, 4, max_n, min_n), (seq, max_n, min_n)
 
 
 def _tree(tokens, parents):
