@@ -29,6 +29,9 @@ def test_decode_cli_generate_streams_and_prints_tau(saved, capsys):
                  "tree=2,2,3"]) == 0
     err = capsys.readouterr().err
     assert "tau=" in err and "6 tokens" in err
+    assert main(["generate", f"target={target_dir}", f"head={head_dir}", "prompt=hello hello", "max_new_tokens=6",
+                 "tree=2,2,3", "prompt_lookup=3"]) == 0
+    assert "(head + prompt lookup 3)" in capsys.readouterr().err
     assert main(["generate", f"target={target_dir}", f"draft={draft_dir}", "prompt=hi", "max_new_tokens=5",
                  "temperature=0.8"]) == 0
     assert "draft model, gamma=4" in capsys.readouterr().err
@@ -46,4 +49,14 @@ def test_decode_cli_bench_writes_json_with_baselines(saved, tmp_path):
     assert res["plain"]["speedup_vs_plain"] == 1.0 and res["ours"]["tau"] >= 1.0
     assert all(r["repeats"][0]["tokens"] == 12 for r in res.values())  # eos of the tiny model is rare
     # greedy: every method reproduces plain decoding token for token (fp32 tiny model: no ties)
+    assert all(r["identical_to_plain"] == "2/2" for r in res.values()), {n: r["identical_to_plain"] for n, r in res.items()}
+
+
+def test_decode_cli_bench_with_lookup(saved, tmp_path):
+    target_dir, _, head_dir = saved
+    assert main(["bench", f"target={target_dir}", f"head={head_dir}", "prompts=2", "max_new_tokens=8", "repeats=1",
+                 "temperatures=[0.0]", "tree=2,2,3", "lookup_tokens=3", "hf_baselines=false", f"out={tmp_path}"]) == 0
+    (path,) = tmp_path.glob("*.json")
+    res = json.loads(path.read_text())["results"]["0.0"]
+    assert set(res) == {"plain", "ours", "lookup", "ours_lookup"}
     assert all(r["identical_to_plain"] == "2/2" for r in res.values()), {n: r["identical_to_plain"] for n, r in res.items()}
