@@ -46,7 +46,8 @@ class BenchConfig:
     draft_tree: str | None = None  # with draft=: "depth,top_k,total_tokens", our loop drafts a tree, not a chain
     hf_baselines: bool = True
     prompt_lookup_tokens: int = 10
-    lookup_tokens: int = 0  # > 0: add "lookup" (our loop, prompt lookup only) and "ours_lookup" (drafter + lookup)
+    lookup_tokens: int = 0  # > 0: add "lookup" (our loop, prompt lookup only) and, with a head or draft_tree,
+    # "ours_lookup" (drafter + lookup). hf_lookup keeps transformers' own settings (prompt_lookup_tokens, n-gram 2)
     assistant_tokens: list = field(default_factory=lambda: [4, 8])  # best of these is reported
     dtype: str = "float32"
     device: str = "cpu"

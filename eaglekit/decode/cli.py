@@ -96,6 +96,10 @@ def run(args) -> int:
     from eaglekit.target import load_target
 
     cfg = load_config(GenerateConfig, args.config, args.overrides)
+    if cfg.prompt_lookup and cfg.draft and not cfg.draft_tree:  # before loading models or reading a turn
+        from eaglekit.decode.lookup import SAMPLED
+
+        raise ValueError(f"prompt_lookup={cfg.prompt_lookup} with draft= and no draft_tree=: {SAMPLED}")
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     drafter = load_drafter(cfg, target)
     use_cpu_linear(cfg.cpu_linear, target, drafter)

@@ -173,7 +173,7 @@ def _finish(new: list[int], max_new: int, eos: set, stop, tokenizer) -> tuple[li
 def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eos_token_id=None, stop: list[str] | str | None = None,
              seed: int | None = None, generator: torch.Generator | None = None, tree=None, gamma: int = 4,
-             prompt_lookup: int = 0, streamer=None, acceptance=None, on_step=None) -> GenerateOutput:
+             streamer=None, acceptance=None, on_step=None, prompt_lookup: int = 0) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` with ``drafter`` (None, a draft Target, or an EAGLE head).
 
     ``tree``: a ``TreeSpec`` / dict of its fields / ``"auto"`` (sized from measured costs) for heads;

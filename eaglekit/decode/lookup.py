@@ -14,12 +14,17 @@ import torch
 
 from eaglekit.decode.tree import Tree
 
+SAMPLED = ("prompt lookup grafts onto a tree of chosen tokens; a draft-model chain is sampled (Leviathan's "
+           "rule): use a draft-model tree (draft_tree= / ModelTreeDrafter) instead")
+
 
 class NgramIndex:
     """The context's n-grams (``min_ngram``..``max_ngram`` tokens) -> where their latest occurrence ends,
     kept up to date as the context grows (O(new tokens) per step, not a scan of the whole context)."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tokens: list[int] = []
         self.ends: dict[tuple, int] = {}  # n-grams ending before the last token: the tail never finds itself
@@ -33,19 +38,23 @@ class NgramIndex:
 
     def continuation(self, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the context's last
-        n-gram, longest n first; [] when nothing matches."""
+        n-gram, longest n first; [] when nothing matches. A continuation that runs into the tail repeats
+        with its period (a run of spaces, ``1 2 1 2``) instead of stopping at the end of the context."""
         seq = self.tokens
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             end = self.ends.get(tuple(seq[-n:]))
             if end is not None:
-                return seq[end:end + max_tokens]
+                period = len(seq) - end
+                return [seq[end + i % period] for i in range(max_tokens)]
         return []
 
 
 def graft_chain(tree: Tree, chain: list[int]) -> Tree:
     """``tree`` plus ``chain`` hung below the root; the chain's leading tokens that are already a path of
     the tree reuse those nodes (a node's children stay distinct tokens, as the acceptance rule needs)."""
-    if not chain or tree.sampled:
+    if tree.sampled:
+        raise ValueError(SAMPLED)
+    if not chain:
         return tree
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     node, i = -1, 0
@@ -57,28 +66,27 @@ def graft_chain(tree: Tree, chain: list[int]) -> Tree:
     rest = chain[i:]
     if not rest:
         return tree
-    dev, n = tree.tokens.device, len(tokens)
-    top = int(tree.depths[node]) if node >= 0 else 0
-    new_parents = torch.tensor([node] + list(range(n, n + len(rest) - 1)), device=dev)
-    return Tree(tokens=torch.cat([tree.tokens, torch.tensor(rest, device=dev, dtype=tree.tokens.dtype)]),
-                parents=torch.cat([tree.parents, new_parents.to(tree.parents.dtype)]),
-                depths=torch.cat([tree.depths, torch.arange(top + 1, top + 1 + len(rest), device=dev)]),
-                q_token=torch.cat([tree.q_token, torch.ones(len(rest), device=tree.q_token.device)]))
+    n, top = len(tokens), int(tree.depths[node]) if node >= 0 else 0
+    like = dict(device=tree.tokens.device, dtype=tree.tokens.dtype)
+    return Tree(tokens=torch.cat([tree.tokens, torch.tensor(rest, **like)]),
+                parents=torch.cat([tree.parents, torch.tensor([node] + list(range(n, n + len(rest) - 1)), **like)]),
+                depths=torch.cat([tree.depths, torch.arange(top + 1, top + 1 + len(rest), **like)]),
+                q_token=torch.cat([tree.q_token, tree.q_token.new_ones(len(rest))]))
 
 
 class LookupDrafter:
-    """Wrap a tree drafter (EAGLE head, draft-model tree, or none) with a prompt-lookup branch of up to
-    ``tokens`` tokens from an n-gram of ``max_ngram`` down to ``min_ngram`` tokens."""
+    """Wrap a tree drafter (``EagleDrafter``, ``ModelTreeDrafter``, ``PlainDrafter`` or None for plain) with
+    a prompt-lookup branch of up to ``tokens`` tokens from an n-gram of ``max_ngram`` down to ``min_ngram``."""
 
     def __init__(self, inner, tokens: int, max_ngram: int = 3, min_ngram: int = 1):
-        from eaglekit.decode.drafters import ModelDrafter
+        from eaglekit.decode.drafters import ModelDrafter, PlainDrafter
 
         if isinstance(inner, ModelDrafter):
-            raise ValueError("prompt_lookup grafts onto a tree of chosen tokens; a draft-model chain is sampled "
-                             "(Leviathan's rule): use a draft-model tree (draft_tree / ModelTreeDrafter) instead")
-        if tokens < 1 or not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"prompt lookup needs tokens >= 1 and 1 <= min_ngram <= max_ngram, got "
-                             f"tokens={tokens}, min_ngram={min_ngram}, max_ngram={max_ngram}")
+            raise ValueError(SAMPLED)
+        if tokens < 1:
+            raise ValueError(f"prompt lookup needs tokens >= 1, got {tokens}")
+        NgramIndex(max_ngram, min_ngram)  # checks the n-gram sizes now, not at the first prefill
+        inner = PlainDrafter() if inner is None else inner
         self.inner, self.tokens, self.max_ngram, self.min_ngram = inner, tokens, max_ngram, min_ngram
         self.kind, self.layer_ids = inner.kind, inner.layer_ids
         self.matches = self.accepted = 0  # since construction: drafts with a continuation, lookup nodes accepted
@@ -90,6 +98,8 @@ class LookupDrafter:
 
     def draft(self, max_depth: int) -> Tree:
         tree = self.inner.draft(max_depth)
+        if tree.sampled:
+            raise ValueError(SAMPLED)
         chain = self.context.continuation(min(self.tokens, max_depth))
         self.matches += bool(chain)
         self.first_grafted = len(tree)  # grafted nodes come after the inner drafter's

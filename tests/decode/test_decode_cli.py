@@ -23,15 +23,24 @@ def saved(tmp_path_factory):
     return target_dir, draft_dir, root / "head"
 
 
-def test_decode_cli_generate_streams_and_prints_tau(saved, capsys):
+def test_decode_cli_generate_streams_and_prints_tau(saved, capsys, monkeypatch):
     target_dir, draft_dir, head_dir = saved
     assert main(["generate", f"target={target_dir}", f"head={head_dir}", "prompt=hello", "max_new_tokens=6",
                  "tree=2,2,3"]) == 0
     err = capsys.readouterr().err
     assert "tau=" in err and "6 tokens" in err
+    import sys
+
+    from eaglekit.decode.lookup import LookupDrafter
+
+    built = []  # the CLI's prompt_lookup reaches generate()
+    monkeypatch.setattr(sys.modules["eaglekit.decode.generate"], "LookupDrafter",
+                        lambda inner, n: built.append(n) or LookupDrafter(inner, n))
     assert main(["generate", f"target={target_dir}", f"head={head_dir}", "prompt=hello hello", "max_new_tokens=6",
                  "tree=2,2,3", "prompt_lookup=3"]) == 0
-    assert "(head + prompt lookup 3)" in capsys.readouterr().err
+    assert "(head + prompt lookup 3)" in capsys.readouterr().err and built == [3]
+    with pytest.raises(ValueError, match="draft-model chain"):  # refused before any model loads
+        main(["generate", f"target={target_dir}", f"draft={draft_dir}", "prompt=hi", "prompt_lookup=3"])
     assert main(["generate", f"target={target_dir}", f"draft={draft_dir}", "prompt=hi", "max_new_tokens=5",
                  "temperature=0.8"]) == 0
     assert "draft model, gamma=4" in capsys.readouterr().err
@@ -59,4 +68,5 @@ def test_decode_cli_bench_with_lookup(saved, tmp_path):
     (path,) = tmp_path.glob("*.json")
     res = json.loads(path.read_text())["results"]["0.0"]
     assert set(res) == {"plain", "ours", "lookup", "ours_lookup"}
+    assert res["lookup"]["tau"] > 1.0  # lookup's drafts were accepted (the tiny model repeats itself)
     assert all(r["identical_to_plain"] == "2/2" for r in res.values()), {n: r["identical_to_plain"] for n, r in res.items()}
