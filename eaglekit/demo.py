@@ -3,8 +3,9 @@
 1. prepare: the target regenerates the first turn of a ShareGPT subset (self-distillation) and the
    draft vocabulary is built from its answers          (``eaglekit prepare``)
 2. train:   an EAGLE-3 head on those conversations, online features     (``accelerate launch train_head.py``)
-3. decode:  MT-bench first turns, plain greedy decoding and EAGLE decoding side by side in this run;
-   prints the answers, τ, and the speedup, and checks the two outputs are token-identical (lossless).
+3. decode:  MT-bench first turns, plain greedy decoding, EAGLE decoding and EAGLE + prompt lookup side by
+   side in this run; prints the answers, τ, and the speedups, and checks every output is token-identical
+   to plain decoding (lossless).
 
 Every step is the same command a user would type (printed before it runs) and resumes: a second run
 reuses the regenerated data and the trained head and only decodes again. The head is left in
@@ -36,6 +37,8 @@ def add_arguments(p):
     p.add_argument("--questions", type=int, default=6, help="MT-bench first turns to decode")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", default="auto", help="'auto' or depth,top_k,total_tokens")
+    p.add_argument("--prompt-lookup", type=int, default=5,
+                   help="also decode with a prompt-lookup branch of this many tokens on the head's tree (0: off)")
 
 
 def _run(cmd: list[str]) -> None:
@@ -63,8 +66,9 @@ def train(run_dir: Path, data: Path, config: str, epochs: int) -> Path:
     return head / "final"
 
 
-def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tree) -> dict:
-    """Plain vs EAGLE greedy decoding on MT-bench first turns, timed one after the other per prompt."""
+def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tree, lookup: int = 0) -> dict:
+    """Plain vs EAGLE (vs EAGLE + a ``lookup``-token prompt-lookup branch) greedy decoding on MT-bench first
+    turns, timed one after the other per prompt."""
     from eaglekit import decode
     from eaglekit.decode.cli import parse_tree, use_cpu_linear
     from eaglekit.decode.tree import TreeSpec
@@ -91,15 +95,27 @@ def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tre
         same = torch.equal(plain.sequences, fast.sequences)
         text = target.tokenizer.decode(fast.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         s = fast.stats
-        print(f"\n[{q['category']}] {q['turns'][0][:200]}\n--- {text.strip()}\n"
-              f"--- τ={s.tau:.2f}  eagle {s.tokens_per_s:.1f} tok/s  plain {plain.stats.tokens_per_s:.1f} tok/s  "
-              f"speedup {plain.stats.total_s / s.total_s:.2f}x  identical to plain: {same}", flush=True)
-        rows.append(dict(category=q["category"], tau=s.tau, plain_s=plain.stats.total_s, eagle_s=s.total_s,
-                         new_tokens=s.new_tokens, identical=same, acceptance_per_depth=s.acceptance_per_depth))
+        row = dict(category=q["category"], tau=s.tau, plain_s=plain.stats.total_s, eagle_s=s.total_s,
+                   new_tokens=s.new_tokens, identical=same, acceptance_per_depth=s.acceptance_per_depth)
+        line = (f"--- τ={s.tau:.2f}  eagle {s.tokens_per_s:.1f} tok/s  plain {plain.stats.tokens_per_s:.1f} tok/s  "
+                f"speedup {plain.stats.total_s / s.total_s:.2f}x  identical to plain: {same}")
+        if lookup:
+            both = decode.generate(target, head, ids, max_new_tokens=max_new_tokens, tree=tree, prompt_lookup=lookup)
+            row.update(tau_lookup=both.stats.tau, lookup_s=both.stats.total_s,
+                       identical_lookup=torch.equal(plain.sequences, both.sequences))
+            line += (f"\n--- + prompt lookup {lookup}: τ={both.stats.tau:.2f}  {both.stats.tokens_per_s:.1f} tok/s  "
+                     f"speedup {plain.stats.total_s / both.stats.total_s:.2f}x  identical: {row['identical_lookup']}")
+        print(f"\n[{q['category']}] {q['turns'][0][:200]}\n--- {text.strip()}\n{line}", flush=True)
+        rows.append(row)
     plain_s, eagle_s = sum(r["plain_s"] for r in rows), sum(r["eagle_s"] for r in rows)
     taus = [r["tau"] for r in rows]
-    return dict(questions=len(rows), tau_mean=sum(taus) / len(taus), speedup=plain_s / eagle_s,
-                all_identical=all(r["identical"] for r in rows), tree=str(tree), rows=rows)
+    out = dict(questions=len(rows), tau_mean=sum(taus) / len(taus), speedup=plain_s / eagle_s,
+               all_identical=all(r["identical"] for r in rows), tree=str(tree), rows=rows)
+    if lookup:
+        out.update(prompt_lookup=lookup, tau_mean_lookup=sum(r["tau_lookup"] for r in rows) / len(rows),
+                   speedup_lookup=plain_s / sum(r["lookup_s"] for r in rows))
+        out["all_identical"] &= all(r["identical_lookup"] for r in rows)
+    return out
 
 
 def run(args) -> int:
@@ -114,8 +130,9 @@ def run(args) -> int:
     data = prepare(run_dir, args.conversations, args.regen_tokens, vocab)
     print("\n== 2/3 train an EAGLE-3 head (online features)")
     head_dir = train(run_dir, data, args.train_config, args.epochs)
-    print(f"\n== 3/3 decode {args.questions} MT-bench questions: plain vs EAGLE, greedy, fp32")
-    result = decode_side_by_side(head_dir, args.questions, args.max_new_tokens, args.tree)
+    print(f"\n== 3/3 decode {args.questions} MT-bench questions: plain vs EAGLE"
+          + (f" vs EAGLE + prompt lookup {args.prompt_lookup}" if args.prompt_lookup else "") + ", greedy, fp32")
+    result = decode_side_by_side(head_dir, args.questions, args.max_new_tokens, args.tree, args.prompt_lookup)
     result["wall_s"] = time.perf_counter() - t0
     (run_dir / "results.json").write_text(json.dumps(result, indent=1))
     card = dict(tau=result["tau_mean"], speedup=result["speedup"], device="2-core CPU, fp32" if
@@ -124,6 +141,9 @@ def run(args) -> int:
     (head_dir / "results.json").write_text(json.dumps(card, indent=1))  # read by the model card
     print(f"\nτ (mean accepted tokens per target forward) = {result['tau_mean']:.2f}; speedup over plain "
           f"decoding = {result['speedup']:.2f}x; outputs identical to plain greedy: {result['all_identical']}")
+    if args.prompt_lookup:
+        print(f"with prompt lookup ({args.prompt_lookup} tokens) on the head's tree: τ = {result['tau_mean_lookup']:.2f}; "
+              f"speedup = {result['speedup_lookup']:.2f}x")
     print(f"head: {head_dir}\n  eaglekit export --head {head_dir} --out {run_dir / 'sglang'} --to sglang\n"
           f"  eaglekit push --head {head_dir} --repo-id USER/smollm2-135m-eagle3 --dry-run")
     print(f"total {result['wall_s'] / 60:.1f} min")
