@@ -116,12 +116,13 @@ def methods(cfg: BenchConfig, target, drafter, tree):
     from eaglekit.decode.cli import with_draft_tree
 
     out = {"plain": ours(None)}
-    if drafter is not None:
-        out["ours"] = ours(with_draft_tree(cfg, target, drafter))
+    dr = None if drafter is None else with_draft_tree(cfg, target, drafter)
+    if dr is not None:
+        out["ours"] = ours(dr)
     if cfg.lookup_tokens:
         out["lookup"] = ours(None, cfg.lookup_tokens)
         if cfg.head or cfg.draft_tree:  # a tree of chosen tokens (a draft-model chain is sampled)
-            out["ours_lookup"] = ours(with_draft_tree(cfg, target, drafter), cfg.lookup_tokens)
+            out["ours_lookup"] = ours(dr, cfg.lookup_tokens)
     if cfg.hf_baselines:
         out["hf"] = hf()
         out["hf_lookup"] = hf(prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)

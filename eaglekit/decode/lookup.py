@@ -97,9 +97,7 @@ class LookupDrafter:
         self.inner.prefill(prompt, out, root)
 
     def draft(self, max_depth: int) -> Tree:
-        tree = self.inner.draft(max_depth)
-        if tree.sampled:
-            raise ValueError(SAMPLED)
+        tree = self.inner.draft(max_depth)  # graft_chain refuses a sampled tree
         chain = self.context.continuation(min(self.tokens, max_depth))
         self.matches += bool(chain)
         self.first_grafted = len(tree)  # grafted nodes come after the inner drafter's
