@@ -1,7 +1,7 @@
 """``eaglekit bench``: τ, tokens/s and speedup vs plain decoding, measured side by side in one run.
 
 Methods per prompt, interleaved so that machine drift hits all alike: ``plain`` (our loop, no
-drafter: the baseline), ``ours`` (our loop with the head or draft model), with ``lookup_tokens=N``
+drafter: the baseline), ``ours`` (our loop with the head or draft model), with ``lookup_tokens=N`` (or ``2,5,10``)
 ``lookup`` and ``ours_lookup`` (our loop with a prompt-lookup branch, alone and grafted onto ours), ``hf`` (transformers'
 ``generate``), ``hf_lookup`` (prompt lookup decoding) and, with a draft model, ``hf_assisted``
 (transformers' assisted generation, same pair). Each (method, temperature) is repeated; the report
@@ -46,8 +46,9 @@ class BenchConfig:
     draft_tree: str | None = None  # with draft=: "depth,top_k,total_tokens", our loop drafts a tree, not a chain
     hf_baselines: bool = True
     prompt_lookup_tokens: int = 10
-    lookup_tokens: int = 0  # > 0: add "lookup" (our loop, prompt lookup only) and, with a head or draft_tree,
-    # "ours_lookup" (drafter + lookup). hf_lookup keeps transformers' own settings (prompt_lookup_tokens, n-gram 2)
+    lookup_tokens: int | list | str = 0  # > 0 (or "2,5,10", lengths per match as in generate's prompt_lookup):
+    # add "lookup" (our loop, prompt lookup only) and, with a head or draft_tree, "ours_lookup" (drafter +
+    # lookup). hf_lookup keeps transformers' own settings (prompt_lookup_tokens, n-gram 2)
     assistant_tokens: list = field(default_factory=lambda: [4, 8])  # best of these is reported
     dtype: str = "float32"
     device: str = "cpu"

@@ -30,7 +30,9 @@ class GenerateConfig:
     tree: str = "auto"  # "auto" or "depth,top_k,total_tokens", e.g. "5,8,48"
     gamma: int = 4
     draft_tree: str | None = None  # with draft=: "depth,top_k,total_tokens" grows a tree instead of a chain
-    prompt_lookup: int = 0  # > 0: also verify up to N tokens copied from the context (eaglekit.decode.lookup)
+    # > 0: also verify up to N tokens copied from the context (eaglekit.decode.lookup); "2,5,10": 2 tokens
+    # after a 1-gram match, 5 after a 2-gram, 10 after a 3-gram (lookup.BY_MATCH, the measured best)
+    prompt_lookup: int | list | str = 0
     dtype: str = "float32"
     device: str = "cpu"
     cpu_linear: str = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
@@ -96,10 +98,12 @@ def run(args) -> int:
     from eaglekit.target import load_target
 
     cfg = load_config(GenerateConfig, args.config, args.overrides)
-    if cfg.prompt_lookup and cfg.draft and not cfg.draft_tree:  # before loading models or reading a turn
-        from eaglekit.decode.lookup import SAMPLED
+    if cfg.prompt_lookup:  # before loading models or reading a turn
+        from eaglekit.decode.lookup import SAMPLED, branch_lengths
 
-        raise ValueError(f"prompt_lookup={cfg.prompt_lookup} with draft= and no draft_tree=: {SAMPLED}")
+        branch_lengths(cfg.prompt_lookup)
+        if cfg.draft and not cfg.draft_tree:
+            raise ValueError(f"prompt_lookup={cfg.prompt_lookup} with draft= and no draft_tree=: {SAMPLED}")
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     drafter = load_drafter(cfg, target)
     use_cpu_linear(cfg.cpu_linear, target, drafter)

@@ -173,13 +173,14 @@ def _finish(new: list[int], max_new: int, eos: set, stop, tokenizer) -> tuple[li
 def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eos_token_id=None, stop: list[str] | str | None = None,
              seed: int | None = None, generator: torch.Generator | None = None, tree=None, gamma: int = 4,
-             streamer=None, acceptance=None, on_step=None, prompt_lookup: int = 0) -> GenerateOutput:
+             streamer=None, acceptance=None, on_step=None, prompt_lookup=0) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` with ``drafter`` (None, a draft Target, or an EAGLE head).
 
     ``tree``: a ``TreeSpec`` / dict of its fields / ``"auto"`` (sized from measured costs) for heads;
     ``gamma``: chain length for a draft model. ``prompt_lookup=N`` adds a branch of up to N tokens copied
     from the context after its last matching n-gram (``lookup.LookupDrafter``; with ``drafter=None`` this
-    is prompt lookup decoding). ``eos_token_id`` defaults to the model's generation
+    is prompt lookup decoding); ``prompt_lookup=(2, 5, 10)`` (``lookup.BY_MATCH``, the measured best) sizes
+    the branch by the match: 2 tokens after a 1-gram match, 5 after a 2-gram, 10 after a 3-gram. ``eos_token_id`` defaults to the model's generation
     config (``False`` disables it). ``acceptance`` overrides the acceptance rule (tests only).
     ``max_new_tokens=0`` returns the prompt unchanged. ``on_step(cache, tokens)`` is called after each
     KV keep with the target cache and the token ids it now covers (for tests).

@@ -39,6 +39,11 @@ def test_decode_cli_generate_streams_and_prints_tau(saved, capsys, monkeypatch):
     assert main(["generate", f"target={target_dir}", f"head={head_dir}", "prompt=hello hello", "max_new_tokens=6",
                  "tree=2,2,3", "prompt_lookup=3"]) == 0
     assert "(head + prompt lookup 3)" in capsys.readouterr().err and built == [3]
+    assert main(["generate", f"target={target_dir}", f"head={head_dir}", "prompt=hello hello", "max_new_tokens=6",
+                 "tree=2,2,3", "prompt_lookup=2,5,10"]) == 0  # lengths per match length, as text
+    assert built[-1] == "2,5,10" and LookupDrafter(None, built[-1]).lengths == (2, 5, 10)
+    with pytest.raises(ValueError, match="prompt lookup"):  # a bad value, before any model loads
+        main(["generate", "target=/nonexistent", "prompt=hi", "prompt_lookup=2,5"])
     with pytest.raises(ValueError, match="draft-model chain"):  # refused before any model loads
         main(["generate", f"target={target_dir}", f"draft={draft_dir}", "prompt=hi", "prompt_lookup=3"])
     assert main(["generate", f"target={target_dir}", f"draft={draft_dir}", "prompt=hi", "max_new_tokens=5",

@@ -7,7 +7,7 @@ from test_decode_core import PROMPTS, TREE, _cache_equals_fresh, hf_greedy, tiny
 
 from eaglekit import decode
 from eaglekit.decode.drafters import EagleDrafter, ModelTreeDrafter, PlainDrafter
-from eaglekit.decode.lookup import LookupDrafter, NgramIndex, graft_chain
+from eaglekit.decode.lookup import BY_MATCH, LookupDrafter, NgramIndex, branch_lengths, graft_chain
 from eaglekit.decode.tree import Tree, TreeSpec, ancestors
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
@@ -21,10 +21,12 @@ def find_continuation(seq, max_tokens, max_ngram=3, min_ngram=1):
 
 def scan_continuation(seq, max_tokens, max_ngram, min_ngram):
     """The definition, by brute force: what followed the latest earlier occurrence of the longest matching
-    tail n-gram, repeated with its period where it runs into the tail."""
+    tail n-gram, repeated with its period where it runs into the tail (``max_tokens`` per match length
+    from ``min_ngram`` up when a list)."""
     for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
         for start in range(len(seq) - n - 1, -1, -1):
             if seq[start:start + n] == seq[-n:]:
+                max_tokens = max_tokens if isinstance(max_tokens, int) else max_tokens[n - min_ngram]
                 out = seq[start + n:start + n + max_tokens]
                 while len(out) < max_tokens:
                     out += out[: max_tokens - len(out)]
@@ -43,6 +45,20 @@ def test_decode_lookup_find_continuation():
     assert find_continuation([3, 3], 4) == [3, 3, 3, 3]  # runs into the tail: repeats with its period
     assert find_continuation([7, 1, 2, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
     assert find_continuation([6], 4) == [] and find_continuation([1, 2, 1], 2, min_ngram=2) == []
+    # one length per match length: the longest match picks its own
+    assert find_continuation([4, 7, 5, 9, 7, 5], (1, 3, 6)) == [9, 7, 5]  # a 2-gram match: 3 tokens
+    assert find_continuation([4, 7, 5, 9, 7, 5], (1, 0, 6)) == []  # 0 after a 2-gram: no branch, no fallback
+    assert find_continuation([8, 1, 2, 9, 6, 3, 2, 9, 0, 1, 2, 9], (1, 1, 3)) == [6, 3, 2]  # 3-gram
+    assert find_continuation([5, 6, 7, 5], (2, 9, 9)) == [6, 7]  # only "5" occurred before: a 1-gram
+    assert find_continuation([1, 2, 3, 1, 2], (4, 1), max_ngram=3, min_ngram=2) == [3, 1, 2, 3]  # "1 2"
+
+
+def test_decode_lookup_branch_lengths():
+    assert branch_lengths(5) == (5, 5, 5) and branch_lengths("2,5,10") == BY_MATCH == branch_lengths([2, 5, 10])
+    assert branch_lengths((0, 4), max_ngram=3, min_ngram=2) == (0, 4)
+    for bad in (0, [2, 5], [0, 0, 0], [1, -1, 3], "2,5,x"):
+        with pytest.raises(ValueError, match="prompt lookup"):
+            branch_lengths(bad)
 
 
 def test_decode_lookup_index_grown_in_steps_equals_the_scan():
@@ -54,6 +70,8 @@ def test_decode_lookup_index_grown_in_steps_equals_the_scan():
             seq += step
             index.extend(step)
             assert index.continuation(4) == scan_continuation(seq, 4, max_n, min_n), (seq, max_n, min_n)
+            lengths = list(range(1, max_n - min_n + 2))  # a different length per match length
+            assert index.continuation(lengths) == scan_continuation(seq, lengths, max_n, min_n), (seq, lengths)
 
 
 def _tree(tokens, parents):
@@ -106,6 +124,9 @@ def test_decode_lookup_greedy_equals_hf_every_tree_drafter():
                                      prompt_lookup=5)
             assert via_kw.sequences.tolist() == ref.tolist(), (name, ids)
             assert via_kw.stats.accept_lengths == out.stats.accept_lengths, (name, ids)  # the same drafts
+            by_match = decode.generate(t, plain_arg[name], torch.tensor([ids]), 40, eos_token_id=False, tree=TREE,
+                                       prompt_lookup=BY_MATCH)  # branch lengths by match length
+            assert by_match.sequences.tolist() == ref.tolist(), (name, ids)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -128,7 +149,7 @@ def test_decode_lookup_refuses_a_sampled_chain_and_bad_sizes():
         decode.generate(t, small, torch.tensor([PROMPTS[0]]), 4, prompt_lookup=3)
     with pytest.raises(ValueError, match="draft-model chain"):
         graft_chain(Tree.chain(torch.tensor([1, 2]), torch.ones(2), sampled=True), [3])
-    with pytest.raises(ValueError, match="tokens >= 1, got 0"):
+    with pytest.raises(ValueError, match="tokens >= 1.*got 0"):
         LookupDrafter(PlainDrafter(), 0)
     with pytest.raises(ValueError, match="min_ngram <= max_ngram, got 2, 1"):
         LookupDrafter(None, 4, max_ngram=1, min_ngram=2)
