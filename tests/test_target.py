@@ -102,3 +102,15 @@ def test_chat_ids_uses_the_tokenizers_template():
     want = t.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert t.chat_ids("hi").tolist() == [want]
     assert t.chat_ids(msgs).tolist() == [want]
+
+
+def test_fingerprint_follows_the_vocabulary_and_shape():
+    """Memoised, but a token added to the tokenizer or a changed shape gives a new fingerprint."""
+    t = tiny_target()
+    first = t.fingerprint()
+    assert t.fingerprint() == first == tiny_target(seed=3).fingerprint()  # weights do not enter it
+    t.tokenizer.add_tokens(["<new-token>"])
+    added = t.fingerprint()
+    assert added != first
+    t.config.intermediate_size += 8
+    assert t.fingerprint() not in (first, added)
