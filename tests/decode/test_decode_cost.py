@@ -51,6 +51,19 @@ def test_decode_auto_tree_small_on_cpu_large_on_gpu():
         assert rate >= fixed
 
 
+def test_decode_auto_tree_uses_a_lumpy_cpu_curve():
+    """Measured on this CPU with packed linears: 2 rows cost more than 3 to 6, then ~1 ms a row. A head
+    with a few likely children gets the 5 nodes that fit in the free rows (the old 1/2/4/8 grid and
+    candidate list could not express 5), not 6 (the next row costs more than its child adds)."""
+    lumpy = cost.Costs("cpu", {1: 0.040, 2: 0.048, 3: 0.040, 4: 0.040, 5: 0.040, 6: 0.041, 7: 0.046, 8: 0.048,
+                               16: 0.062, 96: 0.2}, {k: 0.002 for k in cost.LEVEL_SIZES})
+    child = [0.2, 0.1, 0.08, 0.06, 0.05, 0.01, 0.01, 0.01, 0.01, 0.01]
+    pools = {k: [([1] * k, child[:k])] for k in cost.LEVEL_SIZES}  # depth 1 only
+    spec, rate = cost.choose(lumpy, pools)
+    assert spec.depth == 1 and spec.total_tokens == 5 and spec.top_k >= 5, spec
+    assert rate == pytest.approx((1 + sum(child[:5])) / (0.002 + 0.041))  # a head level + 6 rows
+
+
 def test_decode_auto_tree_untrained_head_gets_minimal_tree():
     pools = synthetic_pools(untrained=True)
     spec, _ = cost.choose(GPU, pools)
