@@ -22,5 +22,5 @@ for kind in eagle3 eagle1; do
 done
 for kind in eagle3 eagle1; do
   .venv/bin/eaglekit bench target=smollm2-135m-instruct head="$RUN/$kind/final" prompts=16 prompt_order=spread \
-      max_new_tokens=128 repeats=3 lookup_tokens=5 out="$RUN/bench-$kind" ${BENCH_SET:-}
+      max_new_tokens=128 repeats=3 lookup_tokens=2,5,10 out="$RUN/bench-$kind" ${BENCH_SET:-}
 done

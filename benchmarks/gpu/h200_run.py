@@ -115,7 +115,7 @@ def main() -> int:
     # 3. decode benches on this GPU, most wanted first; each bounded by the time left
     bench = [py, "-m", "eaglekit.cli", "bench", "target=smollm2-135m-instruct", f"head={head}", f"device={a.device}",
              f"prompts={a.bench_prompts}", f"max_new_tokens={a.bench_tokens}", "repeats=1"]
-    runs = [("bf16", ["dtype=bfloat16", "temperatures=[0.0]", "lookup_tokens=5"]),
+    runs = [("bf16", ["dtype=bfloat16", "temperatures=[0.0]", "lookup_tokens=2,5,10"]),
             ("fp32", ["dtype=float32", "temperatures=[0.0,1.0]", "hf_baselines=false"])]
     for name, extra in runs:
         left = a.budget_s - elapsed() - 10
