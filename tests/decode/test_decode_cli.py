@@ -28,7 +28,9 @@ def test_decode_cli_generate_streams_and_prints_tau(saved, capsys, monkeypatch):
     assert main(["generate", f"target={target_dir}", f"head={head_dir}", "prompt=hello", "max_new_tokens=6",
                  "tree=2,2,3"]) == 0
     err = capsys.readouterr().err
-    assert "tau=" in err and "6 tokens" in err
+    assert "tau=" in err and "6 tokens" in err and "(head + prompt lookup 2,5,10)" in err  # auto: on with a head
+    assert main(["generate", f"target={target_dir}", "prompt=hello", "max_new_tokens=3"]) == 0
+    assert "(plain)" in capsys.readouterr().err  # auto: off without a drafter
     import sys
 
     from eaglekit.decode.lookup import LookupDrafter
