@@ -93,14 +93,21 @@ def _timed(fn):
     return res, time.perf_counter() - t0
 
 
-def methods(cfg: BenchConfig, target, drafter, tree):
-    """name -> fn(ids, temperature, seed) -> (new tokens, DecodeStats or None, sequences)."""
+def methods(cfg: BenchConfig, target, drafter, tree, nodes_with_lookup=None):
+    """name -> fn(ids, temperature, seed) -> (new tokens, DecodeStats or None, sequences).
+    ``nodes_with_lookup``: the auto plan's head nodes on steps with a lookup branch (as generate's
+    ``tree="auto"`` does; the bench resolves the plan once and always drafts)."""
+    from eaglekit.decode.drafters import EagleDrafter
     from eaglekit.decode.generate import generate
+    from eaglekit.decode.lookup import LookupDrafter
 
     def ours(dr, lookup=0):
         def fn(ids, temp, seed):
-            out = generate(target, dr, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
-                           gamma=cfg.gamma, prompt_lookup=lookup)
+            inner, lk = dr, lookup
+            if lookup and nodes_with_lookup is not None and cfg.head:  # built per call, as generate() would
+                inner, lk = LookupDrafter(EagleDrafter(target, dr, tree), lookup, inner_nodes=nodes_with_lookup), 0
+            out = generate(target, inner, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
+                           gamma=cfg.gamma, prompt_lookup=lk)
             return out.stats.new_tokens, out.stats, out.sequences
         return fn
 
@@ -151,14 +158,16 @@ def run_bench(cfg: BenchConfig) -> dict:
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     drafter = load_drafter(cfg, target)
     packed = use_cpu_linear(cfg.cpu_linear, target, drafter)  # HF baselines run the same packed modules
-    tree = parse_tree(cfg.tree)
+    tree, nodes_with_lookup = parse_tree(cfg.tree), None
     if tree == "auto" and cfg.head:
-        from eaglekit.decode.cost import auto_tree
+        from eaglekit.decode.cost import auto_plan
+        from eaglekit.decode.tree import TreeSpec
 
-        tree = auto_tree(target, drafter)
+        plan = auto_plan(target, drafter)
+        tree, nodes_with_lookup = TreeSpec(**plan["spec"]), plan.get("nodes_with_lookup")
     questions = load_questions(cfg.dataset, cfg.prompts, cfg.prompt_order)
     prompts = [target.chat_ids(text) for _, text in questions]
-    fns = methods(cfg, target, drafter, tree)
+    fns = methods(cfg, target, drafter, tree, nodes_with_lookup)
     for fn in fns.values():  # warm-up (allocations, auto-tree cache, kernels)
         fn(prompts[0][:, :16], 0.0, 0)
     results, per_prompt, per_category, acceptance = {}, {}, {}, {}
@@ -170,7 +179,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             per_category[str(temp)] = speedup_per_category(records)
             acceptance[str(temp)] = _rates(pooled)
     extra = dict(speedup_per_category=per_category, acceptance_per_depth=acceptance) if "ours" in fns else {}
-    return dict(config=asdict(cfg), tree=str(tree), device=str(target.device),
+    return dict(config=asdict(cfg), tree=str(tree), nodes_with_lookup=nodes_with_lookup, device=str(target.device),
                 threads=torch.get_num_threads(), packed_linears=packed,
                 torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results,

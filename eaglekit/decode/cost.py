@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -58,17 +59,26 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}-{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}threads"
 
 
-def _median_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():  # start from an idle device (the warm-up's kernels may still run)
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+def _timed(fn) -> float:
+    if torch.cuda.is_available():  # start from an idle device (the warm-up's kernels may still run)
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _medians(fns: dict, repeats: int) -> dict:
+    """key -> median seconds of ``fns[key]()``, the keys taken in turn on each repeat (after one warm-up
+    each): a slow spell of a shared machine then hits every size alike instead of a few in a row."""
+    for fn in fns.values():
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    times = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            times[key].append(_timed(fn))
+    return {key: sorted(ts)[len(ts) // 2] for key, ts in times.items()}
 
 
 @torch.no_grad()
@@ -78,16 +88,15 @@ def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SI
     dev, prefix_len = target.device, prefix.shape[1]
     cache = kv.new_cache(target.model)
     target.forward(prefix.to(dev), past_key_values=cache, kind=None)
-    verify_s = {}
-    for m in sizes:
+
+    def run(m):
         ids = torch.randint(10, target.vocab_size - 1, (1, m), device=dev)
 
-        def run():
+        def fn():
             target.forward(ids, past_key_values=cache, kind=kind, layer_ids=layer_ids)
             kv.crop(cache, prefix_len)
-        run()  # warm-up
-        verify_s[m] = _median_of(run, repeats)
-    return verify_s
+        return fn
+    return _medians({m: run(m) for m in sizes}, repeats)
 
 
 @torch.no_grad()
@@ -102,8 +111,8 @@ def measure(target, head, prefix_len: int = 128, repeats: int = 5) -> Costs:
     hcache = HeadCache()
     head.step(prefix[:, 1:].to(hdev), torch.randn(1, prefix_len - 1, H, device=hdev, dtype=head.dtype),
               torch.arange(prefix_len - 1, device=hdev)[None], cache=hcache)
-    level_s = {}
-    for k in LEVEL_SIZES:
+
+    def level(k):
         ids = torch.randint(10, target.vocab_size - 1, (1, k), device=hdev)
         g = torch.randn(1, k, H, device=hdev, dtype=head.dtype)
         pos = torch.full((1, k), prefix_len, device=hdev)
@@ -114,8 +123,8 @@ def measure(target, head, prefix_len: int = 128, repeats: int = 5) -> Costs:
             log = torch.log_softmax(torch.randn(k, head.config.draft_vocab_size, device=hdev), -1)
             log.topk(min(k, log.shape[-1]))
             hcache.crop(prefix_len - 1)
-        step()
-        level_s[k] = _median_of(step, repeats)
+        return step
+    level_s = _medians({k: level(k) for k in LEVEL_SIZES}, repeats)
     return Costs(device_name(target.device), verify_s, level_s)
 
 
@@ -172,6 +181,21 @@ def choose(costs: Costs, pools: dict, max_total: int = 96) -> tuple[TreeSpec, fl
     return best, best_rate
 
 
+# A prompt-lookup branch (lookup.BY_MATCH) on MT-bench with an EAGLE-3 head on SmolLM2: on the steps that
+# have one, it added ~3 rows to the verify and ~0.8 accepted tokens (1-gram matches 0.35, 3-gram ~3.5).
+BRANCH_ROWS, BRANCH_TOKENS = 3, 0.8
+
+
+def nodes_beside_branch(costs: Costs, pool, spec: TreeSpec, rows: int = BRANCH_ROWS,
+                        tokens: float = BRANCH_TOKENS) -> int:
+    """How many of ``spec``'s best nodes to keep on a step that also verifies a branch of ``rows`` nodes
+    worth ``tokens`` accepted tokens: the most expected tokens per second (ties: fewer nodes)."""
+    def rate(n):
+        step = costs.level(2) + (spec.depth - 1) * costs.level(spec.top_k) + costs.verify(n + 1 + rows)
+        return (expected_tokens(pool, spec.depth, n) + tokens) / step
+    return max(range(spec.total_tokens + 1), key=rate)
+
+
 def _key(target, head) -> str:
     from eaglekit import __version__
     from eaglekit.packed_linear import packed_count
@@ -193,9 +217,30 @@ def calibration_ids(target, n_new: int = 48) -> torch.Tensor:
     return generate(target, None, target.chat_ids(q), n_new, eos_token_id=False).sequences
 
 
+# head -> (what the plan was made for, plan): generate(tree="auto") called per prompt would otherwise hash
+# the head's weights (~30 ms) every call. Parameters are compared by identity and in-place version.
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _made_for(target, head, cache_dir) -> tuple:
+    from eaglekit.packed_linear import packed_count
+
+    return (id(target.model), target.fingerprint(), str(target.device), str(target.dtype), str(cache_dir),
+            packed_count(target.model), packed_count(head), tuple((id(p), p._version) for p in head.parameters()))
+
+
 def auto_plan(target, head, cache_dir=None, refresh: bool = False) -> dict:
     """Measure (or read the cached) costs and calibration: ``{"spec", "expected_tokens_per_s",
-    "plain_tokens_per_s", "costs"}`` for the best tree on this device."""
+    "plain_tokens_per_s", "costs", "nodes_with_lookup"}`` for the best tree on this device."""
+    made_for = _made_for(target, head, cache_dir)
+    if not refresh and head in _PLANS and _PLANS[head][0] == made_for:
+        return _PLANS[head][1]
+    plan = _load_or_measure(target, head, cache_dir, refresh)
+    _PLANS[head] = made_for, plan
+    return plan
+
+
+def _load_or_measure(target, head, cache_dir, refresh: bool) -> dict:
     from eaglekit.assets import cache_dir as default_dir
 
     path = (cache_dir or default_dir() / "decode-costs") / f"{_key(target, head)}.json"
@@ -205,7 +250,8 @@ def auto_plan(target, head, cache_dir=None, refresh: bool = False) -> dict:
     pools = calibrate(target, head, calibration_ids(target))
     spec, rate = choose(costs, pools)
     plan = dict(spec=asdict(spec), expected_tokens_per_s=rate, costs=asdict(costs),
-                plain_tokens_per_s=1 / costs.verify(1))
+                plain_tokens_per_s=1 / costs.verify(1),
+                nodes_with_lookup=nodes_beside_branch(costs, pools[spec.top_k], spec))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(plan, indent=1))

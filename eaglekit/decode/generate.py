@@ -79,7 +79,9 @@ def make_drafter(target, drafter, sampling: Sampling, tree, gamma: int, generato
                               f"tokens/s, plain decoding at {plan['plain_tokens_per_s']:.1f} on this device: "
                               "decoding without drafting (pass an explicit tree to draft anyway)", stacklevel=3)
                 return PlainDrafter()
-            tree = TreeSpec(**plan["spec"])
+            dr = EagleDrafter(target, drafter, TreeSpec(**plan["spec"]))
+            dr.nodes_with_lookup = plan.get("nodes_with_lookup")  # the head's share of a step with a lookup branch
+            return dr
         return EagleDrafter(target, drafter, tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {})))
     if hasattr(drafter, "draft") and hasattr(drafter, "commit"):  # anything following the protocol
         return drafter
@@ -176,7 +178,8 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
              streamer=None, acceptance=None, on_step=None, prompt_lookup=0) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` with ``drafter`` (None, a draft Target, or an EAGLE head).
 
-    ``tree``: a ``TreeSpec`` / dict of its fields / ``"auto"`` (sized from measured costs) for heads;
+    ``tree``: a ``TreeSpec`` / dict of its fields / ``"auto"`` (sized from measured costs; with
+    ``prompt_lookup`` it also keeps fewer head nodes on steps that have a lookup branch) for heads;
     ``gamma``: chain length for a draft model. ``prompt_lookup=N`` adds a branch of up to N tokens copied
     from the context after its last matching n-gram (``lookup.LookupDrafter``; with ``drafter=None`` this
     is prompt lookup decoding); ``prompt_lookup=(2, 5, 10)`` (``lookup.BY_MATCH``, the measured best) sizes
@@ -194,7 +197,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     eos = _eos_set(target, eos_token_id)
     drafter = make_drafter(target, drafter, sampling, tree, gamma, generator)
     if prompt_lookup:
-        drafter = LookupDrafter(drafter, prompt_lookup)
+        drafter = LookupDrafter(drafter, prompt_lookup, inner_nodes=getattr(drafter, "nodes_with_lookup", None))
     stats = DecodeStats()
     prompt = input_ids.to(target.device)
     if max_new_tokens == 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglekit.decode.tree import Tree
+from eaglekit.decode.tree import Tree, prune
 
 SAMPLED = ("prompt lookup grafts onto a tree of chosen tokens; a draft-model chain is sampled (Leviathan's "
            "rule): use a draft-model tree (draft_tree= / ModelTreeDrafter) instead")
@@ -111,14 +111,20 @@ def branch_lengths(tokens, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int,
 class LookupDrafter:
     """Wrap a tree drafter (``EagleDrafter``, ``ModelTreeDrafter``, ``PlainDrafter`` or None for plain) with
     a prompt-lookup branch from an n-gram of ``max_ngram`` down to ``min_ngram`` tokens: ``tokens`` long
-    (an int), or ``tokens[n - min_ngram]`` long after an n-token match (a sequence, e.g. ``BY_MATCH``)."""
+    (an int), or ``tokens[n - min_ngram]`` long after an n-token match (a sequence, e.g. ``BY_MATCH``).
+    ``inner_nodes``: on steps with a branch, keep only the inner tree's best ``inner_nodes`` nodes (where
+    verification cost grows with the rows, the branch's rows are worth more than the head's unlikely
+    candidates; ``tree="auto"`` sets it from the measured costs)."""
 
-    def __init__(self, inner, tokens, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, inner, tokens, max_ngram: int = 3, min_ngram: int = 1, inner_nodes: int | None = None):
         from eaglekit.decode.drafters import ModelDrafter, PlainDrafter
 
         if isinstance(inner, ModelDrafter):
             raise ValueError(SAMPLED)
         self.lengths = branch_lengths(tokens, max_ngram, min_ngram)
+        if inner_nodes is not None and inner_nodes < 0:
+            raise ValueError(f"inner_nodes must be >= 0 or None, got {inner_nodes}")
+        self.inner_nodes = inner_nodes
         inner = PlainDrafter() if inner is None else inner
         self.inner, self.max_ngram, self.min_ngram = inner, max_ngram, min_ngram
         self.kind, self.layer_ids = inner.kind, inner.layer_ids
@@ -132,6 +138,8 @@ class LookupDrafter:
     def draft(self, max_depth: int) -> Tree:
         tree = self.inner.draft(max_depth)  # graft_chain refuses a sampled tree
         chain = self.context.continuation(self.lengths)[:max_depth]
+        if chain and self.inner_nodes is not None:
+            tree = prune(tree, self.inner_nodes)
         self.matches += bool(chain)
         self.first_grafted = len(tree)  # grafted nodes come after the inner drafter's
         return graft_chain(tree, chain)

@@ -96,3 +96,19 @@ def select_best(scores: torch.Tensor, parents: torch.Tensor, total: int) -> tupl
     if bool(((new_parents < 0) & (parents[kept].cpu() >= 0)).any()):
         raise AssertionError("select_best: kept set not closed under ancestors")
     return kept, new_parents.to(parents.device)
+
+
+def prune(tree: Tree, total: int) -> Tree:
+    """The ``total`` nodes of ``tree`` with the highest path probability (``q_token`` multiplied down the
+    path), closed under ancestors, in tree order. A tree of chosen tokens only (``q_token`` is a score)."""
+    if len(tree) <= total:
+        return tree
+    if tree.sampled:
+        raise ValueError("prune: a sampled tree's nodes cannot be dropped (the acceptance rule needs them all)")
+    path = tree.q_token.double().cpu().clamp_min(1e-300).log()
+    for i, p in enumerate(tree.parents.tolist()):  # parents come first
+        if p >= 0:
+            path[i] += path[p]
+    kept, parents = select_best(path, tree.parents.cpu(), total)
+    kept = kept.to(tree.tokens.device)
+    return Tree(tree.tokens[kept], parents.to(tree.tokens.device), tree.depths[kept], tree.q_token[kept])

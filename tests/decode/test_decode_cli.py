@@ -37,7 +37,7 @@ def test_decode_cli_generate_streams_and_prints_tau(saved, capsys, monkeypatch):
 
     built = []  # the CLI's prompt_lookup reaches generate()
     monkeypatch.setattr(sys.modules["eaglekit.decode.generate"], "LookupDrafter",
-                        lambda inner, n: built.append(n) or LookupDrafter(inner, n))
+                        lambda inner, n, **kw: built.append(n) or LookupDrafter(inner, n, **kw))
     assert main(["generate", f"target={target_dir}", f"head={head_dir}", "prompt=hello hello", "max_new_tokens=6",
                  "tree=2,2,3", "prompt_lookup=3"]) == 0
     assert "(head + prompt lookup 3)" in capsys.readouterr().err and built == [3]

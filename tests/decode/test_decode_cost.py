@@ -88,6 +88,49 @@ def test_decode_auto_tree_measures_calibrates_and_caches(tmp_path, monkeypatch):
     assert cost.auto_tree(t, head, cache_dir=tmp_path) == spec
     out = decode.generate(t, head, ids[:, :8], 6, eos_token_id=False, tree=spec)
     assert out.stats.new_tokens == 6
+    # in-process: the plan is reused without hashing the weights again, until a weight changes in place
+    plan = cost.auto_plan(t, head, cache_dir=tmp_path)
+    assert 0 <= plan["nodes_with_lookup"] <= spec.total_tokens
+    keys = []
+    real_key = cost._key
+    monkeypatch.setattr(cost, "_key", lambda *a: keys.append(1) or real_key(*a))
+    assert cost.auto_plan(t, head, cache_dir=tmp_path) is plan and keys == []
+    with torch.no_grad():
+        next(head.parameters()).mul_(1.0)  # an in-place write (same values: the file cache still answers)
+    assert cost.auto_plan(t, head, cache_dir=tmp_path) is not plan and keys == [1]
+
+
+def test_decode_auto_keeps_fewer_head_nodes_beside_a_lookup_branch(monkeypatch):
+    """Where rows cost time (the lumpy CPU curve) a step with a 3-row lookup branch keeps fewer of the
+    head's candidates; where verification is flat (GPU) it keeps them all; generate(tree="auto",
+    prompt_lookup=...) hands the plan's count to the LookupDrafter."""
+    lumpy = cost.Costs("cpu", {1: 0.040, 2: 0.048, 3: 0.040, 4: 0.040, 5: 0.040, 6: 0.041, 7: 0.046, 8: 0.048,
+                               16: 0.062, 96: 0.2}, {k: 0.002 for k in cost.LEVEL_SIZES})
+    child = [0.2, 0.1, 0.08, 0.06, 0.05, 0.01]
+    pool = [([1] * 6, child)]
+    spec = TreeSpec(1, 6, 5)
+    beside = cost.nodes_beside_branch(lumpy, pool, spec, rows=3, tokens=0.8)
+    assert beside < spec.total_tokens
+    rate = lambda n: (1 + sum(child[:n]) + 0.8) / (0.002 + lumpy.verify(n + 4))  # noqa: E731
+    assert rate(beside) == max(rate(n) for n in range(6))
+    assert cost.nodes_beside_branch(GPU, pool, spec, rows=3, tokens=0.8) == spec.total_tokens
+    import sys
+
+    from test_decode_core import tiny_head
+
+    gen = sys.modules["eaglekit.decode.generate"]  # the module (eaglekit.decode.generate is the function)
+    t = tiny_target(vocab_size=64, layers=2)
+    head = tiny_head(t, "eagle3", 48)
+    plan = dict(spec=dict(depth=2, top_k=2, total_tokens=4), expected_tokens_per_s=30.0, plain_tokens_per_s=20.0,
+                costs={}, nodes_with_lookup=1)
+    monkeypatch.setattr(cost, "auto_plan", lambda target, head: plan)
+    built = []
+    real = gen.LookupDrafter
+    monkeypatch.setattr(gen, "LookupDrafter", lambda inner, n, **kw: built.append(kw) or real(inner, n, **kw))
+    ids = torch.tensor([[2, 5, 6, 7, 5, 6, 7, 5, 6]])
+    out = decode.generate(t, head, ids, 12, eos_token_id=False, tree="auto", prompt_lookup=4)
+    assert built == [dict(inner_nodes=1)]
+    assert torch.equal(out.sequences, decode.generate(t, None, ids, 12, eos_token_id=False).sequences)
 
 
 def test_decode_auto_falls_back_to_plain_when_no_tree_pays(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ from test_decode_core import PROMPTS, TREE, _cache_equals_fresh, hf_greedy, tiny
 from eaglekit import decode
 from eaglekit.decode.drafters import EagleDrafter, ModelTreeDrafter, PlainDrafter
 from eaglekit.decode.lookup import BY_MATCH, LookupDrafter, NgramIndex, branch_lengths, graft_chain
-from eaglekit.decode.tree import Tree, TreeSpec, ancestors
+from eaglekit.decode.tree import Tree, TreeSpec, ancestors, prune
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
@@ -100,6 +100,30 @@ def test_decode_lookup_graft_shares_nodes_and_keeps_children_distinct():
         assert all(int(a[i + 1].sum()) == int(d) + 1 for i, d in enumerate(tree.depths))  # a path per node
 
 
+def test_decode_lookup_prune_keeps_the_likeliest_paths():
+    # root -> 10 (0.6) -> {12 (0.5), 13 (0.4)}; root -> 11 (0.3) -> 14 (0.9): paths 0.6, 0.3, 0.3, 0.24, 0.27
+    tree = _tree([10, 11, 12, 13, 14], [-1, -1, 0, 0, 1])
+    tree = Tree(tree.tokens, tree.parents, tree.depths, torch.tensor([0.6, 0.3, 0.5, 0.4, 0.9]))
+    two = prune(tree, 2)
+    assert two.tokens.tolist() == [10, 11] and two.parents.tolist() == [-1, -1]
+    four = prune(tree, 4)  # 0.27 beats 0.24: 14 stays with its parent 11, 13 goes
+    assert four.tokens.tolist() == [10, 11, 12, 14] and four.parents.tolist() == [-1, -1, 0, 1]
+    assert four.depths.tolist() == [1, 1, 2, 2] and four.q_token.tolist() == pytest.approx([0.6, 0.3, 0.5, 0.9])
+    assert prune(tree, 5) is tree and len(prune(tree, 0)) == 0
+    with pytest.raises(ValueError, match="sampled"):
+        prune(Tree.chain(torch.tensor([1, 2]), torch.ones(2), sampled=True), 1)
+
+
+class InnerSizes(LookupDrafter):
+    """Records (had a lookup branch, nodes kept from the inner tree) per draft."""
+
+    def draft(self, max_depth):
+        branch = bool(self.context.continuation(self.lengths)[:max_depth])
+        tree = super().draft(max_depth)
+        self.sizes = getattr(self, "sizes", []) + [(branch, self.first_grafted)]
+        return tree
+
+
 def test_decode_lookup_greedy_equals_hf_every_tree_drafter():
     """Greedy decoding with a lookup branch on no drafter, an EAGLE-3 head and a draft-model tree gives the
     target's own tokens; lookup found continuations, and drafts beyond what the inner drafter could
@@ -127,6 +151,15 @@ def test_decode_lookup_greedy_equals_hf_every_tree_drafter():
             by_match = decode.generate(t, plain_arg[name], torch.tensor([ids]), 40, eos_token_id=False, tree=TREE,
                                        prompt_lookup=BY_MATCH)  # branch lengths by match length
             assert by_match.sequences.tolist() == ref.tolist(), (name, ids)
+            if name != "plain":  # the inner tree cut to its best node on steps with a branch
+                inner = {"eagle3": EagleDrafter(t, head, TreeSpec(**TREE)),
+                         "model_tree": ModelTreeDrafter(t, small, TreeSpec(**TREE))}[name]
+                pruned = InnerSizes(inner, BY_MATCH, inner_nodes=1)
+                cut = decode.generate(t, pruned, torch.tensor([ids]), 40, eos_token_id=False)
+                assert cut.sequences.tolist() == ref.tolist(), (name, ids)
+                with_branch = [n for branch, n in pruned.sizes if branch]
+                assert with_branch and max(with_branch) <= 1, (name, ids, pruned.sizes)
+                assert max(n for branch, n in pruned.sizes if not branch) > 1, (name, ids)  # left whole
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -153,3 +186,5 @@ def test_decode_lookup_refuses_a_sampled_chain_and_bad_sizes():
         LookupDrafter(PlainDrafter(), 0)
     with pytest.raises(ValueError, match="min_ngram <= max_ngram, got 2, 1"):
         LookupDrafter(None, 4, max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError, match="inner_nodes"):
+        LookupDrafter(None, 4, inner_nodes=-1)
