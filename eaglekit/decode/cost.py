@@ -27,6 +27,7 @@ from eaglekit.decode.tree import TreeSpec
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 96)
 LEVEL_SIZES = (1, 2, 4, 6, 8, 10)
 MAX_DEPTH = 8
+PLAN_FORMAT = 2  # bumped when a plan gains fields or is measured differently: cached plans are then remade
 
 
 @dataclass
@@ -204,7 +205,7 @@ def _key(target, head) -> str:
         w = float(sum(p.double().abs().sum() for p in head.parameters()))
     blob = json.dumps([device_name(target.device), str(target.dtype), target.fingerprint(),
                        head.config.kind, head.config.num_layers, head.config.draft_vocab_size, round(w, 3),
-                       __version__, packed_count(target.model), packed_count(head), VERIFY_SIZES])
+                       __version__, packed_count(target.model), packed_count(head), VERIFY_SIZES, PLAN_FORMAT])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
