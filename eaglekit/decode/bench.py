@@ -104,7 +104,7 @@ def methods(cfg: BenchConfig, target, drafter, tree, nodes_with_lookup=None):
     def ours(dr, lookup=0):
         def fn(ids, temp, seed):
             inner, lk = dr, lookup
-            if lookup and nodes_with_lookup is not None and cfg.head:  # built per call, as generate() would
+            if lookup and nodes_with_lookup is not None and dr is not None:  # the head: built per call, as generate() does
                 inner, lk = LookupDrafter(EagleDrafter(target, dr, tree), lookup, inner_nodes=nodes_with_lookup), 0
             out = generate(target, inner, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
                            gamma=cfg.gamma, prompt_lookup=lk)

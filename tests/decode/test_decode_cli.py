@@ -77,3 +77,22 @@ def test_decode_cli_bench_with_lookup(saved, tmp_path):
     assert set(res) == {"plain", "ours", "lookup", "ours_lookup"}
     assert res["lookup"]["tau"] > 1.0  # lookup's drafts were accepted (the tiny model repeats itself)
     assert all(r["identical_to_plain"] == "2/2" for r in res.values()), {n: r["identical_to_plain"] for n, r in res.items()}
+
+
+def test_decode_cli_bench_auto_tree_with_lookup_lengths(saved, tmp_path, monkeypatch):
+    """tree=auto (planned once) with lookup lengths by match: the plan's head share beside a branch is
+    used by ours_lookup only; every method still reproduces plain decoding."""
+    from eaglekit.decode import cost
+
+    target_dir, _, head_dir = saved
+    plan = dict(spec=dict(depth=2, top_k=2, total_tokens=3), expected_tokens_per_s=30.0, plain_tokens_per_s=20.0,
+                costs={}, nodes_with_lookup=1)
+    monkeypatch.setattr(cost, "auto_plan", lambda target, head: plan)
+    assert main(["bench", f"target={target_dir}", f"head={head_dir}", "prompts=2", "max_new_tokens=8", "repeats=1",
+                 "temperatures=[0.0]", "lookup_tokens=2,5,10", "hf_baselines=false", f"out={tmp_path}"]) == 0
+    (path,) = tmp_path.glob("*.json")
+    report = json.loads(path.read_text())
+    assert report["tree"] == "TreeSpec(depth=2, top_k=2, total_tokens=3)" and report["nodes_with_lookup"] == 1
+    res = report["results"]["0.0"]
+    assert set(res) == {"plain", "ours", "lookup", "ours_lookup"}
+    assert all(r["identical_to_plain"] == "2/2" for r in res.values()), {n: r["identical_to_plain"] for n, r in res.items()}
