@@ -129,6 +129,8 @@ class LookupDrafter:
         self.inner, self.max_ngram, self.min_ngram = inner, max_ngram, min_ngram
         self.kind, self.layer_ids = inner.kind, inner.layer_ids
         self.matches = self.accepted = 0  # since construction: drafts with a continuation, lookup nodes accepted
+        # match length n -> {k: steps whose accepted path began with k of the branch's tokens}, since construction
+        self.accepted_by_match: dict[int, dict[int, int]] = {}
 
     def prefill(self, prompt, out, root):
         self.context = NgramIndex(self.max_ngram, self.min_ngram)
@@ -137,7 +139,9 @@ class LookupDrafter:
 
     def draft(self, max_depth: int) -> Tree:
         tree = self.inner.draft(max_depth)  # graft_chain refuses a sampled tree
+        n, _ = self.context.match()
         chain = self.context.continuation(self.lengths)[:max_depth]
+        self.branch = n, chain
         if chain and self.inner_nodes is not None:
             tree = prune(tree, self.inner_nodes)
         self.matches += bool(chain)
@@ -146,5 +150,14 @@ class LookupDrafter:
 
     def commit(self, tree, path, next_token, out, rows):
         self.accepted += sum(1 for node in path if node >= self.first_grafted)
+        n, chain = self.branch
+        if chain:
+            k = 0
+            for token, proposed in zip(tree.tokens[path].tolist(), chain):
+                if token != proposed:
+                    break
+                k += 1
+            counts = self.accepted_by_match.setdefault(n, {})
+            counts[k] = counts.get(k, 0) + 1
         self.context.extend((tree.tokens[path].tolist() if path else []) + [next_token])
         self.inner.commit(tree, path, next_token, out, rows)
