@@ -68,8 +68,8 @@ def train(run_dir: Path, data: Path, config: str, epochs: int) -> Path:
 
 
 def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tree, lookup=0) -> dict:
-    """Plain vs EAGLE (vs EAGLE + a prompt-lookup branch, ``lookup`` as generate's prompt_lookup) greedy decoding on MT-bench first
-    turns, timed one after the other per prompt."""
+    """Plain vs EAGLE (vs EAGLE + a prompt-lookup branch, ``lookup`` as generate's ``prompt_lookup``) greedy
+    decoding on MT-bench first turns, timed one after the other per prompt."""
     from eaglekit import decode
     from eaglekit.decode.cli import parse_tree, use_cpu_linear
     from eaglekit.decode.tree import TreeSpec

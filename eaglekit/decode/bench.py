@@ -1,9 +1,9 @@
 """``eaglekit bench``: τ, tokens/s and speedup vs plain decoding, measured side by side in one run.
 
 Methods per prompt, interleaved so that machine drift hits all alike: ``plain`` (our loop, no
-drafter: the baseline), ``ours`` (our loop with the head or draft model), with ``lookup_tokens=N`` (or ``2,5,10``)
-``lookup`` and ``ours_lookup`` (our loop with a prompt-lookup branch, alone and grafted onto ours), ``hf`` (transformers'
-``generate``), ``hf_lookup`` (prompt lookup decoding) and, with a draft model, ``hf_assisted``
+drafter: the baseline), ``ours`` (our loop with the head or draft model), with ``lookup_tokens=N`` (or
+``2,5,10``) ``lookup`` and ``ours_lookup`` (our loop with a prompt-lookup branch, alone and grafted onto
+ours), ``hf`` (transformers' ``generate``), ``hf_lookup`` (prompt lookup decoding) and, with a draft model, ``hf_assisted``
 (transformers' assisted generation, same pair). Each (method, temperature) is repeated; the report
 takes the median over repeats of the total tokens/s over the prompt set. Per prompt, ``plain`` and
 ``ours`` keep their tokens and seconds per repeat (and ``ours`` its acceptance per depth), from which
@@ -104,8 +104,9 @@ def methods(cfg: BenchConfig, target, drafter, tree, nodes_with_lookup=None):
     def ours(dr, lookup=0):
         def fn(ids, temp, seed):
             inner, lk = dr, lookup
-            if lookup and nodes_with_lookup is not None and dr is not None:  # the head: built per call, as generate() does
-                inner, lk = LookupDrafter(EagleDrafter(target, dr, tree), lookup, inner_nodes=nodes_with_lookup), 0
+            if lookup and nodes_with_lookup is not None and dr is not None:  # the head, per call as generate() does
+                inner = LookupDrafter(EagleDrafter(target, dr, tree), lookup, inner_nodes=nodes_with_lookup)
+                lk = 0
             out = generate(target, inner, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
                            gamma=cfg.gamma, prompt_lookup=lk)
             return out.stats.new_tokens, out.stats, out.sequences
@@ -179,8 +180,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             per_category[str(temp)] = speedup_per_category(records)
             acceptance[str(temp)] = _rates(pooled)
     extra = dict(speedup_per_category=per_category, acceptance_per_depth=acceptance) if "ours" in fns else {}
-    return dict(config=asdict(cfg), tree=str(tree), nodes_with_lookup=nodes_with_lookup, device=str(target.device),
-                threads=torch.get_num_threads(), packed_linears=packed,
+    return dict(config=asdict(cfg), tree=str(tree), nodes_with_lookup=nodes_with_lookup,
+                device=str(target.device), threads=torch.get_num_threads(), packed_linears=packed,
                 torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results,
                 per_prompt=per_prompt, **extra)

@@ -183,10 +183,11 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     ``gamma``: chain length for a draft model. ``prompt_lookup=N`` adds a branch of up to N tokens copied
     from the context after its last matching n-gram (``lookup.LookupDrafter``; with ``drafter=None`` this
     is prompt lookup decoding); ``prompt_lookup=(2, 5, 10)`` (``lookup.BY_MATCH``, the measured best) sizes
-    the branch by the match: 2 tokens after a 1-gram match, 5 after a 2-gram, 10 after a 3-gram. ``eos_token_id`` defaults to the model's generation
-    config (``False`` disables it). ``acceptance`` overrides the acceptance rule (tests only).
-    ``max_new_tokens=0`` returns the prompt unchanged. ``on_step(cache, tokens)`` is called after each
-    KV keep with the target cache and the token ids it now covers (for tests).
+    the branch by the match: 2 tokens after a 1-gram match, 5 after a 2-gram, 10 after a 3-gram.
+    ``eos_token_id`` defaults to the model's generation config (``False`` disables it). ``acceptance``
+    overrides the acceptance rule (tests only). ``max_new_tokens=0`` returns the prompt unchanged.
+    ``on_step(cache, tokens)`` is called after each KV keep with the target cache and the token ids it now
+    covers (for tests).
     """
     input_ids = torch.as_tensor(input_ids)
     check_inputs(target, input_ids, max_new_tokens)

@@ -111,7 +111,7 @@ def test_decode_auto_keeps_fewer_head_nodes_beside_a_lookup_branch(monkeypatch):
     spec = TreeSpec(1, 6, 5)
     beside = cost.nodes_beside_branch(lumpy, pool, spec, rows=3, tokens=0.8)
     assert beside < spec.total_tokens
-    rate = lambda n: (1 + sum(child[:n]) + 0.8) / (0.002 + lumpy.verify(n + 4))  # noqa: E731
+    rate = lambda n: (1 + sum(child[:n]) + 0.8) / (0.002 + lumpy.verify(n + 4))
     assert rate(beside) == max(rate(n) for n in range(6))
     assert cost.nodes_beside_branch(GPU, pool, spec, rows=3, tokens=0.8) == spec.total_tokens
     import sys
