@@ -93,22 +93,17 @@ def _timed(fn):
     return res, time.perf_counter() - t0
 
 
-def methods(cfg: BenchConfig, target, drafter, tree, nodes_with_lookup=None):
+def methods(cfg: BenchConfig, target, drafter, tree, plan=None):
     """name -> fn(ids, temperature, seed) -> (new tokens, DecodeStats or None, sequences).
-    ``nodes_with_lookup``: the auto plan's head nodes on steps with a lookup branch (as generate's
-    ``tree="auto"`` does; the bench resolves the plan once and always drafts)."""
-    from eaglekit.decode.drafters import EagleDrafter
-    from eaglekit.decode.generate import generate
-    from eaglekit.decode.lookup import LookupDrafter
+    ``plan``: the head's auto plan, resolved once; its drafter is built per call as generate's
+    ``tree="auto"`` does, but always drafts (no fallback to plain decoding)."""
+    from eaglekit.decode.generate import generate, planned_drafter
 
     def ours(dr, lookup=0):
         def fn(ids, temp, seed):
-            inner, lk = dr, lookup
-            if lookup and nodes_with_lookup is not None and dr is not None:  # the head, per call as generate() does
-                inner = LookupDrafter(EagleDrafter(target, dr, tree), lookup, inner_nodes=nodes_with_lookup)
-                lk = 0
+            inner = dr if plan is None or dr is None else planned_drafter(target, dr, plan)
             out = generate(target, inner, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
-                           gamma=cfg.gamma, prompt_lookup=lk)
+                           gamma=cfg.gamma, prompt_lookup=lookup)
             return out.stats.new_tokens, out.stats, out.sequences
         return fn
 
@@ -159,16 +154,16 @@ def run_bench(cfg: BenchConfig) -> dict:
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     drafter = load_drafter(cfg, target)
     packed = use_cpu_linear(cfg.cpu_linear, target, drafter)  # HF baselines run the same packed modules
-    tree, nodes_with_lookup = parse_tree(cfg.tree), None
+    tree, plan = parse_tree(cfg.tree), None
     if tree == "auto" and cfg.head:
         from eaglekit.decode.cost import auto_plan
         from eaglekit.decode.tree import TreeSpec
 
         plan = auto_plan(target, drafter)
-        tree, nodes_with_lookup = TreeSpec(**plan["spec"]), plan.get("nodes_with_lookup")
+        tree = TreeSpec(**plan["spec"])
     questions = load_questions(cfg.dataset, cfg.prompts, cfg.prompt_order)
     prompts = [target.chat_ids(text) for _, text in questions]
-    fns = methods(cfg, target, drafter, tree, nodes_with_lookup)
+    fns = methods(cfg, target, drafter, tree, plan)
     for fn in fns.values():  # warm-up (allocations, auto-tree cache, kernels)
         fn(prompts[0][:, :16], 0.0, 0)
     results, per_prompt, per_category, acceptance = {}, {}, {}, {}
@@ -180,7 +175,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             per_category[str(temp)] = speedup_per_category(records)
             acceptance[str(temp)] = _rates(pooled)
     extra = dict(speedup_per_category=per_category, acceptance_per_depth=acceptance) if "ours" in fns else {}
-    return dict(config=asdict(cfg), tree=str(tree), nodes_with_lookup=nodes_with_lookup,
+    return dict(config=asdict(cfg), tree=str(tree), nodes_with_lookup=plan and plan.get("nodes_with_lookup"),
                 device=str(target.device), threads=torch.get_num_threads(), packed_linears=packed,
                 torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results,

@@ -64,6 +64,14 @@ class GenerateOutput:
     stats: DecodeStats
 
 
+def planned_drafter(target, head, plan: dict) -> EagleDrafter:
+    """The head's drafter for a ``cost.auto_plan``, carrying the plan's share of a step with a lookup branch
+    (``generate(prompt_lookup=...)`` hands it to the ``LookupDrafter``)."""
+    dr = EagleDrafter(target, head, TreeSpec(**plan["spec"]))
+    dr.nodes_with_lookup = plan.get("nodes_with_lookup")
+    return dr
+
+
 def make_drafter(target, drafter, sampling: Sampling, tree, gamma: int, generator):
     if drafter is None:
         return PlainDrafter()
@@ -79,9 +87,7 @@ def make_drafter(target, drafter, sampling: Sampling, tree, gamma: int, generato
                               f"tokens/s, plain decoding at {plan['plain_tokens_per_s']:.1f} on this device: "
                               "decoding without drafting (pass an explicit tree to draft anyway)", stacklevel=3)
                 return PlainDrafter()
-            dr = EagleDrafter(target, drafter, TreeSpec(**plan["spec"]))
-            dr.nodes_with_lookup = plan.get("nodes_with_lookup")  # the head's share of a step with a lookup branch
-            return dr
+            return planned_drafter(target, drafter, plan)
         return EagleDrafter(target, drafter, tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {})))
     if hasattr(drafter, "draft") and hasattr(drafter, "commit"):  # anything following the protocol
         return drafter

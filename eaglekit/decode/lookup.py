@@ -54,7 +54,10 @@ class NgramIndex:
         n, end = self.match()
         if not n:
             return []
-        k = max_tokens if isinstance(max_tokens, int) else max_tokens[n - self.min_ngram]
+        return self.follow(end, max_tokens if isinstance(max_tokens, int) else max_tokens[n - self.min_ngram])
+
+    def follow(self, end: int, k: int) -> list[int]:
+        """The ``k`` tokens from ``end`` on, repeating with the period where they run into the tail."""
         seq, period = self.tokens, len(self.tokens) - end
         return [seq[end + i % period] for i in range(k)]
 
@@ -140,8 +143,8 @@ class LookupDrafter:
 
     def draft(self, max_depth: int) -> Tree:
         tree = self.inner.draft(max_depth)  # graft_chain refuses a sampled tree
-        n, _ = self.context.match()
-        chain = self.context.continuation(self.lengths)[:max_depth]
+        n, end = self.context.match()
+        chain = self.context.follow(end, min(self.lengths[n - self.min_ngram], max_depth)) if n else []
         self.branch = n, chain
         if chain and self.inner_nodes is not None:
             tree = prune(tree, self.inner_nodes)
@@ -151,14 +154,15 @@ class LookupDrafter:
 
     def commit(self, tree, path, next_token, out, rows):
         self.accepted += sum(1 for node in path if node >= self.first_grafted)
+        accepted = tree.tokens[path].tolist() if path else []
         n, chain = self.branch
         if chain:
             k = 0
-            for token, proposed in zip(tree.tokens[path].tolist(), chain):
+            for token, proposed in zip(accepted, chain):
                 if token != proposed:
                     break
                 k += 1
             counts = self.accepted_by_match.setdefault(n, {})
             counts[k] = counts.get(k, 0) + 1
-        self.context.extend((tree.tokens[path].tolist() if path else []) + [next_token])
+        self.context.extend(accepted + [next_token])
         self.inner.commit(tree, path, next_token, out, rows)

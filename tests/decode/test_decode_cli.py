@@ -88,8 +88,16 @@ def test_decode_cli_bench_auto_tree_with_lookup_lengths(saved, tmp_path, monkeyp
     plan = dict(spec=dict(depth=2, top_k=2, total_tokens=3), expected_tokens_per_s=30.0, plain_tokens_per_s=20.0,
                 costs={}, nodes_with_lookup=1)
     monkeypatch.setattr(cost, "auto_plan", lambda target, head: plan)
+    import sys
+
+    from eaglekit.decode.lookup import LookupDrafter
+
+    shares = []  # inner_nodes of every LookupDrafter the bench's generate() calls build
+    monkeypatch.setattr(sys.modules["eaglekit.decode.generate"], "LookupDrafter",
+                        lambda inner, n, **kw: shares.append(kw["inner_nodes"]) or LookupDrafter(inner, n, **kw))
     assert main(["bench", f"target={target_dir}", f"head={head_dir}", "prompts=2", "max_new_tokens=8", "repeats=1",
                  "temperatures=[0.0]", "lookup_tokens=2,5,10", "hf_baselines=false", f"out={tmp_path}"]) == 0
+    assert set(shares) == {None, 1}  # "lookup" (no head) has none; "ours_lookup" gets the plan's 1
     (path,) = tmp_path.glob("*.json")
     report = json.loads(path.read_text())
     assert report["tree"] == "TreeSpec(depth=2, top_k=2, total_tokens=3)" and report["nodes_with_lookup"] == 1
