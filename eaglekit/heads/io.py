@@ -6,13 +6,12 @@ it is bound to and refuses a mismatch with a message naming what differs.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from eaglekit.fileio import atomic_write, write_json, write_safetensors  # noqa: F401 (re-exported)
 from eaglekit.heads.config import EAGLE1, EAGLE3, HeadConfig
 
 NATIVE_FORMAT = "eaglekit-head"
@@ -49,28 +48,6 @@ def check_target(config: HeadConfig, target, where: str = "head") -> None:
                      f"({getattr(target, 'name', '?')})")
     if diffs:
         raise ValueError(f"{where}: this head was not trained for this target — " + "; ".join(diffs))
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename onto ``path``, so a crash never leaves a half file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, data: dict) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n"))
-
-
-def write_safetensors(path: Path, tensors: dict, metadata: dict | None = None) -> None:
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata or {"format": "pt"}))
 
 
 def save_head(head, path, extra: dict | None = None) -> Path:

@@ -1,0 +1,45 @@
+"""Atomic file writes: every file eaglekit writes goes to a temporary name in the same folder and is
+renamed onto its final name only when complete, so a crash never leaves a half file that looks whole."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+
+def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
+    """Call ``write(tmp_path)`` then rename onto ``path`` (fsynced); on any error the temp file is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def write_json(path: str | Path, data, indent: int = 2) -> Path:
+    return write_text(path, json.dumps(data, indent=indent, sort_keys=False) + "\n")
+
+
+def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> Path:
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata or {"format": "pt"}))
