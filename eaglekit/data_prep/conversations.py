@@ -117,17 +117,13 @@ def _raw_items(path: Path, split: str | None):
         for f in files:
             yield from _raw_items(f, split)
     elif path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path}:{n}: ", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"{path}:{n}: ", ConversationError(f"{path}:{n}: bad JSON ({e.msg})")
+        yield from _jsonl_items(path)
     elif path.suffix == ".json":
+        refuse_binary(path)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError as e:
+            raise ConversationError(f"{path}: not UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})") from e
         except json.JSONDecodeError as e:
             raise ConversationError(f"{path}: bad JSON at line {e.lineno} ({e.msg})") from e
         for i, item in enumerate(data if isinstance(data, list) else [data]):
@@ -138,6 +134,35 @@ def _raw_items(path: Path, split: str | None):
         raise ConversationError(
             f"{path}: unsupported file type (want .json, .jsonl, a folder or a saved dataset)"
         )
+
+
+def refuse_binary(path: Path, probe: int = 1 << 16) -> None:
+    """Raise ConversationError if ``path`` looks binary (a NUL byte in its first 64 KiB): JSON text never
+    holds one, and a binary file read line by line would only yield a stream of per-line errors."""
+    with path.open("rb") as fh:
+        head = fh.read(probe)
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise ConversationError(f"{path}: binary file (NUL byte at offset {nul}), not JSON/JSONL text")
+
+
+def _jsonl_items(path: Path):
+    """One item per line, read as bytes so that a line that is not UTF-8 is named and skipped alone."""
+    refuse_binary(path)
+    with path.open("rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            where = f"{path}:{n}: "
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM may open the file
+            except UnicodeDecodeError as e:
+                yield where, ConversationError(f"{where}not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield where, ConversationError(f"{where}bad JSON ({e.msg})")
 
 
 def _dataset_items(path: Path, split: str | None):

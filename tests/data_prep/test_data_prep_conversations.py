@@ -133,3 +133,26 @@ def test_embedded_sharegpt_is_validated_and_counted():
         assert roles == ["user", "assistant"] * (len(roles) // 2) and len(roles) >= 2
     with pytest.raises(ConversationError, match=r"sharegpt\[\d+\]: "):
         load_conversations(PrepareConfig(num_conversations=300, strict=True))
+
+
+def test_line_not_utf8_is_named_and_skipped(tmp_path):
+    f = tmp_path / "d.jsonl"
+    bad = json.dumps({**OPENAI, "id": "bad"}).encode().replace(b'"q"', b'"q\xff"')
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps(OPENAI).encode() + b"\n" + bad + b"\n" + json.dumps(OPENAI).encode())
+    got = read_conversations(f)  # a BOM opening the file is not an error
+    column = bad.index(b"\xff") + 1
+    assert len(got) == 2 and got.skipped == [f"{f}:2: not UTF-8 (byte 0xff at column {column})"]
+    with pytest.raises(ConversationError, match=rf"{f}:2: not UTF-8"):
+        read_conversations(f, strict=True)
+
+
+def test_binary_file_is_named_and_refused(tmp_path):
+    for name in ("b.jsonl", "b.json"):
+        f = tmp_path / name
+        f.write_bytes(json.dumps(OPENAI).encode() + b"\n" + bytes(range(256)) * 4)
+        with pytest.raises(ConversationError, match=rf"{f}: binary file \(NUL byte at offset"):
+            read_conversations(f)  # even when not strict: the file is not text at all
+    f = tmp_path / "latin1.json"
+    f.write_bytes(json.dumps(OPENAI).encode().replace(b'"q"', b'"\xe9"'))
+    with pytest.raises(ConversationError, match=rf"{f}: not UTF-8 \(byte 0xe9 at offset"):
+        read_conversations(f)
