@@ -163,3 +163,37 @@ def test_vocab_fills_unseen_ids_when_data_is_small():
     s = [{"input_ids": torch.tensor([5, 5, 9, 3]), "loss_mask": torch.tensor([1, 1, 1, 0])}]
     d2t, _ = build_draft_vocab(s, 4, 16)
     assert (torch.arange(4) + d2t).tolist() == [0, 1, 5, 9]  # 5, 9 seen; 0, 1 lowest unseen; 3 unmasked
+
+
+def test_huge_turn_is_cut_before_tokenizing(monkeypatch):
+    """A 4 MB answer: only max_length * CHARS_PER_TOKEN characters reach the tokenizer, same sample."""
+    from helpers import tiny_tokenizer
+
+    from eaglekit.data_prep.template import CHARS_PER_TOKEN
+
+    tok = tiny_tokenizer()
+    seen = []
+    call = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, text, **kw: seen.append(len(text)) or call(self, text, **kw))
+    conv = CONV[:1] + [{"role": "assistant", "content": "ab " * 1_400_000}] + CONV[2:]
+    max_length = 50
+    cut = tokenize_conversation(tok, conv, max_length=max_length)
+    assert max(seen) <= max_length * CHARS_PER_TOKEN + 100  # + the template's own text
+    full = tokenize_conversation(tok, conv[:1] + [{"role": "assistant", "content": "ab " * 100}])
+    assert torch.equal(cut["input_ids"], full["input_ids"][:max_length])
+    assert torch.equal(cut["loss_mask"], full["loss_mask"][:max_length])
+    seen.clear()  # a normal conversation is tokenized whole, as before
+    assert torch.equal(tokenize_conversation(tok, CONV, max_length=max_length)["input_ids"],
+                       tokenize_conversation(tok, CONV)["input_ids"])
+
+
+def test_template_that_drops_assistant_content_is_refused():
+    from helpers import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.chat_template = (  # prefixes are prefixes, but an assistant turn renders as "<assistant><end>"
+        "{% for m in messages %}<{{ m['role'] }}>{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
+        "<end>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    with pytest.raises(TemplateError, match="does not render the content of assistant turn 1"):
+        tokenize_conversation(tok, CONV)
