@@ -9,6 +9,11 @@ line, checks that the ids it holds are the input's first ids, and continues afte
 each process takes every N-th batch into its own part file and the parts are merged in batch order, so
 the result is the file one process would write.
 
+With ``endpoint`` set the prompts go to an OpenAI-compatible chat-completions server instead (see
+``endpoint.py``): ``concurrency`` worker threads each regenerate one conversation at a time, turn by
+turn, and the main thread appends the finished ones in input order (a reorder buffer), so the file is
+always a prefix of the input and resumes the same way.
+
 A turn whose answer comes back empty, or whose prompt exceeds ``max_prompt_tokens``, ends the
 conversation there; a conversation left without any answer is written with ``messages: []`` and a
 ``regenerate_error`` note, so ``read_conversations`` reports it (file and line) instead of losing it.
@@ -17,12 +22,21 @@ conversation there; a conversation left without any answer is written with ``mes
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from eaglekit.data_prep.endpoint import ChatEndpoint
+from eaglekit.fileio import write_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +48,14 @@ class RegenerateConfig:
     batch_size: int = 8
     max_prompt_tokens: int = 2048
     seed: int = 0
+    endpoint: str = ""  # http://HOST:PORT/v1 of an OpenAI-compatible server ("" = generate in-process)
+    model: str = ""  # the model name sent to the endpoint ("" = the first id of GET /v1/models)
+    concurrency: int = 8  # requests in flight at once (endpoint only)
+    retries: int = 5  # tries after the first for a failed request, with exponential backoff (endpoint only)
+    timeout: float = 600.0  # seconds one request may take (endpoint only)
+
+    def __post_init__(self):
+        self.enabled = self.enabled or bool(self.endpoint)  # an endpoint means: regenerate through it
 
 
 def resume_point(path: Path, ids: list[str], batch_size: int = 1) -> int:
@@ -120,13 +142,92 @@ def regenerate_batch(target, convs: list[dict], cfg: RegenerateConfig, seed: int
             new[b] = prompt + [{"role": "assistant", "content": ans}]
             still.append(b)
         live = still
-    out = []
-    for b, c in enumerate(convs):
-        item = {"id": c["id"], "messages": new[b] if any(m["role"] == "assistant" for m in new[b]) else []}
-        if b in errors:
-            item["regenerate_error"] = f"stopped at a turn: {errors[b]}"
-        out.append(item)
-    return out
+    return [_item(c, new[b], errors.get(b)) for b, c in enumerate(convs)]
+
+
+def _item(conv: dict, messages: list[dict], error: str | None) -> dict:
+    """The output line of one conversation: its regenerated turns, or none and the reason."""
+    item = {"id": conv["id"], "messages": messages if any(m["role"] == "assistant" for m in messages) else []}
+    if error:
+        item["regenerate_error"] = f"stopped at a turn: {error}"
+    return item
+
+
+def regenerate_conversation(
+    client: ChatEndpoint, conv: dict, cfg: RegenerateConfig, fits=None, seed: int = 0
+):
+    """Rewrite every assistant turn of one conversation through ``client``, turn by turn, each prompt
+    holding the answers regenerated so far (the same output line as ``regenerate_batch``)."""
+    new = [m for m in conv["messages"][:1] if m["role"] == "system"]
+    source = [m for m in conv["messages"] if m["role"] != "system"]
+    for turn in range(0, len(source) - 1, 2):  # user at `turn`, assistant at turn + 1
+        prompt = new + [source[turn]]
+        if fits is not None and not fits(prompt):
+            return _item(conv, new, "prompt longer than max_prompt_tokens")
+        answer = client.chat(prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed + turn)
+        if not answer:
+            return _item(conv, new, "empty answer")
+        new = prompt + [{"role": "assistant", "content": answer}]
+    return _item(conv, new, None)
+
+
+def _prompt_check(target, max_prompt_tokens: int):
+    """``fits(messages)``: does the chat prompt fit ``max_prompt_tokens``? (None without a target: the
+    server then decides.) Serialised: one tokenizer serves every worker thread."""
+    if target is None:
+        return None
+    tok, lock = target.tokenizer, threading.Lock()
+
+    def fits(messages: list[dict]) -> bool:
+        with lock:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return len(tok(text, add_special_tokens=False)["input_ids"]) <= max_prompt_tokens
+
+    return fits
+
+
+def _regenerate_through_endpoint(target, conversations, indices, path: Path, cfg: RegenerateConfig, advance):
+    """Regenerate ``conversations[i]`` for ``i`` in ``indices`` on ``cfg.concurrency`` threads; append
+    them to ``path`` in ``indices`` order (a finished conversation waits for those before it)."""
+    if not indices:
+        return
+    client = ChatEndpoint(cfg.endpoint, cfg.model, cfg.timeout, cfg.retries)
+    # reach the server and name the model before any worker starts
+    log.info("regenerating through %s, model %s", cfg.endpoint, client.model)
+    fits = _prompt_check(target, cfg.max_prompt_tokens)
+    window = 4 * cfg.concurrency  # conversations in flight or waiting to be written: bounds the buffer
+    pending, finished, written, error = {}, {}, 0, None
+    todo = iter(range(len(indices)))
+    pool = ThreadPoolExecutor(max(1, cfg.concurrency), thread_name_prefix="regenerate")
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            while error is None:
+                while len(pending) + len(finished) < window and (k := next(todo, None)) is not None:
+                    i = indices[k]
+                    job = pool.submit(
+                        regenerate_conversation, client, conversations[i], cfg, fits, cfg.seed + i
+                    )
+                    pending[job] = k
+                if not pending:
+                    break
+                for job in wait_for(pending, return_when=FIRST_COMPLETED).done:
+                    k = pending.pop(job)
+                    if job.exception() is not None:
+                        error = error or job.exception()
+                    else:
+                        finished[k] = job.result()
+                ready = []
+                while written in finished:  # what completed out of order waits for its turn
+                    ready.append(finished.pop(written))
+                    written += 1
+                if ready:
+                    _append(fh, ready)
+                    advance(len(ready))
+    finally:
+        client.stop()  # failed or interrupted: the other workers' retries give up
+        pool.shutdown(wait=False, cancel_futures=True)
+    if error is not None:
+        raise error
 
 
 def regenerate(
@@ -139,7 +240,8 @@ def regenerate(
     world_size: int = 1,
     wait: bool = True,
 ) -> Path:
-    """Write ``out_path`` (jsonl) with every assistant turn regenerated by ``target``; resumes a killed run.
+    """Write ``out_path`` (jsonl) with every assistant turn regenerated by ``target`` (or by the server at
+    ``cfg.endpoint``; ``target`` then only checks prompt lengths and may be None); resumes a killed run.
 
     With ``world_size`` > 1 (one call per process) batch k goes to rank k mod world_size, which appends it
     to its own part file; when every part is complete one process merges them, in batch order, into
@@ -171,17 +273,28 @@ def _regenerate_part(target, conversations, path: Path, cfg: RegenerateConfig, f
     from tqdm.auto import tqdm
 
     mine = [c for f in firsts for c in conversations[f : f + cfg.batch_size]]
+    if cfg.endpoint:  # any whole line is kept: a conversation's seed is its index, not its batch's
+        indices = [i for f in firsts for i in range(f, min(f + cfg.batch_size, len(conversations)))]
+        done = resume_point(path, [str(c["id"]) for c in mine], 1)
+        bar = tqdm(total=len(mine), initial=done, desc="regenerate", unit="conv", disable=not progress)
+        _regenerate_through_endpoint(target, conversations, indices[done:], path, cfg, bar.update)
+        bar.close()
+        return
     done = resume_point(path, [str(c["id"]) for c in mine], cfg.batch_size)
     bar = tqdm(total=len(mine), initial=done, desc="regenerate", unit="conv", disable=not progress)
     with open(path, "a", encoding="utf-8") as fh:
         for first in list(firsts)[done // cfg.batch_size :]:
             batch = conversations[first : first + cfg.batch_size]
             items = regenerate_batch(target, batch, cfg, seed=cfg.seed + first)
-            fh.write("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items))
-            fh.flush()
-            os.fsync(fh.fileno())
+            _append(fh, items)
             bar.update(len(batch))
     bar.close()
+
+
+def _append(fh, items: list[dict]) -> None:
+    fh.write("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items))
+    fh.flush()
+    os.fsync(fh.fileno())
 
 
 def _complete(path: Path, ids: list[str]) -> bool:
@@ -202,12 +315,11 @@ def _try_merge(out_path: Path, ids: list[str], batch_size: int, world_size: int)
     if sum(map(len, parts)) < len(ids):
         return False
     batches = [p[k : k + batch_size] for k in range(0, max(map(len, parts)), batch_size) for p in parts]
-    merged = b"".join(line + b"\n" for batch in batches for line in batch)
-    tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(merged)
-    os.replace(tmp, out_path)
+    write_bytes(out_path, b"".join(line + b"\n" for batch in batches for line in batch))
     if not _complete(out_path, ids):
-        raise ValueError(f"merging the regeneration parts of {out_path} did not give the input's conversations")
+        raise ValueError(
+            f"merging the regeneration parts of {out_path} did not give the input's conversations"
+        )
     for r in range(world_size):
         part_path(out_path, r, world_size).unlink(missing_ok=True)
     return True
