@@ -11,7 +11,7 @@ fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "eaglekit setup: installing into .venv (first time only, a few minutes)..."
   .venv/bin/python -m pip install -q -U pip
-  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,bench]'
+  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,bench,serving]'
   echo "$want" > "$stamp"
 fi
 export HF_HUB_OFFLINE=1
