@@ -14,6 +14,11 @@ skips shards that exist (resuming at the first missing one) after checking that 
 manifest is the same (same data, target, taps), and refuses to mix runs otherwise. Whoever finishes the
 last shard marks the manifest complete; readers refuse an incomplete capture.
 
+Checksums: the sha256 of each shard's bytes is computed by its writer right after writing (before the
+rename) and kept in ``checksums/<shard>.sha256``, since several processes cannot safely share one manifest
+while they write; the process that completes the capture copies every shard's sum into the manifest
+(``shards[j]["sha256"]``). ``FeatureDataset`` checks a shard against it when it first opens it.
+
 Bytes per token on disk = (L·H + H)·2 for the bf16 features, plus 5 for ``input_ids``/``loss_mask``.
 """
 
@@ -21,15 +26,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 from pathlib import Path
 
 import torch
 
 from eaglekit import __version__
+from eaglekit.fileio import atomic_write, write_json, write_text
 from eaglekit.target import EAGLE1, EAGLE3
 
+log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+SUMS_DIR = "checksums"  # per-shard sha256 files, gathered into the manifest when the capture completes
+FORMAT_VERSION = 2  # 2: shards[j]["sha256"] and "draft_vocab" (version 1 manifests have neither)
 FEATURE_DTYPE = torch.bfloat16
 
 
@@ -135,10 +146,10 @@ def shard_tensors(items: list[dict]) -> dict[str, torch.Tensor]:
     return t
 
 
-def write_atomic_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, streamed (about 1.5 GB/s on one core with SHA extensions)."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def plan_hash(samples: list[dict], meta: dict) -> str:
@@ -150,7 +161,11 @@ def plan_hash(samples: list[dict], meta: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def build_manifest(target, samples, kind, taps, shard_tokens, extra: dict | None = None) -> dict:
+def build_manifest(
+    target, samples, kind, taps, shard_tokens, extra: dict | None = None, draft_vocab: dict | None = None
+) -> dict:
+    """The capture's manifest; ``draft_vocab`` is the record of the vocabulary prepared with it
+    (``{"file", "sha256", "size"}``, see ``vocab.vocab_record``), which the trainer checks."""
     lengths = [len(s["input_ids"]) for s in samples]
     plan = plan_shards(lengths, shard_tokens)
     from eaglekit.data_prep.template import template_hash
@@ -170,9 +185,9 @@ def build_manifest(target, samples, kind, taps, shard_tokens, extra: dict | None
         "layer_ids": list(taps),
         "shard_tokens": shard_tokens,
     }
-    return {
+    manifest = {
         "format": "eaglekit-features",
-        "format_version": 1,
+        "format_version": FORMAT_VERSION,
         "eaglekit_version": __version__,
         "target": tgt,
         "kind": kind,
@@ -194,6 +209,9 @@ def build_manifest(target, samples, kind, taps, shard_tokens, extra: dict | None
         "extra": extra or {},
         "complete": False,
     }
+    if draft_vocab is not None:
+        manifest["draft_vocab"] = draft_vocab
+    return manifest
 
 
 def capture_features(
@@ -209,11 +227,12 @@ def capture_features(
     progress: bool = True,
     extra: dict | None = None,
     on_shard=None,
+    draft_vocab: dict | None = None,
 ) -> dict:
     """Write this process's shards of ``samples`` under ``out_dir``; returns the manifest.
 
     Resumable and multi-process safe (see the module docstring). ``on_shard(j)`` is called after each
-    shard is written (progress hooks, tests).
+    shard is written (progress hooks, tests). ``draft_vocab``: see ``build_manifest``.
     """
     from tqdm.auto import tqdm
 
@@ -221,17 +240,15 @@ def capture_features(
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     taps = resolve_taps(target, kind, layer_ids)
-    manifest = build_manifest(target, samples, kind, taps, shard_tokens, extra)
-    _check_resume(out / MANIFEST, manifest)
+    manifest = build_manifest(target, samples, kind, taps, shard_tokens, extra, draft_vocab)
+    check_resume(out / MANIFEST, manifest)
+    out.mkdir(parents=True, exist_ok=True)
     if not (out / MANIFEST).exists():
-        write_atomic_json(out / MANIFEST, manifest)
+        write_json(out / MANIFEST, manifest, indent=1)
     mine = [j for j in range(len(manifest["shards"])) if j % world_size == rank]
     todo = [j for j in mine if not (out / shard_name(j)).exists()]
-    for stale in out.glob("shard-*.safetensors.tmp-*"):
-        if int(stale.name.split(".")[0].split("-")[1]) in todo:
-            stale.unlink(missing_ok=True)
+    _remove_stale_temps(out, todo)
     total = sum(manifest["shards"][j]["num_tokens"] for j in mine)
     done = total - sum(manifest["shards"][j]["num_tokens"] for j in todo)
     bar = tqdm(
@@ -249,17 +266,36 @@ def capture_features(
     return finalize(out, manifest)
 
 
+# a killed writer's leftovers: "shard-00001.safetensors.tmp-<pid>" (before fileio) or fileio's
+# ".shard-00001.safetensors.<random>.tmp"
+_STALE = re.compile(r"^\.?shard-(\d+)\.safetensors\.(tmp-.*|.*\.tmp)$")
+
+
+def _remove_stale_temps(out: Path, todo: list[int]) -> None:
+    for path in out.iterdir():
+        m = _STALE.match(path.name)
+        if m and int(m.group(1)) in todo:
+            path.unlink(missing_ok=True)
+
+
 def _write_shard(path: Path, tensors: dict, manifest: dict) -> None:
+    """Write the shard atomically; its sha256 is computed from the written bytes and saved (in
+    ``checksums/``) before the rename, so every shard that exists under its final name has a sum."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     # one metadata key: safetensors writes a multi-key map in hash order, which would break byte equality
     meta = json.dumps({"plan_hash": manifest["plan_hash"], "kind": manifest["kind"]}, sort_keys=True)
-    save_file(tensors, str(tmp), metadata={"eaglekit": meta})
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    make_readable(tmp)
-    os.replace(tmp, path)
+
+    def write(tmp: str) -> None:
+        save_file(tensors, tmp, metadata={"eaglekit": meta})
+        make_readable(Path(tmp))
+        write_text(sum_path(path), file_sha256(tmp) + "\n")
+
+    atomic_write(path, write)
+
+
+def sum_path(shard: Path) -> Path:
+    return shard.parent / SUMS_DIR / f"{shard.name}.sha256"
 
 
 def make_readable(path: Path) -> None:
@@ -269,7 +305,8 @@ def make_readable(path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def _check_resume(path: Path, manifest: dict) -> None:
+def check_resume(path: Path, manifest: dict) -> None:
+    """Refuse to write into a directory whose manifest plans another capture (writes nothing)."""
     if not path.exists():
         return
     old = json.loads(path.read_text())
@@ -281,10 +318,36 @@ def _check_resume(path: Path, manifest: dict) -> None:
         )
 
 
+def check_same_setup(path: Path, target, kind: str, taps, shard_tokens: int) -> None:
+    """Before the data is read: refuse a directory whose manifest was captured with another target,
+    kind, taps or shard size (what the plan hash covers besides the samples), naming what differs."""
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    ours = {"target": target.fingerprint(), "kind": kind, "layer_ids": list(taps), "shard_tokens": shard_tokens}
+    theirs = {**{k: old.get(k) for k in ours}, "target": old.get("target", {}).get("fingerprint")}
+    diffs = [f"{k} {theirs[k]} vs {ours[k]}" for k in ours if theirs[k] != ours[k]]
+    if diffs:
+        raise ValueError(
+            f"{path.parent} holds a different capture ({'; '.join(diffs)}); "
+            "use a new output directory or delete it"
+        )
+
+
 def finalize(out: Path, manifest: dict) -> dict:
-    """Mark the manifest complete once every planned shard exists (idempotent; any process may call)."""
+    """Mark the manifest complete, with every shard's sha256, once every planned shard exists
+    (idempotent; any process may call)."""
     missing = [s["file"] for s in manifest["shards"] if not (out / s["file"]).exists()]
     if not missing:
-        manifest = {**manifest, "complete": True}
-        write_atomic_json(out / MANIFEST, manifest)
+        shards = [{**s, "sha256": _shard_sum(out / s["file"])} for s in manifest["shards"]]
+        manifest = {**manifest, "shards": shards, "complete": True}
+        write_json(out / MANIFEST, manifest, indent=1)
     return manifest
+
+
+def _shard_sum(shard: Path) -> str:
+    try:
+        return sum_path(shard).read_text().strip()
+    except FileNotFoundError:  # written by an eaglekit without checksums, resumed by this one
+        log.warning("%s has no recorded checksum (older capture): computing it now", shard)
+        return file_sha256(shard)

@@ -6,19 +6,28 @@ LongTensor[T], "hidden": bf16 [T, L*H] (eagle3 only), "last": bf16 [T, H]}``.
 ``FeatureDataset`` opens the shard that holds sample i with ``safe_open`` for each item and reads only
 that sample's slices, then lets the file go: nothing of the data stays mapped between items, so memory
 stays flat whatever the number of shards. Errors name the shard.
+
+Integrity: the first time a ``FeatureDataset`` opens a shard it checks the file's sha256 against the
+manifest (one streamed read of the shard per process); every item read is checked finite. Each item
+carries ``"origin"``, where it came from (``"<features_dir>/shard-00003.safetensors sample 17"``, or
+``"<conversations> item 12 (id c12)"`` online), so a trainer can name the samples of a bad batch.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import warnings
 from pathlib import Path
 
 import torch
 
-from eaglekit.data_prep.capture import MANIFEST, compute_features, resolve_taps
-from eaglekit.data_prep.vocab import VOCAB_FILE, load_draft_vocab
+from eaglekit.data_prep.capture import MANIFEST, compute_features, file_sha256, resolve_taps
+from eaglekit.data_prep.vocab import VOCAB_FILE, load_draft_vocab, vocab_hash
 from eaglekit.target import EAGLE3
+
+FEATURE_KEYS = ("hidden", "last")  # the float tensors, checked finite
+SCAN_BYTES = 64 * 2**20  # verify() reads features in pieces of this size
 
 
 class FeatureError(ValueError):
@@ -69,13 +78,42 @@ class FeatureDataset(torch.utils.data.Dataset):
         self.kind = self.manifest["kind"]
         self.layer_ids = tuple(self.manifest["layer_ids"])
         self._firsts = [s["first_sample"] for s in shards]
+        self._checked: set[str] = set()  # shards whose checksum this process has already checked
+        if any("sha256" not in s for s in shards):
+            warnings.warn(
+                f"{path} records no shard checksums (captured by an older eaglekit): the shards are read "
+                "unchecked (every feature is still checked finite); recapture to have them checked",
+                stacklevel=2,
+            )
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def draft_vocab(self):
-        """``(d2t, t2d)`` saved beside the shards (features_dir/draft_vocab.safetensors)."""
-        return load_draft_vocab(self.dir / VOCAB_FILE)
+        """``(d2t, t2d)`` saved beside the shards (features_dir/draft_vocab.safetensors), refused if the
+        manifest records another vocabulary."""
+        path = self.dir / VOCAB_FILE
+        d2t, t2d = load_draft_vocab(path)
+        problem = self.vocab_mismatch(d2t, t2d, path)
+        if problem:
+            raise FeatureError(problem)
+        return d2t, t2d
+
+    def vocab_mismatch(self, d2t, t2d, path) -> str | None:
+        """A message naming both files if the manifest records a draft vocabulary other than
+        ``(d2t, t2d)`` (read from ``path``); None if it is the recorded one or none is recorded."""
+        want = (self.manifest.get("draft_vocab") or {}).get("sha256")
+        if want is None:
+            return None
+        got = vocab_hash(d2t, t2d)
+        if got == want:
+            return None
+        return (
+            f"{path}: draft vocabulary (sha256 {got[:12]}, {d2t.numel()} tokens) is not the one "
+            f"{self.dir / MANIFEST} records for these shards (sha256 {want[:12]}, "
+            f"{self.manifest['draft_vocab'].get('size')} tokens): it belongs to another capture; rerun "
+            "prepare into this directory to rebuild it, or give the vocabulary that belongs to the shards"
+        )
 
     def locate(self, i: int) -> tuple[dict, int]:
         if not -len(self) <= i < len(self):
@@ -91,7 +129,7 @@ class FeatureDataset(torch.utils.data.Dataset):
             if self.kind == EAGLE3
             else ("input_ids", "loss_mask", "last")
         )
-        return self._read(i, keys)
+        return {**self._read(i, keys), "origin": self.origin(i)}
 
     def tokens(self, i: int) -> dict:
         """``input_ids`` and ``loss_mask`` of sample i only (e.g. to count a draft vocabulary from shards)."""
@@ -102,6 +140,8 @@ class FeatureDataset(torch.utils.data.Dataset):
 
         shard, k = self.locate(i)
         path = self.dir / shard["file"]
+        if shard["file"] not in self._checked:
+            self.check_shard(shard)
         try:
             with safe_open(str(path), framework="pt") as f:
                 lo, hi = (int(x) for x in f.get_slice("offsets")[k : k + 2])
@@ -110,12 +150,37 @@ class FeatureDataset(torch.utils.data.Dataset):
             raise FeatureError(f"{path}: corrupt or truncated shard (reading sample {k}): {e}") from e
         if hi - lo != self.lengths[i]:
             raise FeatureError(f"{path}: sample {k} has {hi - lo} tokens, manifest says {self.lengths[i]}")
+        for key in FEATURE_KEYS:
+            if key in item and not bool(torch.isfinite(item[key]).all()):
+                raise FeatureError(f"{path}: sample {k} has non-finite values (NaN/Inf) in {key!r}: corrupt shard")
         for key in ("input_ids", "loss_mask"):
             item[key] = item[key].long()
         return item
 
+    def origin(self, i: int) -> str:
+        """Where sample ``i`` lives: ``"<features_dir>/shard-00003.safetensors sample 17"``."""
+        shard, k = self.locate(i)
+        return f"{self.dir / shard['file']} sample {k}"
+
+    def check_shard(self, shard: dict) -> None:
+        """Refuse a shard whose bytes do not have the sha256 the manifest records (no-op without one)."""
+        path = self.dir / shard["file"]
+        want = shard.get("sha256")
+        if want is not None:
+            try:
+                got = file_sha256(path)
+            except OSError as e:
+                raise FeatureError(f"{path}: cannot read shard: {e}") from e
+            if got != want:
+                raise FeatureError(
+                    f"{path}: corrupt or truncated shard: its sha256 {got[:12]} is not {want[:12]}, recorded in "
+                    f"{self.dir / MANIFEST} when it was written; delete it and rerun the capture to rewrite it"
+                )
+        self._checked.add(shard["file"])
+
     def verify(self) -> None:
-        """Open every shard; check its shapes and its capture identity against the manifest (names the shard)."""
+        """Check every shard: checksum, shapes, capture identity against the manifest, and every feature
+        finite (names the shard, and the sample of a non-finite value)."""
         from safetensors import safe_open
 
         width = len(self.layer_ids) * self.manifest["hidden_size"]
@@ -142,6 +207,27 @@ class FeatureDataset(torch.utils.data.Dataset):
                     f"{path}: written by another capture (plan {meta.get('plan_hash')}, "
                     f"manifest {self.manifest.get('plan_hash')})"
                 )
+            self.check_shard(s)  # after the header checks, which name a foreign shard more precisely
+            self._scan_finite(path)
+
+    def _scan_finite(self, path: Path) -> None:
+        """Read each feature tensor of a shard in ~SCAN_BYTES pieces; name the first non-finite sample."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            offsets = f.get_tensor("offsets")
+            for key in (k for k in FEATURE_KEYS if k in f.keys()):  # noqa: SIM118 (safe_open is not a dict)
+                rows = f.get_slice(key)
+                total, width = rows.get_shape()
+                step = max(1, SCAN_BYTES // (2 * max(1, width)))
+                for lo in range(0, total, step):
+                    bad = (~torch.isfinite(rows[lo : lo + step])).any(dim=-1).nonzero()
+                    if bad.numel():
+                        row = lo + int(bad[0])
+                        k = int(torch.searchsorted(offsets, row, right=True)) - 1
+                        raise FeatureError(
+                            f"{path}: sample {k} has non-finite values (NaN/Inf) in {key!r}: corrupt shard"
+                        )
 
 
 class OnlineFeatures(torch.utils.data.Dataset):
@@ -149,6 +235,7 @@ class OnlineFeatures(torch.utils.data.Dataset):
 
     ``batch(indices)`` runs one padded forward for several samples (what a trainer should call);
     ``ds[i]`` is the one-sample form. Features are cast to ``dtype`` (bf16 by default, like the shards).
+    ``where`` names the data in each item's ``origin`` (``"<where> item 12 (id c12)"``).
     """
 
     def __init__(
@@ -159,8 +246,9 @@ class OnlineFeatures(torch.utils.data.Dataset):
         layer_ids=None,
         dtype=torch.bfloat16,
         batch_tokens: int = 8192,
+        where: str = "online",
     ):
-        self.target, self.samples, self.kind = target, samples, kind
+        self.target, self.samples, self.kind, self.where = target, samples, kind, where
         self.layer_ids = resolve_taps(target, kind, layer_ids)
         self.dtype, self.batch_tokens = dtype, batch_tokens
         self.lengths = [len(s["input_ids"]) for s in samples]
@@ -177,7 +265,12 @@ class OnlineFeatures(torch.utils.data.Dataset):
 
     def batch(self, indices) -> list[dict]:
         part = [self.samples[i] for i in indices]
-        return compute_features(self.target, part, self.kind, self.layer_ids, self.batch_tokens, self.dtype)
+        items = compute_features(self.target, part, self.kind, self.layer_ids, self.batch_tokens, self.dtype)
+        return [{**it, "origin": self.origin(i)} for i, it in zip(indices, items)]
+
+    def origin(self, i: int) -> str:
+        sid = self.samples[i].get("id")
+        return f"{self.where} item {i}" + (f" (id {sid})" if sid is not None else "")
 
     def __getitem__(self, i: int) -> dict:
         return self.batch([i])[0]

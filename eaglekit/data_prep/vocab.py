@@ -9,11 +9,13 @@ vocabulary size is a config choice that should not depend on how much data was r
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
 
 from eaglekit.data_prep.capture import make_readable
+from eaglekit.fileio import atomic_write
 
 VOCAB_FILE = "draft_vocab.safetensors"
 
@@ -54,16 +56,27 @@ def save_draft_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor) -> 
     path = Path(path)
     if path.is_dir() or not path.suffix:
         path = path / VOCAB_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(
-        {"d2t": d2t.long().contiguous(), "t2d": t2d.bool().contiguous()},
-        str(tmp),
-        metadata={"draft_vocab_size": str(d2t.numel()), "vocab_size": str(t2d.numel())},
-    )
-    make_readable(tmp)
-    tmp.replace(path)
-    return path
+    tensors = {"d2t": d2t.long().contiguous(), "t2d": t2d.bool().contiguous()}
+    meta = {"draft_vocab_size": str(d2t.numel()), "vocab_size": str(t2d.numel())}
+
+    def write(tmp: str) -> None:
+        save_file(tensors, tmp, metadata=meta)
+        make_readable(Path(tmp))
+
+    return atomic_write(path, write)
+
+
+def vocab_hash(d2t: torch.Tensor, t2d: torch.Tensor) -> str:
+    """sha256 of the vocabulary's content (int64 ``d2t`` bytes, then bool ``t2d`` bytes): the same for
+    any file holding it, unlike the file's bytes (safetensors' metadata order is not fixed)."""
+    h = hashlib.sha256(d2t.long().contiguous().numpy().tobytes())
+    h.update(t2d.bool().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def vocab_record(d2t: torch.Tensor, t2d: torch.Tensor) -> dict:
+    """What a capture manifest records of the draft vocabulary prepared with its shards."""
+    return {"file": VOCAB_FILE, "sha256": vocab_hash(d2t, t2d), "size": d2t.numel()}
 
 
 def load_draft_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,7 +87,8 @@ def test_shards_follow_the_design_layout(tmp_path, target, samples):
 def test_eagle1_capture_has_no_hidden(tmp_path, target, samples):
     capture_features(target, samples[:5], tmp_path, kind="eagle1", progress=False)
     item = FeatureDataset(tmp_path)[2]
-    assert set(item) == {"input_ids", "loss_mask", "last"}
+    assert set(item) == {"input_ids", "loss_mask", "last", "origin"}
+    assert item["origin"] == f"{tmp_path / 'shard-00000.safetensors'} sample 2"
 
 
 def test_resume_rewrites_only_missing_shards_and_refuses_other_data(tmp_path, target, samples):
