@@ -23,11 +23,20 @@ from pathlib import Path
 import torch
 
 from eaglekit.config import load_config
-from eaglekit.data_prep.capture import capture_features, dist_info, feature_bytes_per_token, resolve_taps
+from eaglekit.data_prep.capture import (
+    MANIFEST,
+    build_manifest,
+    capture_features,
+    check_resume,
+    check_same_setup,
+    dist_info,
+    feature_bytes_per_token,
+    resolve_taps,
+)
 from eaglekit.data_prep.conversations import Conversations, item_messages, read_conversations
 from eaglekit.data_prep.regenerate import RegenerateConfig, regenerate
 from eaglekit.data_prep.template import tokenize_conversations
-from eaglekit.data_prep.vocab import build_draft_vocab, save_draft_vocab
+from eaglekit.data_prep.vocab import build_draft_vocab, save_draft_vocab, vocab_record
 
 log = logging.getLogger(__name__)
 REGENERATED = "regenerated.jsonl"
@@ -120,14 +129,19 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     rank, world = dist_info()
     say = print if rank == 0 else (lambda *a, **k: None)
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=_device(cfg))
+    # every check comes before the first write (regenerated.jsonl, the vocabulary, the shards)
+    taps = resolve_taps(target, cfg.kind, cfg.layer_ids)
+    bpt = feature_bytes_per_token(target.hidden_size, len(taps))
+    shard_tokens = max(1, int(cfg.shard_mb * 2**20 // bpt))
+    _check_output_dir(out, cfg, target, taps, shard_tokens)
     convs = load_conversations(cfg)
     say(
         f"{len(convs):,} conversations from {cfg.data} ({len(convs.skipped)} malformed skipped"
         + (f", first: {convs.skipped[0]})" if convs.skipped else ")")
     )
     if cfg.regenerate.enabled:
+        out.mkdir(parents=True, exist_ok=True)
         path = regenerate(
             target,
             convs,
@@ -151,25 +165,27 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         raise SystemExit("no samples left to prepare")
     size = min(cfg.draft_vocab_size, target.vocab_size)
     d2t, t2d = build_draft_vocab(samples, size, target.vocab_size)
+    vocab = vocab_record(d2t, t2d)
+    extra = {"data": cfg.data, "max_length": cfg.max_length, "regenerated": cfg.regenerate.enabled}
+    if cfg.capture:  # the whole plan (these samples) against a capture already there, before the vocab write
+        check_resume(out / MANIFEST, build_manifest(target, samples, cfg.kind, taps, shard_tokens, extra, vocab))
     if rank == 0:
         say(f"draft vocabulary ({size} tokens) → {save_draft_vocab(out, d2t, t2d)}")
     result = {"samples": len(samples), "tokens": tokens, "skipped": len(convs.skipped), "empty": len(empty)}
     if not cfg.capture:
         return result
-    taps = resolve_taps(target, cfg.kind, cfg.layer_ids)
-    bpt = feature_bytes_per_token(target.hidden_size, len(taps))
     say(disk_report(out, tokens, bpt))
-    extra = {"data": cfg.data, "max_length": cfg.max_length, "regenerated": cfg.regenerate.enabled}
     manifest = capture_features(
         target,
         samples,
         out,
         cfg.kind,
         taps,
-        shard_tokens=max(1, int(cfg.shard_mb * 2**20 // bpt)),
+        shard_tokens=shard_tokens,
         batch_tokens=cfg.batch_tokens,
         progress=cfg.progress,
         extra=extra,
+        draft_vocab=vocab,
     )
     mine = sum(1 for j in range(len(manifest["shards"])) if j % world == rank)
     print(
@@ -177,6 +193,18 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         + (" — capture complete" if manifest["complete"] else " — the other processes write the rest")
     )
     return {**result, "complete": manifest["complete"], "shards": len(manifest["shards"])}
+
+
+def _check_output_dir(out: Path, cfg: PrepareConfig, target, taps, shard_tokens: int) -> None:
+    """Refuse, before anything is written, an output_dir holding a capture this run cannot resume."""
+    if not (out / MANIFEST).exists():
+        return
+    if not cfg.capture:
+        raise ValueError(
+            f"{out} holds a capture ({MANIFEST}); capture=false would replace its draft vocabulary: "
+            "use another output_dir"
+        )
+    check_same_setup(out / MANIFEST, target, cfg.kind, taps, shard_tokens)
 
 
 def add_arguments(parser) -> None:

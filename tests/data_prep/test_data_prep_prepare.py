@@ -253,3 +253,36 @@ def test_max_turns_keeps_first_user_turns():
             {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
     assert [m["content"] for m in first_turns(msgs, 1)] == ["s", "u1", "a1"]
     assert first_turns(msgs, 2) == msgs and first_turns(msgs, 0) == msgs and first_turns(msgs, 5) == msgs
+
+
+def _prepare(tiny_dir, out, data, *extra):
+    from eaglekit.config import load_config
+    from eaglekit.data_prep.prepare import PrepareConfig, run_prepare
+
+    common = [f"target={tiny_dir}", f"data={data}", f"output_dir={out}", "max_length=64", "shard_mb=0.01",
+              "progress=false"]
+    return run_prepare(load_config(PrepareConfig, None, common + list(extra)))
+
+
+def test_a_refused_prepare_writes_nothing_and_the_manifest_records_the_vocab(tmp_path, tiny_dir):
+    from eaglekit.data_prep.vocab import vocab_hash
+
+    out = tmp_path / "prep"
+    _prepare(tiny_dir, out, write_convs(tmp_path / "a.jsonl", 12), "draft_vocab_size=20")
+    d2t, t2d = load_draft_vocab(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["draft_vocab"] == {"file": "draft_vocab.safetensors", "sha256": vocab_hash(d2t, t2d), "size": 20}
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    other = write_convs(tmp_path / "b.jsonl", 9)
+    with pytest.raises(ValueError, match=f"{out} holds a different capture"):  # other data: after tokenizing
+        _prepare(tiny_dir, out, other, "draft_vocab_size=30")
+    with pytest.raises(ValueError, match=f"{out} holds a different capture.*kind eagle3 vs eagle1"):
+        _prepare(tiny_dir, out, other, "draft_vocab_size=30", "kind=eagle1")
+    with pytest.raises(ValueError, match=f"{out} holds a capture.*capture=false would replace its draft vocab"):
+        _prepare(tiny_dir, out, other, "draft_vocab_size=30", "capture=false")
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # the same data with another vocabulary size resumes: the new vocabulary is recorded
+    _prepare(tiny_dir, out, tmp_path / "a.jsonl", "draft_vocab_size=24")
+    d2t, t2d = load_draft_vocab(out)
+    assert d2t.numel() == 24
+    assert json.loads((out / "manifest.json").read_text())["draft_vocab"]["sha256"] == vocab_hash(d2t, t2d)
