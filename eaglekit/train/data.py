@@ -65,7 +65,8 @@ def collate(items: list[dict], kind: str) -> dict:
     """Right-pad item dicts into a batch: input_ids, loss_mask (0 on padding), last, feats (and top).
 
     ``feats`` is what the head's ``fuse`` reads: the EAGLE-3 taps (``hidden``) or, for EAGLE-1, ``last``.
-    Right padding under a causal mask leaves every real position's result unchanged.
+    Right padding under a causal mask leaves every real position's result unchanged. ``origin`` (when
+    every item has one) lists, row by row, where each sequence came from (a list of str, not a tensor).
     """
     width = max(len(it["input_ids"]) for it in items)
     B = len(items)
@@ -86,12 +87,18 @@ def collate(items: list[dict], kind: str) -> dict:
     out = {"input_ids": ids, "loss_mask": mask, "feats": feats, "last": last}
     if top is not None:
         out["top"] = top
+    if all("origin" in it for it in items):
+        out["origin"] = [str(it["origin"]) for it in items]
     return out
 
 
 def to_device(batch: dict, device, dtype=None) -> dict:
+    """Tensors moved (floating ones cast to ``dtype``); anything else (``origin``) passed through as is."""
     out = {}
     for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+            continue
         v = v.to(device)
         if dtype is not None and v.is_floating_point():
             v = v.to(dtype)

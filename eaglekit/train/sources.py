@@ -75,7 +75,7 @@ def build_sources(cfg: TrainConfig, target) -> Sources:
         samples, _ = tokenize_conversations(target.tokenizer, convs, d.max_length)
         if not samples:
             raise ConfigError(f"{where}: no conversation has assistant tokens within max_length={d.max_length}")
-        source = OnlineFeatures(target, samples, kind, list(head_layers) or None)
+        source = OnlineFeatures(target, samples, kind, list(head_layers) or None, where=where)
         if d.cache_online:
             source = CachedItems(source)
         lengths = [len(s["input_ids"]) for s in samples]
@@ -88,16 +88,27 @@ def build_sources(cfg: TrainConfig, target) -> Sources:
 
 def draft_vocab(cfg: TrainConfig, target, source, train: Subset, lengths) -> tuple[torch.Tensor, torch.Tensor]:
     """``data.draft_vocab`` if given; else the file beside the shards if it has head.draft_vocab_size
-    tokens; else counted on the training split (loss-masked token frequencies)."""
+    tokens; else counted on the training split (loss-masked token frequencies).
+
+    A vocabulary file used with shards must be the one their manifest records (prepare writes both):
+    the one beside the shards is refused otherwise; an explicit ``data.draft_vocab`` is the user's
+    choice, so a mismatch there is only warned about."""
     from eaglekit.data_prep import build_draft_vocab, load_draft_vocab
 
     size = min(cfg.head.draft_vocab_size, target.vocab_size)
     beside = Path(cfg.data.features_dir or "") / "draft_vocab.safetensors"
+    check = getattr(source, "vocab_mismatch", None)  # offline shards only
     d2t = t2d = None
     if cfg.data.draft_vocab:
         d2t, t2d = load_draft_vocab(cfg.data.draft_vocab)
+        problem = check and check(d2t, t2d, cfg.data.draft_vocab)
+        if problem:
+            print(f"[eaglekit.train] warning: {problem} (used anyway: data.draft_vocab was set explicitly)")
     elif cfg.data.features_dir and beside.exists():
         d2t, t2d = load_draft_vocab(beside)
+        problem = check and check(d2t, t2d, beside)
+        if problem:
+            raise ConfigError(problem)
         if d2t.numel() != size:
             print(f"[eaglekit.train] {beside} has {d2t.numel()} tokens, head.draft_vocab_size={size}: "
                   "counting the training split instead")
