@@ -1,13 +1,39 @@
-"""Typed run configs: a dataclass filled from YAML plus ``key=value`` overrides; unknown keys are errors."""
+"""Typed run configs: a dataclass filled from YAML plus ``key=value`` overrides, validated at load time.
+
+Every value is checked against its field's type by pydantic, and against its range where the field's
+type says so (``eval_samples: NonNegInt``, ``lr: PosFloat``, ``top_p: Fraction``...); the first
+problem raises one ConfigError naming the file (or "override") and the key: unknown keys, a bool that
+is not true/false/yes/no/on/off/1/0 (so the string ``"false"`` is false, and ``maybe`` is refused), a
+scalar where a list or a section is expected, a number out of range, NaN or infinity.
+
+Conversions kept on purpose: YAML 1.1 reads ``1e-4`` as a string, so number fields parse strings
+(``1e4`` is an int when whole); a number given for a string field becomes that string (``output_dir=2024``).
+A bare string for a list field is refused rather than wrapped (``trackers=tensorboard`` → give
+``trackers=[tensorboard]``): a list field may hold several values, and guessing how to split a string
+would be a second syntax.
+"""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import types
+import typing
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, Any, TypeVar, Union
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 C = TypeVar("C")
+
+# Field types with a range: use them in config dataclasses (plain dataclasses ignore the annotation).
+NonNegInt = Annotated[int, Field(ge=0)]  # counts where 0 means none / all / off
+PosInt = Annotated[int, Field(ge=1)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+Betas = Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)]  # Adam's pair
 
 
 class ConfigError(ValueError):
@@ -21,63 +47,215 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value")
         key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: not a YAML value ({str(e).splitlines()[0]})") from None
     return out
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | dict | None = None) -> C:
-    """Build dataclass ``cls`` from a YAML file and overrides; unknown keys raise ConfigError.
+    """Build dataclass ``cls`` from a YAML file and overrides, every field validated (see the module doc).
 
     Nested dataclass fields are filled from nested mappings, and ``a.b=1`` overrides a nested field.
     """
-    data: dict = {}
-    if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
-        data = loaded
+    where = str(path or "config")
+    data = _read_yaml(Path(path)) if path is not None else {}
     ov = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
     for key, value in ov.items():
         node = data
         *parents, leaf = key.split(".")
-        for p in parents:
+        for i, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override: cannot set {key}: {'.'.join(parents[: i + 1])} is {node!r}, "
+                                  "not a section")
         node[leaf] = value
-    return _build(cls, data, where=str(path or "config"))
-
-
-def _number(value, kind, key: str, where: str):
-    """YAML reads ``1e-4`` as a string (it wants ``1.0e-4``): convert str/int/float values of number fields."""
-    if kind not in (float, int) or isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        return value
+    _check_keys(cls, data, where)
     try:
-        num = float(value)
-        if kind is int and num != int(num):
-            raise ValueError
-        return kind(num)
-    except ValueError:
-        raise ConfigError(f"{where}: {key} must be a{'n int' if kind is int else ' float'}, got {value!r}") from None
+        model = _model(cls).model_validate(data)
+    except ValidationError as e:
+        key = _error_key(cls, e.errors()[0]["loc"])
+        source = "override" if key in ov else where
+        if not key:
+            raise ConfigError(f"{where}: {e.errors()[0]['msg']}") from None
+        raise ConfigError(f"{source}: {key} must be {describe(_hint_at(cls, key))}{_example(cls, key)}, "
+                          f"got {_value_at(data, key)!r}") from None
+    return _to_dataclass(cls, model)
 
 
-def _build(cls, data: dict, where: str, prefix: str = ""):
-    import typing
+def _read_yaml(path: Path) -> dict:
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    loaded = {} if loaded is None else loaded
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+    return loaded
 
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def _section(hint):
+    """The dataclass a field holds (``X`` or ``X | None``), else None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if _is_union(hint) and len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
+
+def _is_union(hint) -> bool:
+    return typing.get_origin(hint) in (Union, types.UnionType)
+
+
+def _check_keys(cls, data: dict, where: str, prefix: str = "") -> None:
+    """Unknown keys anywhere in ``data``: one message with the known keys of that section."""
+    fields = _hints(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}{':' + prefix[:-1] if prefix else ''}: unknown key(s) {unknown} for {cls.__name__}; "
-                          f"known: {sorted(fields)}")
-    kwargs = {}
+        raise ConfigError(f"{where}{':' + prefix[:-1] if prefix else ''}: unknown key(s) {unknown} for "
+                          f"{cls.__name__}; known: {sorted(fields)}")
     for name, value in data.items():
-        sub = hints.get(name)
-        if dataclasses.is_dataclass(sub) and isinstance(value, dict):
-            value = _build(sub, value, where, f"{prefix}{name}.")
-        kwargs[name] = _number(value, hints.get(name), f"{prefix}{name}", where)
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{where}: {e}") from e
+        sub = _section(fields[name])
+        if sub is not None and isinstance(value, dict):
+            _check_keys(sub, value, where, f"{prefix}{name}.")
+
+
+# --- pydantic models mirroring the dataclasses -------------------------------------------------------
+
+def _no_bool(value):
+    if isinstance(value, bool):
+        raise ValueError("a bool is not a number")  # noqa: TRY004 (pydantic reports ValueError only)
+    return value
+
+
+def _whole_number(value):
+    """``"1e4"`` (YAML 1.1 reads it as a string) → 10000; anything else is left to pydantic."""
+    value = _no_bool(value)
+    if isinstance(value, str):
+        try:
+            num = float(value)
+        except ValueError:
+            return value
+        return int(num) if math.isfinite(num) and num == int(num) else value
+    return value
+
+
+def _field_type(hint):
+    """``hint`` with the conversions of the module doc, nested dataclasses replaced by their models."""
+    if hint is int:
+        return Annotated[int, BeforeValidator(_whole_number)]
+    if hint is float:
+        return Annotated[float, BeforeValidator(_no_bool)]
+    if dataclasses.is_dataclass(hint):  # a section left empty in YAML (``head:``) means all defaults
+        return Annotated[_model(hint), BeforeValidator(lambda v: {} if v is None else v)]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return Annotated[(_field_type(args[0]), *hint.__metadata__)]
+    if _is_union(hint):
+        return Union[tuple(_field_type(a) for a in args)]  # noqa: UP007 (built from a tuple)
+    if origin in (list, tuple, dict) and args:
+        return origin[tuple(a if a is Ellipsis else _field_type(a) for a in args)]
+    return hint
+
+
+@functools.cache
+def _model(cls):
+    # defaults are never used: only the keys given are validated and passed on (see _to_dataclass)
+    fields = {name: (_field_type(hint), None) for name, hint in _hints(cls).items()}
+    config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
+    return create_model(f"{cls.__name__}Fields", __config__=config, **fields)
+
+
+def _to_dataclass(cls, model):
+    kwargs = {}
+    for name in model.model_fields_set:
+        value = getattr(model, name)
+        sub = _section(_hints(cls)[name])
+        kwargs[name] = _to_dataclass(sub, value) if sub is not None and value is not None else value
+    return cls(**kwargs)
+
+
+# --- error messages ----------------------------------------------------------------------------------
+
+def _error_key(cls, loc: tuple) -> str:
+    """Dotted key of a pydantic error location (list indices and union member tags dropped)."""
+    parts = []
+    for item in loc:
+        if cls is None or not isinstance(item, str) or item not in _hints(cls):
+            continue
+        parts.append(item)
+        cls = _section(_hints(cls)[item])
+    return ".".join(parts)
+
+
+def _hint_at(cls, key: str):
+    hint = cls
+    for part in key.split("."):
+        hint = _hints(_section(hint) or hint)[part]
+    return hint
+
+
+def _value_at(data: dict, key: str):
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
+def _example(cls, key: str) -> str:
+    """`` (e.g. [0.9, 0.95])`` from a list field's default, else ``""``."""
+    *parents, leaf = key.split(".")
+    owner = _section(_hint_at(cls, ".".join(parents))) if parents else cls
+    field = {f.name: f for f in dataclasses.fields(owner)}[leaf]
+    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    if not isinstance(default, list) or not default:
+        return ""
+    return f" (e.g. {yaml.safe_dump(default, default_flow_style=True).strip()})"
+
+
+def _range(meta) -> str:
+    bounds = {k: getattr(m, k) for m in meta for k in ("ge", "gt", "le", "lt", "min_length", "max_length")
+              if hasattr(m, k)}
+    if "min_length" in bounds and bounds["min_length"] == bounds.get("max_length"):
+        return f" of length {bounds['min_length']}"
+    low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}" if "gt" in bounds else None
+    high = f"{bounds['le']}]" if "le" in bounds else f"{bounds['lt']})" if "lt" in bounds else None
+    if low and high:
+        return f" in {low}, {high}"
+    return "".join(f" {op} {bounds[k]}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+                   if k in bounds)
+
+
+def _plural(text: str) -> str:
+    """``a float in [0, 1)`` → ``floats in [0, 1)``."""
+    article, _, rest = text.partition(" ")
+    if article not in ("a", "an"):
+        return text
+    noun, _, tail = rest.partition(" ")
+    return f"{noun}s {tail}".strip()
+
+
+def describe(hint) -> str:
+    """What a value of type ``hint`` must be, in words: ``an int >= 0``, ``a list of floats``..."""
+    if _section(hint) is not None and not _is_union(hint):
+        return f"a section of keys ({', '.join(_hints(hint))})"
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        meta = [m for info in hint.__metadata__ for m in getattr(info, "metadata", [info])]
+        return describe(args[0]) + _range(meta)
+    if _is_union(hint):
+        names = [describe(a) for a in args if a is not type(None)]
+        text = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+        return text + (" or null" if type(None) in args else "")
+    if origin in (list, tuple) or hint in (list, tuple):
+        return "a list" + (f" of {_plural(describe(args[0]))}" if args and args[0] is not Any else "")
+    names = {bool: "true or false", int: "an int", float: "a float", str: "a string", dict: "a mapping"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def to_dict(cfg) -> dict:

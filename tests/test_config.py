@@ -35,3 +35,51 @@ def test_unknown_and_bad_keys_are_refused(tmp_path):
         load_config(Outer, None, ["inner.lr=fast"])
     with pytest.raises(ConfigError, match="not key=value"):
         load_config(Outer, None, ["name"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.bf16=maybe", "override: optim.bf16 must be true or false, got 'maybe'"),
+    ("optim.betas=0.9", (r"override: optim.betas must be a list of floats in \[0, 1\) of length 2 "
+                        r"\(e.g. \[0.9, 0.95\]\), got 0.9")),
+    ("optim.betas=[0.9]", r"optim.betas must be a list .* of length 2 .*, got \[0.9\]"),
+    ("optim.betas=[0.9, 1.5]", r"optim.betas must be a list of floats in \[0, 1\)"),
+    ("head=5", r"override: head must be a section of keys \(kind, num_layers, .*\), got 5"),
+    ("data.eval_samples=-5", "override: data.eval_samples must be an int >= 0, got -5"),
+    ("trackers=tensorboard", (r"override: trackers must be a list of strings \(e.g. \[tensorboard\]\), "
+                             "got 'tensorboard'")),
+    ("save_interval=-1", "override: save_interval must be an int >= 0, got -1"),
+    ("optim.lr=0", "optim.lr must be a float > 0, got 0"),
+    ("optim.lr=true", "optim.lr must be a float > 0, got True"),
+    ("optim.lr=.inf", "optim.lr must be a float > 0, got inf"),
+    ("optim.warmup_ratio=1.5", r"optim.warmup_ratio must be a float in \[0, 1\], got 1.5"),
+    ("data.batch_size=2.5", "data.batch_size must be an int >= 1, got 2.5"),
+    ("head.aux_layer_ids=[1, x]", r"head.aux_layer_ids must be a list of ints >= 0 or null, got \[1, 'x'\]"),
+    ("head.init_from=[a]", r"head.init_from must be a string or null, got \['a'\]"),
+])
+def test_train_config_fields_checked_by_type_and_range(override, message):
+    from eaglekit.train.config import load_train_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(None, ["data.conversations=x", override])
+
+
+def test_yaml_values_are_checked_naming_file_and_key(tmp_path):
+    from eaglekit.train.config import load_train_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text('data:\n  conversations: x\noptim:\n  bf16: "false"\n  max_steps: 1e4\nhead:\noutput_dir: 2024\n')
+    cfg = load_train_config(path)  # a quoted "false" is false; an empty section keeps its defaults
+    assert cfg.optim.bf16 is False and cfg.optim.max_steps == 10_000 and cfg.head.kind == "eagle3"
+    assert cfg.output_dir == "2024" and cfg.optim.betas == [0.9, 0.95]
+    path.write_text("data:\n  conversations: x\noptim:\n  bf16: maybe\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: optim.bf16 must be true or false, got 'maybe'$"):
+        load_train_config(path)
+    with pytest.raises(ConfigError, match="override: cannot set head.kind: head is 5, not a section"):
+        load_train_config(path, ["head=5", "head.kind=eagle1"])
+    path.write_text("data: [1\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: not valid YAML"):
+        load_train_config(path)
+    path.write_bytes(b"target: caf\xe9\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: not UTF-8 text"):
+        load_train_config(path)
+

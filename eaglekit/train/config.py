@@ -7,7 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaglekit.config import ConfigError, load_config
+from eaglekit.config import (
+    Betas,
+    ConfigError,
+    Fraction,
+    NonNegFloat,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    load_config,
+)
 
 KINDS = ("eagle1", "eagle3")
 
@@ -16,52 +25,52 @@ KINDS = ("eagle1", "eagle3")
 class DataConfig:
     features_dir: str | None = None  # offline: a capture directory (FeatureDataset)
     conversations: str | None = None  # online: "sharegpt" (embedded) or a .json/.jsonl file of conversations
-    num_conversations: int = 0  # online: first N conversations (0 = all)
-    max_length: int = 2048  # online: truncate tokenized conversations to this many tokens
+    num_conversations: NonNegInt = 0  # online: first N conversations (0 = all)
+    max_length: PosInt = 2048  # online: truncate tokenized conversations to this many tokens
     cache_online: bool = True  # online: keep computed features in RAM (bf16) after the first epoch
-    eval_samples: int = 64  # held-out samples (the last N of the source), never trained on
-    batch_size: int = 4  # sequences per micro-batch per process
-    max_tokens: int = 0  # if > 0, micro-batches are cut so batch*padded_len <= max_tokens
-    bucket_pool: int = 64  # length-bucketing pool, in micro-batches (sort by length within a pool)
+    eval_samples: NonNegInt = 64  # held-out samples (the last N of the source), never trained on
+    batch_size: PosInt = 4  # sequences per micro-batch per process
+    max_tokens: NonNegInt = 0  # if > 0, micro-batches are cut so batch*padded_len <= max_tokens
+    bucket_pool: PosInt = 64  # length-bucketing pool, in micro-batches (sort by length within a pool)
     draft_vocab: str | None = None  # d2t/t2d file; default: features_dir/draft_vocab.safetensors or built
 
 
 @dataclass
 class HeadSpec:
     kind: str = "eagle3"
-    num_layers: int = 1
-    draft_vocab_size: int = 32000  # EAGLE-3 only; clipped to the target vocab
-    aux_layer_ids: list[int] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
+    num_layers: PosInt = 1
+    draft_vocab_size: PosInt = 32000  # EAGLE-3 only; clipped to the target vocab
+    aux_layer_ids: list[NonNegInt] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
     init_from_target: bool = False  # EAGLE-3: start lm_head (draft rows) and final norm from the target's
     init_from: str | None = None  # a saved head (folder or export): start from its weights and draft vocab
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.02  # used when warmup_steps == 0
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
-    grad_clip: float = 0.5
-    grad_accum: int = 1
-    epochs: int = 1
-    max_steps: int = 0  # optimizer steps; 0 = epochs * steps_per_epoch
+    lr: PosFloat = 1e-4
+    weight_decay: NonNegFloat = 0.0
+    betas: Betas = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: NonNegInt = 0
+    warmup_ratio: Fraction = 0.02  # used when warmup_steps == 0
+    min_lr_ratio: Fraction = 0.0  # cosine decays to lr * min_lr_ratio
+    grad_clip: PosFloat = 0.5
+    grad_accum: PosInt = 1
+    epochs: PosInt = 1
+    max_steps: NonNegInt = 0  # optimizer steps; 0 = epochs * steps_per_epoch
     bf16: bool = False  # autocast the head in bf16 (weights and optimizer stay fp32)
-    max_minutes: float = 0  # wall-clock budget (kept across resumes): the cosine follows steps or time, whichever
+    max_minutes: NonNegFloat = 0  # wall-clock budget (kept across resumes): the cosine follows steps or time, whichever
     # is further, so the run ends annealed; then it stops, evaluates and saves the final head (0 = none)
 
 
 @dataclass
 class LossConfig:
-    ttt_steps: int = 7  # training-time-test unroll K (EAGLE-1's published recipe is K=1)
-    step_decay: float = 0.8  # weight of TTT step k is decay**k
-    feature_weight: float = 1.0  # EAGLE-1: SmoothL1(feature)
-    token_weight: float = 0.1  # EAGLE-1: soft CE against the target distribution
-    noise: float = 0.1  # EAGLE-1: feature noise U(-noise, noise) (scaled like EAGLE's uniform noise)
-    chunk_tokens: int = 512  # teacher / CE computed over this many positions at a time
-    cache_teacher_mb: float = 64  # keep the draft-vocab teacher [B,S,Vd] fp32 per batch if it fits, else recompute
+    ttt_steps: PosInt = 7  # training-time-test unroll K (EAGLE-1's published recipe is K=1)
+    step_decay: NonNegFloat = 0.8  # weight of TTT step k is decay**k
+    feature_weight: NonNegFloat = 1.0  # EAGLE-1: SmoothL1(feature)
+    token_weight: NonNegFloat = 0.1  # EAGLE-1: soft CE against the target distribution
+    noise: NonNegFloat = 0.1  # EAGLE-1: feature noise U(-noise, noise) (scaled like EAGLE's uniform noise)
+    chunk_tokens: PosInt = 512  # teacher / CE computed over this many positions at a time
+    cache_teacher_mb: NonNegFloat = 64  # keep the draft-vocab teacher [B,S,Vd] fp32 per batch if it fits, else recompute
 
 
 @dataclass
@@ -73,12 +82,12 @@ class TrainConfig:
     head: HeadSpec = field(default_factory=HeadSpec)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    eval_interval: int = 100  # optimizer steps between evaluations (0 = only at the end)
-    eval_ttt_steps: int = 0  # TTT steps used for eval accuracy / tau_sim (0 = loss.ttt_steps)
-    save_interval: int = 200  # optimizer steps between checkpoints (0 = none)
-    keep_last: int = 2  # checkpoints kept
+    eval_interval: NonNegInt = 100  # optimizer steps between evaluations (0 = only at the end)
+    eval_ttt_steps: NonNegInt = 0  # TTT steps used for eval accuracy / tau_sim (0 = loss.ttt_steps)
+    save_interval: NonNegInt = 200  # optimizer steps between checkpoints (0 = none)
+    keep_last: NonNegInt = 2  # checkpoints kept
     resume: str = "auto"  # "auto" (latest checkpoint if any), "none", or a checkpoint dir
-    log_interval: int = 1  # optimizer steps between log.jsonl / tracker records (eval steps always logged)
+    log_interval: NonNegInt = 1  # optimizer steps between log.jsonl / tracker records (eval steps always logged)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     seed: int = 0
     progress: bool = True  # tqdm bar on the main process
