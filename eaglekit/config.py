@@ -33,6 +33,7 @@ PosInt = Annotated[int, Field(ge=1)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
+PosFraction = Annotated[float, Field(gt=0, le=1)]  # (0, 1], e.g. top_p
 Betas = Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)]  # Adam's pair
 
 

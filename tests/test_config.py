@@ -48,11 +48,12 @@ def test_unknown_and_bad_keys_are_refused(tmp_path):
     ("trackers=tensorboard", (r"override: trackers must be a list of strings \(e.g. \[tensorboard\]\), "
                              "got 'tensorboard'")),
     ("save_interval=-1", "override: save_interval must be an int >= 0, got -1"),
-    ("optim.lr=0", "optim.lr must be a float > 0, got 0"),
-    ("optim.lr=true", "optim.lr must be a float > 0, got True"),
-    ("optim.lr=.inf", "optim.lr must be a float > 0, got inf"),
+    ("optim.lr=-0.5", "optim.lr must be a float >= 0, got -0.5"),
+    ("optim.lr=true", "optim.lr must be a float >= 0, got True"),
+    ("optim.lr=.inf", "optim.lr must be a float >= 0, got inf"),
     ("optim.warmup_ratio=1.5", r"optim.warmup_ratio must be a float in \[0, 1\], got 1.5"),
     ("data.batch_size=2.5", "data.batch_size must be an int >= 1, got 2.5"),
+    ("optim.grad_clip=0", "optim.grad_clip must be a float > 0, got 0"),
     ("head.aux_layer_ids=[1, x]", r"head.aux_layer_ids must be a list of ints >= 0 or null, got \[1, 'x'\]"),
     ("head.init_from=[a]", r"head.init_from must be a string or null, got \['a'\]"),
 ])
@@ -83,3 +84,26 @@ def test_yaml_values_are_checked_naming_file_and_key(tmp_path):
     with pytest.raises(ConfigError, match=rf"^{path}: not UTF-8 text"):
         load_train_config(path)
 
+
+def test_every_config_dataclass_is_checked():
+    """Each CLI's config refuses a bad value naming the key (the types alone, no hand-written check)."""
+    from eaglekit.data_prep.prepare import PrepareConfig
+    from eaglekit.decode.bench import BenchConfig
+    from eaglekit.decode.cli import GenerateConfig
+    from eaglekit.heads.export_cli import ExportOptions
+    from eaglekit.heads.push_cli import PushOptions
+
+    cases = [(PrepareConfig, "regenerate.enabled=maybe", "regenerate.enabled must be true or false"),
+             (PrepareConfig, "layer_ids=3", "layer_ids must be a list of ints"),
+             (PrepareConfig, "max_length=0", "max_length must be an int >= 1, got 0"),
+             (PrepareConfig, "regenerate.top_p=0", r"regenerate.top_p must be a float in \(0, 1\], got 0"),
+             (PrepareConfig, "regenerate.concurrency=0", "regenerate.concurrency must be an int >= 1"),
+             (GenerateConfig, "max_new_tokens=-1", "max_new_tokens must be an int >= 1"),
+             (GenerateConfig, "top_p=2", r"top_p must be a float in \(0, 1\]"),
+             (BenchConfig, "temperatures=0.5", "temperatures must be a list"),
+             (ExportOptions, "overwrite=maybe", "overwrite must be true or false"),
+             (ExportOptions, "speculative_tokens=0", "speculative_tokens must be an int >= 1"),
+             (PushOptions, "datasets=sharegpt", "datasets must be a list of strings")]
+    for cls, override, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(cls, None, [override])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from eaglekit.config import load_config
+from eaglekit.config import NonNegInt, PosFloat, PosInt, load_config
 from eaglekit.data_prep.capture import (
     MANIFEST,
     build_manifest,
@@ -49,18 +49,18 @@ class PrepareConfig:
     device: str = "cpu"  # "cuda" picks cuda:LOCAL_RANK under a launcher
     data: str = "sharegpt"  # the embedded ShareGPT, or a .json/.jsonl file, folder or saved dataset
     split: str | None = None  # for a saved DatasetDict
-    num_conversations: int = 0  # 0 = all
-    max_turns: int = 0  # keep each conversation's first N user turns (0 = all); regeneration cost scales with it
+    num_conversations: NonNegInt = 0  # 0 = all
+    max_turns: NonNegInt = 0  # keep each conversation's first N user turns (0 = all); regeneration cost scales with it
     strict: bool = False  # stop at the first malformed conversation instead of skipping and counting
-    max_length: int = 2048  # tokens per sample (truncated)
+    max_length: PosInt = 2048  # tokens per sample (truncated)
     output_dir: str = "prepared/smollm2"
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
-    draft_vocab_size: int = 32000  # clipped to the target vocab
+    draft_vocab_size: PosInt = 32000  # clipped to the target vocab
     capture: bool = True  # False: stop after the vocab (online training needs no shards)
     kind: str = "eagle3"  # eagle3 (3 taps + last) or eagle1 (last only)
-    layer_ids: list[int] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
-    shard_mb: float = 1024  # feature bytes per shard, MiB
-    batch_tokens: int = 8192  # padded tokens per capture forward
+    layer_ids: list[NonNegInt] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
+    shard_mb: PosFloat = 1024  # feature bytes per shard, MiB
+    batch_tokens: PosInt = 8192  # padded tokens per capture forward
     progress: bool = True
 
 

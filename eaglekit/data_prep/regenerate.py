@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from eaglekit.config import NonNegFloat, NonNegInt, PosFloat, PosFraction, PosInt
 from eaglekit.data_prep.endpoint import ChatEndpoint
 from eaglekit.fileio import write_bytes
 
@@ -42,17 +43,17 @@ log = logging.getLogger(__name__)
 @dataclass
 class RegenerateConfig:
     enabled: bool = False
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    max_new_tokens: int = 512
-    batch_size: int = 8
-    max_prompt_tokens: int = 2048
+    temperature: NonNegFloat = 0.0  # 0 = greedy
+    top_p: PosFraction = 1.0
+    max_new_tokens: PosInt = 512
+    batch_size: PosInt = 8
+    max_prompt_tokens: PosInt = 2048
     seed: int = 0
     endpoint: str = ""  # http://HOST:PORT/v1 of an OpenAI-compatible server ("" = generate in-process)
     model: str = ""  # the model name sent to the endpoint ("" = the first id of GET /v1/models)
-    concurrency: int = 8  # requests in flight at once (endpoint only)
-    retries: int = 5  # tries after the first for a failed request, with exponential backoff (endpoint only)
-    timeout: float = 600.0  # seconds one request may take (endpoint only)
+    concurrency: PosInt = 8  # requests in flight at once (endpoint only)
+    retries: NonNegInt = 5  # tries after the first for a failed request, with exponential backoff (endpoint only)
+    timeout: PosFloat = 600.0  # seconds one request may take (endpoint only)
 
     def __post_init__(self):
         self.enabled = self.enabled or bool(self.endpoint)  # an endpoint means: regenerate through it

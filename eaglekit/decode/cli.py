@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglekit.config import load_config
+from eaglekit.config import NonNegFloat, NonNegInt, PosFraction, PosInt, load_config
 
 
 @dataclass
@@ -22,13 +22,13 @@ class GenerateConfig:
     draft: str | None = None  # a draft model sharing the target's tokenizer
     prompt: str | None = None  # one turn; None = interactive chat on stdin
     system: str | None = None
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_new_tokens: PosInt = 256
+    temperature: NonNegFloat = 0.0
+    top_p: PosFraction = 1.0
+    top_k: NonNegInt = 0
     seed: int = 0
     tree: str = "auto"  # "auto" or "depth,top_k,total_tokens", e.g. "5,8,48"
-    gamma: int = 4
+    gamma: PosInt = 4
     draft_tree: str | None = None  # with draft=: "depth,top_k,total_tokens" grows a tree instead of a chain
     # > 0: also verify up to N tokens copied from the context (eaglekit.decode.lookup); "2,5,10": 2 tokens
     # after a 1-gram match, 5 after a 2-gram, 10 after a 3-gram (lookup.BY_MATCH, the measured best);

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eaglekit.config import load_config
+from eaglekit.config import PosInt, load_config
 
 
 @dataclass
@@ -12,8 +12,9 @@ class ExportOptions:
     out: str = ""  # the folder to write
     to: str = "sglang"  # sglang | vllm | speculators | eagle1
     target: str = ""  # default: the target named in the head's config
+    verifier: str = ""  # target id written for engines (ORG/NAME or a local model folder); default: derived
     dtype: str = ""  # e.g. bfloat16; default: the head's own dtype
-    speculative_tokens: int = 3  # speculators config: proposal length
+    speculative_tokens: PosInt = 3  # speculators config: proposal length
     overwrite: bool = False
 
 
@@ -22,6 +23,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", help="output folder")
     p.add_argument("--to", choices=["sglang", "vllm", "speculators", "eagle1"], help="layout to write")
     p.add_argument("--target", help="target model (default: the one the head was trained for)")
+    p.add_argument("--verifier", help="the target's id written where engines read it: ORG/NAME or a local "
+                   "model folder (default: the embedded target's Hub id, a folder's _name_or_path)")
     p.add_argument("--dtype", help="weight dtype of the export (default: the head's)")
     p.add_argument("--overwrite", action="store_true", default=None, help="write into a non-empty folder")
 
@@ -50,7 +53,8 @@ def load_target_for(head_dir: str, target: str):
 def run(args) -> int:
     import torch
 
-    from eaglekit.heads.export import export_to
+    from eaglekit.heads.export import EXPORT_BLOCK, export_to
+    from eaglekit.heads.io import read_config
 
     opts = options(args)
     if not opts.head or not opts.out:
@@ -58,6 +62,9 @@ def run(args) -> int:
     target = load_target_for(opts.head, opts.target)
     dtype = getattr(torch, opts.dtype) if opts.dtype else None
     out = export_to(opts.head, opts.out, opts.to, target, dtype=dtype, overwrite=opts.overwrite,
-                    speculative_tokens=opts.speculative_tokens)
-    print(f"wrote {opts.to} layout to {out} (key set and shapes validated)")
+                    speculative_tokens=opts.speculative_tokens, verifier=opts.verifier or None)
+    written = read_config(out).get(EXPORT_BLOCK, {})
+    print(f"wrote {opts.to} layout to {out} for {', '.join(written.get('engines', []))} "
+          f"(verifier {written.get('verifier') or 'not named'}; key set, shapes, engine fields and finite "
+          "weights checked)")
     return 0

@@ -47,7 +47,7 @@ class HeadSpec:
 
 @dataclass
 class OptimConfig:
-    lr: PosFloat = 1e-4
+    lr: NonNegFloat = 1e-4  # 0: the head does not move (e.g. to score a starting point)
     weight_decay: NonNegFloat = 0.0
     betas: Betas = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: NonNegInt = 0
