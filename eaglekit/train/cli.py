@@ -2,23 +2,35 @@
 from __future__ import annotations
 
 import os
+import sys
 
 
 def run(args) -> int:
+    from eaglekit.train.runguard import TrainError, exit_with_launcher
+
+    exit_with_launcher()  # first thing: a launcher killed while this worker still imports takes it along
     from eaglekit.train.config import load_train_config
     from eaglekit.train.trainer import train
 
     cfg = load_train_config(args.config, args.overrides)
-    train(cfg)
+    try:
+        train(cfg)
+    except TrainError as e:  # a deliberate stop: one line (from one rank), exit status 1, no traceback
+        if not e.quiet:
+            print(f"eaglekit train: error: {e}", file=sys.stderr, flush=True)
+        return finish(1)
     return finish()
 
 
-def finish() -> int:
-    """End a distributed run cleanly: gloo sometimes aborts at interpreter exit, so leave explicitly."""
+def finish(code: int = 0) -> int:
+    """End a distributed run cleanly: gloo sometimes aborts at interpreter exit, so leave explicitly.
+    Every rank gets here together (a TrainError is raised on all ranks at the same point)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-        os._exit(0)
-    return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -19,11 +19,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eaglekit.train.checkpoint import TrainState, resolve_resume, save_checkpoint
+from eaglekit.fileio import write_text
+from eaglekit.train import resume as checkpoints
+from eaglekit.train.checkpoint import TrainState
 from eaglekit.train.config import TrainConfig
 from eaglekit.train.data import Schedule, collate, fetch, plan_micro_batches, to_device
 from eaglekit.train.losses import Teacher, supervised_count, ttt_loss
 from eaglekit.train.metrics import Tally
+from eaglekit.train.runguard import OutputDirLock, TrainError, exit_with_launcher
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,16 +123,38 @@ def _tracker_available(name: str) -> bool:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
+        exit_with_launcher()  # a worker of accelerate launch / torchrun dies with its launcher
+        self.cfg = cfg
+        self.acc = make_accelerator(cfg)
+        self.out = Path(cfg.output_dir)
+        self.log_path = self.out / "log.jsonl"
+        self.lock = self._lock_output_dir()
+        try:
+            self._setup(cfg)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _lock_output_dir(self) -> OutputDirLock:
+        """The main process locks ``output_dir`` for the run; every rank learns whether it could."""
+        lock, error = OutputDirLock(self.out), None
+        if self.acc.is_main_process:
+            try:
+                lock.acquire()
+            except TrainError as e:
+                error = e
+        if self._reduce([float(error is not None)])[0]:
+            raise error or TrainError(f"output_dir {self.out} is in use by another run", quiet=True)
+        return lock
+
+    def _setup(self, cfg: TrainConfig) -> None:
         from accelerate.utils import set_seed
 
         from eaglekit.heads import HeadConfig, build_head
         from eaglekit.target import load_target
         from eaglekit.train.sources import build_sources
 
-        self.cfg = cfg
-        self.acc = make_accelerator(cfg)
         set_seed(cfg.seed)
-        self.out = Path(cfg.output_dir)
         with no_zero3_partitioning():  # the frozen target stays whole on every rank under ZeRO-3
             self.target = load_target(cfg.target, dtype=DTYPES[cfg.target_dtype], device=self.acc.device)
         self.src = build_sources(cfg, self.target)
@@ -156,8 +181,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             opt, lr_lambda(self.total_steps, warmup, o.min_lr_ratio, spent))
         self.model, self.opt = self.acc.prepare(model, opt)
-        self.acc.register_for_checkpointing(self.scheduler, self.state)
-        self.log_path = self.out / "log.jsonl"
 
     def _start_head(self, path: str):
         """A saved head to start from; its draft vocabulary replaces the data's (the rows must match)."""
@@ -216,13 +239,16 @@ class Trainer:
         tally, grad_norm = Tally(), None
         lc = self.cfg.loss
         noise = lc.noise if self.cfg.head.kind == "eagle1" else 0.0
+        origins = [self._origins(mb, b) for mb, b in zip(micro_batches, batches)]
         self.model.train()
-        for b in batches:
+        for b, origin in zip(batches, origins):
             with self.acc.accumulate(self.model):
-                loss_sum, stats = self.model(**to_device(b, self.acc.device), steps=lc.ttt_steps, noise=noise)
+                loss_sum, stats = self.model(**self._on_device(b), steps=lc.ttt_steps, noise=noise)
+                self._stop_if_not_finite("loss", loss_sum, origin)  # before backward: DeepSpeed steps inside it
                 self.acc.backward(loss_sum * scale)
                 if self.acc.sync_gradients:
                     grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+                    self._stop_if_not_finite("gradient norm", grad_norm, [o for os_ in origins for o in os_])
                 self.opt.step()
                 self.opt.zero_grad()
             tally.add(stats)
@@ -232,6 +258,52 @@ class Trainer:
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
         return out
+
+    def _on_device(self, batch: dict) -> dict:
+        """The batch's tensors on this rank's device (``origin``, a list of names, stays behind)."""
+        return to_device({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, self.acc.device)
+
+    def _origins(self, micro_batch: list[int], batch: dict) -> list[str]:
+        """Where each sequence of a batch came from: the source's own names, else the sample numbers."""
+        named = batch.get("origin")
+        if named:
+            return [str(o) for o in named]
+        return [f"{self.src.where} sample {self.src.train.indices[i]}" for i in micro_batch]
+
+    # ---- refusing non-finite values ----------------------------------------------------------------
+    def _stop_if_not_finite(self, what: str, value, origins: list[str]) -> None:
+        """Stop every rank at once when any rank's ``value`` is NaN/Inf, with one message (main process)
+        naming the step and where that rank's batch came from. Nothing is written for the step."""
+        v = 0.0 if value is None else float(value.detach() if isinstance(value, torch.Tensor) else value)
+        bad = not math.isfinite(v)
+        if not self._reduce([float(bad)])[0]:
+            return
+        seen = [t for t in self._gather_text(f"{v} on " + ", ".join(origins) if bad else "") if t]
+        done = ("DeepSpeed already took the step, but nothing is saved from it"
+                if what != "loss" and checkpoints.zero_engine(self) is not None else "stopped before the optimizer step")
+        raise TrainError(f"non-finite {what} at step {self.state.step + 1} ({'; '.join(seen)}): {done}; no checkpoint "
+                         f"or final/ is written with these weights (the newest checkpoint is at or before step "
+                         f"{self.state.step})", quiet=not self.acc.is_main_process)
+
+    def _gather_text(self, text: str) -> list[str]:
+        """Every rank's ``text`` on every rank (as padded byte tensors: no pickle between processes)."""
+        if self.acc.num_processes == 1:
+            return [text]
+        data = torch.tensor(list(text.encode()), dtype=torch.int64, device=self.acc.device)
+        sizes = self.acc.gather(torch.tensor([data.numel()], device=self.acc.device)).tolist()
+        padded = torch.zeros(max(1, max(sizes)), dtype=torch.int64, device=self.acc.device)
+        padded[:data.numel()] = data
+        rows = self.acc.gather(padded[None]).tolist()
+        return [bytes(row[:n]).decode(errors="replace") for row, n in zip(rows, sizes)]
+
+    def _finite_weights(self, what: str) -> dict:
+        """The whole head; refused (on every rank alike: they all hold the same weights) if any is NaN/Inf."""
+        state = self._full_state()
+        bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise TrainError(f"head weight(s) {', '.join(bad[:5])} hold NaN/Inf at step {self.state.step}: "
+                             f"not writing {what}", quiet=not self.acc.is_main_process)
+        return state
 
     # ---- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -245,19 +317,13 @@ class Trainer:
         tally = Tally()
         for mb in mbs[self.acc.process_index::self.acc.num_processes]:
             b = collate(self._items(self.src.eval, mb), self.cfg.head.kind)
-            _, stats = self.model(**to_device(b, self.acc.device), steps=steps, noise=0.0)
+            _, stats = self.model(**self._on_device(b), steps=steps, noise=0.0)
             tally.add(stats)
         if not tally.total:
             tally = Tally([0.0] * steps, [0.0] * steps, [0.0] * steps)
         return Tally.from_list(self._reduce(tally.as_list())).summary("eval_")
 
     # ---- the loop --------------------------------------------------------------------------------
-    def resume(self) -> None:
-        path = resolve_resume(self.cfg.resume, self.out)
-        if path is not None:
-            self.acc.load_state(str(path))
-            self.acc.print(f"[eaglekit.train] resumed from {path} at step {self.state.step}")
-
     def log(self, record: dict) -> None:
         if self.acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -266,12 +332,19 @@ class Trainer:
         self.acc.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
 
     def fit(self) -> dict:
+        """Train (resuming per ``cfg.resume``), evaluate, save ``final/``; ``output_dir`` stays locked until
+        this returns or raises."""
+        try:
+            return self._fit()
+        finally:
+            self.lock.release()
+
+    def _fit(self) -> dict:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
         self.acc.init_trackers("eaglekit", config={"output_dir": cfg.output_dir})
-        if not cfg.eval_only:
-            self.resume()
+        changes = {} if cfg.eval_only else checkpoints.resume(self)
         bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not (cfg.progress and self.acc.is_local_main_process),
                    desc="train", dynamic_ncols=True)
         t0, tok0, last_eval = time.perf_counter(), self.state.tokens, {}
@@ -290,6 +363,8 @@ class Trainer:
             self.state.tokens += int(rec["tokens"])
             rec.update(step=self.state.step, epoch=self.state.epoch,
                        tokens_per_s=(self.state.tokens - tok0) / max(time.perf_counter() - t0, 1e-9))
+            if changes:  # the first record after a resume with resume_allow_changes=true says what changed
+                rec["config_changes"], changes = changes, {}
             if cfg.eval_interval and self.state.step % cfg.eval_interval == 0 and self.state.step < self.total_steps:
                 last_eval = self.evaluate()
                 rec.update(last_eval)
@@ -302,7 +377,7 @@ class Trainer:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec.get('acc_0', 0):.2f}",
                             tau_sim=f"{last_eval.get('eval_tau_sim', float('nan')):.2f}")
             if cfg.save_interval and self.state.step % cfg.save_interval == 0:
-                save_checkpoint(self.acc, self.out, self.state.step, cfg.keep_last)
+                checkpoints.save(self, self._finite_weights(f"checkpoint step-{self.state.step}"))
             if self._out_of_time():
                 self.acc.print(f"[eaglekit.train] optim.max_minutes={cfg.optim.max_minutes} spent at step "
                                f"{self.state.step}/{self.total_steps}: stopping early")
@@ -318,8 +393,7 @@ class Trainer:
                                                                  if isinstance(v, float)))
         if cfg.eval_only:
             if self.acc.is_main_process:
-                self.out.mkdir(parents=True, exist_ok=True)
-                (self.out / "metrics.json").write_text(json.dumps({**final, "eval_of": cfg.head.init_from}, indent=1))
+                write_text(self.out / "metrics.json", json.dumps({**final, "eval_of": cfg.head.init_from}, indent=1))
         else:
             self.save_final(final)
         self.acc.end_training()
@@ -342,13 +416,13 @@ class Trainer:
         """Gather the full head (ZeRO-3 included) and write it with ``save_pretrained`` (main process)."""
         from eaglekit.heads import build_head
 
-        state = self._full_state()
         path = self.out / "final"
+        state = self._finite_weights(str(path))
         if self.acc.is_main_process:
             head = build_head(self.head.config, self.target, dtype=torch.float32)
             head.load_state_dict({k.removeprefix("head."): v for k, v in state.items()})
             head.save_pretrained(path)
-            (self.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+            write_text(self.out / "metrics.json", json.dumps(metrics, indent=1))
         self.acc.wait_for_everyone()
         return path
 

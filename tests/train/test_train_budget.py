@@ -95,5 +95,6 @@ def test_budget_stop_ends_annealed_and_a_resume_keeps_the_spent_time(tmp_path, m
     # a run stopped by max_steps and resumed keeps its clock: ~4 s spent, ~2 s left of the budget
     out2 = f"output_dir={tmp_path / 'out2'}"
     train(_cfg(tmp_path, *budget, "optim.epochs=4", "optim.max_steps=4", "save_interval=2", out2))
-    again = train(_cfg(tmp_path, *budget, "optim.epochs=4", "optim.max_steps=40", "save_interval=2", out2))
+    again = train(_cfg(tmp_path, *budget, "optim.epochs=4", "optim.max_steps=40", "save_interval=2", out2,
+                       "resume_allow_changes=true"))  # max_steps differs from the checkpoint's config
     assert 4 < again["step"] <= final["step"] + 1  # a fresh clock would run ~final["step"] more steps
