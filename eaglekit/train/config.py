@@ -87,6 +87,7 @@ class TrainConfig:
     save_interval: NonNegInt = 200  # optimizer steps between checkpoints (0 = none)
     keep_last: NonNegInt = 2  # checkpoints kept
     resume: str = "auto"  # "auto" (latest checkpoint if any), "none", or a checkpoint dir
+    resume_allow_changes: bool = False  # resume although the config differs from the checkpoint's (applied, logged)
     log_interval: NonNegInt = 1  # optimizer steps between log.jsonl / tracker records (eval steps always logged)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     seed: int = 0
