@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,8 +15,8 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
     """Call ``write(tmp_path)`` then rename onto ``path`` (fsynced); on any error the temp file is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    # a unique name the writer creates itself, so the file gets the usual umask permissions (mkstemp: 0600)
+    tmp = str(path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         write(tmp)
         with open(tmp, "rb") as f:
