@@ -4,16 +4,25 @@ serve``), stdlib only.
 Requests send ``messages``, so the server applies the model's own chat template. A request that fails
 in a way a retry can fix (connection refused or reset, timeout, HTTP 429 or 5xx) is retried with
 exponential backoff a bounded number of times; then, or at once for any other HTTP error, one
-EndpointError names the endpoint and the last failure.
+EndpointError names the endpoint and the last failure. ``TransformersServe`` runs a local
+``transformers serve`` (the ``serving`` extra) for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 MAX_DELAY = 30.0  # seconds: the longest wait between two tries
@@ -120,3 +129,68 @@ def _text(err: urllib.error.HTTPError) -> str:
         return err.read().decode("utf-8", "replace")[:300]
     except OSError:
         return err.reason or ""
+
+
+class TransformersServe:
+    """``transformers serve MODEL`` on 127.0.0.1 in a process of its own (tests, benchmarks, a local run).
+
+    ``start()`` waits (bounded) until /health answers and returns the ``/v1`` URL; ``kill()`` ends the
+    server's whole process group with SIGKILL. As a context manager the server is always killed.
+    ``threads`` > 0 caps the server's torch threads (OMP_NUM_THREADS): on a busy CPU, idle threads that
+    spin-wait for their peers cost more than they bring.
+    """
+
+    def __init__(
+        self, model: str | Path, port: int = 0, device: str = "cpu", dtype: str = "float32", threads: int = 0
+    ):
+        self.model, self.device, self.dtype, self.threads = str(model), device, dtype, threads
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc: subprocess.Popen | None = None
+        self.log = Path(tempfile.mkstemp(prefix="transformers-serve-", suffix=".log")[1])
+
+    def start(self, wait_s: float = 300.0) -> str:
+        exe = Path(sys.executable).with_name("transformers")  # the venv's console script
+        cmd = [str(exe) if exe.exists() else "transformers", "serve", self.model, "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--device", self.device, "--dtype", self.dtype]
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads)) if self.threads else None
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(self.url.removesuffix("/v1") + "/health", timeout=2):
+                    return self.url
+            except (urllib.error.URLError, OSError, http.client.HTTPException):
+                time.sleep(0.3)
+        self.kill()
+        tail = self.log.read_text(errors="replace")[-2000:]
+        raise EndpointError(
+            f"transformers serve {self.model} did not come up on {self.url} in {wait_s:.0f} s:\n{tail}"
+        )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill the server and remove its log."""
+        self.kill()
+        self.log.unlink(missing_ok=True)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -305,3 +305,71 @@ def test_in_process_turn_two_is_asked_with_the_regenerated_turn_one(tmp_path):
     for p, g, c in zip(second, got, convs):
         assert p[1] == g["messages"][1] != c["messages"][1]  # the target's own answer, not the data's
         assert p[2] == c["messages"][2] and g["messages"][3]["content"]
+
+
+def short_conversations() -> list[dict]:
+    """Five one-line questions; the first and the last get a second user turn."""
+    questions = ["What is 2+2?", "Name a colour.", "Say hi.", "Name a fruit.", "Spell cat."]
+    convs = []
+    for i, q in enumerate(questions):
+        msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": "no idea"}]
+        if i % 4 == 0:
+            msgs += [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "because"}]
+        convs.append({"id": f"q{i}", "messages": msgs})
+    return convs
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_transformers_serve_regeneration_survives_a_killed_server(tmp_path, smollm2):
+    """A real ``transformers serve`` of the embedded SmolLM2: killed (SIGKILL) mid-run, restarted on the same
+    port, the rerun completes the file with every conversation once, in input order, each turn conditioned on
+    the server's own earlier answer."""
+    pytest.importorskip("uvicorn", reason="needs the serving extra: pip install -e '.[serving]'")
+    from test_data_prep_prepare import _greedy
+
+    from eaglekit.assets import model_dir
+    from eaglekit.data_prep.endpoint import TransformersServe
+
+    convs = short_conversations()
+    server = TransformersServe(model_dir("smollm2-135m-instruct"), threads=1)  # see TransformersServe
+    out = tmp_path / "out.jsonl"
+    cfg = RegenerateConfig(endpoint=server.url, concurrency=1, max_new_tokens=8, retries=1)
+    errors = []
+    try:
+        server.start()
+        worker = threading.Thread(
+            target=lambda: _catch(errors, regenerate, None, convs, out, cfg, progress=False)
+        )
+        worker.start()
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.kill()
+        worker.join(60)
+        assert len(errors) == 1 and isinstance(errors[0], EndpointError) and server.url in str(errors[0])
+        kept = out.read_text().splitlines()
+        assert 2 <= len(kept) < len(convs)
+        server.start()  # the same port again
+        regenerate(None, convs, out, cfg, progress=False)
+        got = lines(out)
+        assert out.read_text().splitlines()[: len(kept)] == kept
+        assert [g["id"] for g in got] == [c["id"] for c in convs]  # nothing lost, nothing twice, in order
+        for g, c in zip(got, convs):
+            assert "regenerate_error" not in g and len(g["messages"]) == len(c["messages"])
+            assert all(m["content"] for m in g["messages"])
+        # the server applied SmolLM2's own template: its greedy answer is the in-process greedy answer
+        assert got[1]["messages"][1]["content"] == _greedy(smollm2, convs[1]["messages"][:1], 8)
+        # turn 2 was conditioned on the server's own turn-1 answer
+        client = ChatEndpoint(server.url)
+        assert got[0]["messages"][3]["content"] == client.chat(got[0]["messages"][:3], max_tokens=8)
+        assert got[0]["messages"][3]["content"] != client.chat(convs[0]["messages"][:3], max_tokens=8)
+    finally:
+        server.close()
+
+
+def _catch(errors: list, fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - handed to the test thread
+        errors.append(e)
