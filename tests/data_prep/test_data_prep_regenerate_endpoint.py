@@ -177,6 +177,18 @@ def test_endpoint_resumes_after_a_failure_without_loss_or_duplicates(tmp_path, f
         regenerate(None, convs[1:], out, RegenerateConfig(endpoint=healthy.url), progress=False)
 
 
+def test_endpoint_under_a_launcher_writes_the_one_process_file(tmp_path, fake):
+    server = fake(delay=later_first)
+    convs = conversations()
+    cfg = RegenerateConfig(endpoint=server.url, batch_size=3, concurrency=2)
+    full = regenerate(None, convs, tmp_path / "full.jsonl", cfg, progress=False)
+    two = tmp_path / "two.jsonl"
+    regenerate(None, convs, two, cfg, progress=False, rank=1, world_size=2, wait=False)
+    assert [g["id"] for g in lines(tmp_path / "two.part1-of-2.jsonl")] == ["c3", "c4", "c5", "c9"]
+    regenerate(None, convs, two, cfg, progress=False, rank=0, world_size=2)
+    assert two.read_bytes() == full.read_bytes() and not list(tmp_path.glob("two.part*"))
+
+
 def test_endpoint_retries_then_gives_one_clear_error(tmp_path, fake):
     flaky = fake(fail_first=2)  # two 503s, then answers: retried with backoff
     out = regenerate(
