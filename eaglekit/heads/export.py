@@ -1,35 +1,73 @@
-"""Write a head in the layouts serving engines load (../shared/formats/EAGLE3.md), and read them back.
+"""Write a head in the layouts serving engines load, and read them back (docs/exports.md).
 
-- ``sglang`` / ``vllm``: one layout both engines load — ``architectures: ["LlamaForCausalLMEagle3"]``,
-  ``midlayer.*`` keys, ``d2t``/``t2d``; every flag vLLM would otherwise default (``norm_before_residual``,
-  ``eagle_aux_hidden_state_layer_ids``, ``target_hidden_size``, ``draft_vocab_size``) is written.
-  SGLang's head has a single ``midlayer``, so these layouts need a 1-layer head.
-- ``speculators``: vllm-project/speculators' own format (``speculators_model_type: eagle3``,
-  ``layers.N.*`` keys, plus the target's ``embed_tokens.weight``).
-- ``eagle1``: SafeAILab/EAGLE v1 (``fc`` with bias, ``layers.N.*``, no input norm on layer 0).
+- ``vllm``: vLLM's EAGLE-3 layout — ``architectures: ["LlamaForCausalLMEagle3"]``, ``midlayer.*`` keys,
+  ``d2t``/``t2d``; tap ids (layer inputs) at the top level and in ``eagle_config``.
+- ``sglang``: the same weights; tap ids only in ``eagle_config``, in SGLang's meaning (layer outputs =
+  eaglekit's id - 1). SGLang has no ``norm_before_residual``, so such heads are refused.
+- ``speculators``: vllm-project/speculators' format (``layers.N.*`` keys, the target's
+  ``embed_tokens.weight``, the verifier's Hub id), read by speculators and by vLLM.
+- ``eagle1``: SafeAILab/EAGLE's EAGLE-1 draft (``fc`` with bias, ``layers.N.*``, no input norm on
+  layer 0, the target's ``embed_tokens.weight``).
 
-SGLang silently skips weight names it does not know, so every export is checked against the exact
-expected key set, shapes and dtypes (from the config alone, not from the module) before and after
-writing; anything else is refused. Each export's config also carries an ``eaglekit`` block (the
-HeadConfig) so ``load_head`` can check the target when the folder is loaded back.
+Where each engine reads what is data in ``heads.engines``; the config writer and the checks below
+follow it. Engines skip weight names they do not know, so every export is checked against the exact
+expected key set, shapes and dtypes (from the config alone) before and after writing, and refused if
+any weight is non-finite. Each config also carries an ``eaglekit`` block (the HeadConfig) so
+``load_head`` can check the target when the folder is loaded back.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from eaglekit.heads.config import EAGLE1, EAGLE3, HeadConfig, target_rope
-from eaglekit.heads.io import CONFIG, WEIGHTS, check_target, read_config, write_json, write_safetensors
+from eaglekit.heads.engines import (
+    ENGINES,
+    LAYOUT_ENGINES,
+    TAP_KEY,
+    get_path,
+    read_flag,
+    read_tap_count,
+    read_taps,
+    set_path,
+)
+from eaglekit.heads.io import (
+    CONFIG,
+    WEIGHTS,
+    check_finite,
+    check_target,
+    read_config,
+    write_json,
+    write_safetensors,
+)
+from eaglekit.heads.verifier import resolve_verifier
 
 LAYOUTS = ("sglang", "vllm", "speculators", "eagle1")
 ENGINE_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-SPECULATORS_VERSION = "0.1.0"
+SPECULATORS_VERSION = "0.9.0"  # the speculators release these configs were checked against
+EXPORT_BLOCK = "eaglekit_export"  # {"layout", "verifier", "engines"}: what eaglekit wrote, for reading back
 
 
 class ExportError(ValueError):
     """An export (or a folder read as one) whose keys, shapes or config do not match its layout."""
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ExportError(msg)
+
+
+def _engines(layout: str):
+    if layout not in LAYOUT_ENGINES:
+        raise ExportError(f"unknown export layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    return [ENGINES[n] for n in LAYOUT_ENGINES[layout]]
+
+
+def _full_vocab(cfg: HeadConfig) -> bool:
+    return cfg.draft_vocab_size == cfg.target_vocab_size
 
 
 # ---- the golden key lists ------------------------------------------------------------------------
@@ -53,9 +91,10 @@ def _layer_keys(cfg: HeadConfig, prefix: str, first_eagle3: bool, input_norm: bo
 def expected_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int], str]]:
     """{name: (shape, dtype kind)} with kind "float", "int64" or "bool" — exactly what ``layout`` holds."""
     H, V, Vd = cfg.hidden_size, cfg.target_vocab_size, cfg.draft_vocab_size
+    _engines(layout)
     if layout == "eagle1":
         _need(cfg.kind == EAGLE1, "the eagle1 layout holds EAGLE-1 heads; use sglang/vllm/speculators for EAGLE-3")
-        keys = {"fc.weight": [H, 2 * H], "fc.bias": [H]}
+        keys = {"fc.weight": [H, 2 * H], "fc.bias": [H], "embed_tokens.weight": [V, H]}
         for i in range(cfg.num_layers):
             keys.update(_layer_keys(cfg, f"layers.{i}.", False, input_norm=i > 0))
         return {k: (s, "float") for k, s in keys.items()}
@@ -64,23 +103,17 @@ def expected_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int],
         _need(cfg.num_layers == 1, f"the {layout} layout has a single midlayer; this head has {cfg.num_layers} "
               "layers (export it with --to speculators)")
         names = ["midlayer."]
-    elif layout == "speculators":
-        names = [f"layers.{i}." for i in range(cfg.num_layers)]
     else:
-        raise ExportError(f"unknown export layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+        names = [f"layers.{i}." for i in range(cfg.num_layers)]
     keys = {"fc.weight": [H, len(cfg.aux_layer_ids) * H], "norm.weight": [H], "lm_head.weight": [Vd, H]}
     for i, prefix in enumerate(names):
         keys.update(_layer_keys(cfg, prefix, first_eagle3=i == 0, input_norm=True))
     if layout == "speculators":
         keys["embed_tokens.weight"] = [V, H]
     out = {k: (s, "float") for k, s in keys.items()}
-    out.update({"d2t": ([Vd], "int64"), "t2d": ([V], "bool")})
+    if not _full_vocab(cfg):  # vLLM has no draft_id_to_target_id (and rejects d2t) when Vd == V
+        out.update({"d2t": ([Vd], "int64"), "t2d": ([V], "bool")})
     return out
-
-
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ExportError(msg)
 
 
 def _kind(t) -> str:
@@ -101,6 +134,38 @@ def check_weights(layout: str, cfg: HeadConfig, shapes: dict[str, tuple[list[int
                           f"wrong {wrong}")
 
 
+# ---- what the engines can hold ----------------------------------------------------------------------
+def engine_head_config(cfg: HeadConfig, layout: str) -> tuple[HeadConfig, list[int]]:
+    """(the HeadConfig as written, the column-block order of ``fc``) for ``layout``'s engines.
+
+    vLLM and SGLang capture each tapped layer once, in layer order, whatever order the ids are given
+    in: taps are written sorted and ``fc``'s column blocks permuted to match (the same function);
+    a repeated tap cannot be captured twice and is refused. Flags an engine does not implement are
+    refused too.
+    """
+    order = list(range(len(cfg.aux_layer_ids)))
+    for engine in _engines(layout):
+        for flag, only in engine.fixed.items():
+            value = getattr(cfg, flag)
+            _need(value == only, f"the {layout} layout cannot hold this head: {engine.version} does not read "
+                  f"{flag} (it always runs {flag}={only}) and this head was trained with {flag}={value}; "
+                  "export it with --to vllm or --to speculators")
+        if cfg.kind != EAGLE3 or not engine.taps_sorted_unique:
+            continue
+        taps = cfg.aux_layer_ids
+        dup = sorted({t for t in taps if taps.count(t) > 1})
+        _need(not dup, f"the {layout} layout cannot hold this head: its taps {taps} repeat layer(s) {dup}, and "
+              f"{engine.version} captures each layer once")
+        order = sorted(order, key=lambda i: taps[i])
+    if order != sorted(order):
+        cfg = dataclasses.replace(cfg, aux_layer_ids=[cfg.aux_layer_ids[i] for i in order])
+    return cfg, order
+
+
+def check_finite_head(head, where: str) -> None:
+    check_finite(dict(head.state_dict()), where)
+
+
 # ---- native <-> layout key names ----------------------------------------------------------------
 def _rename(name: str, layout: str, to_layout: bool) -> str:
     if layout in ("sglang", "vllm"):
@@ -109,10 +174,16 @@ def _rename(name: str, layout: str, to_layout: bool) -> str:
     return name  # speculators and eagle1 use eaglekit's own names
 
 
-def layout_state(head, layout: str, dtype=None) -> dict[str, torch.Tensor]:
+def layout_state(head, layout: str, dtype=None, order=None) -> dict[str, torch.Tensor]:
     state = {_rename(k, layout, True): v for k, v in head.state_dict().items()}
-    if layout == "speculators":
+    if order is not None and order != sorted(order):  # fc column blocks in the engines' tap order
+        H = head.config.hidden_size
+        state["fc.weight"] = torch.cat([state["fc.weight"][:, i * H:(i + 1) * H] for i in order], dim=1)
+    if layout in ("speculators", "eagle1"):
         state["embed_tokens.weight"] = head._target_module("embed_tokens").weight
+    if head.config.kind == EAGLE3 and _full_vocab(head.config):
+        _need(not bool(state["d2t"].any()), "a full-vocabulary head must map draft id i to target id i (d2t = 0)")
+        state.pop("d2t"), state.pop("t2d")
     return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu()
             for k, v in state.items()}
 
@@ -132,46 +203,70 @@ def _llama_fields(cfg: HeadConfig, dtype: str) -> dict:
 
 def _eagle3_fields(cfg: HeadConfig) -> dict:
     return {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.hidden_size,
-            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
             "norm_before_residual": cfg.norm_before_residual}
 
 
-def export_config(cfg: HeadConfig, layout: str, dtype: str, verifier_architectures=None,
-                  speculative_tokens: int = 3) -> dict:
-    native = {"eaglekit": cfg.to_dict()}
-    if layout == "eagle1":
-        return {"architectures": ["LlamaForCausalLM"], **_llama_fields(cfg, dtype), **native}
+def _write_taps(config: dict, cfg: HeadConfig, layout: str) -> None:
+    """Tap ids wherever each of the layout's engines reads them, in that engine's meaning."""
+    for engine in _engines(layout):
+        ids = [t + engine.tap_offset for t in cfg.aux_layer_ids]
+        for path in engine.tap_ids_at + tuple(p for p in engine.tap_count_at if p.endswith(TAP_KEY)):
+            have = get_path(config, path)
+            if have is not None and have != ids:  # two engines of one layout disagree on a key
+                raise ExportError(f"{layout}: {path} would be {have} for one engine and {ids} for {engine.name}")
+            set_path(config, path, ids)
+            parent = path.rsplit(".", 1)[0] if "." in path else ""
+            if parent.endswith("eagle_config"):
+                set_path(config, f"{parent}.use_aux_hidden_state", True)
+
+
+def export_config(cfg: HeadConfig, layout: str, dtype: str, verifier: str | None = None,
+                  verifier_architectures=None, speculative_tokens: int = 3) -> dict:
+    native = {"eaglekit": cfg.to_dict(),
+              EXPORT_BLOCK: {"layout": layout, "verifier": verifier,
+                             "engines": [ENGINES[n].version for n in LAYOUT_ENGINES[layout]]}}
+    if layout == "eagle1":  # SafeAILab's EConfig reads `bias` for fc (default true)
+        return {"architectures": ["LlamaForCausalLM"], **_llama_fields(cfg, dtype), "bias": True, **native}
     if layout in ("sglang", "vllm"):
-        return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **_eagle3_fields(cfg),
-                **native}
-    return {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": cfg.target_name, "architectures": list(verifier_architectures or [])},
-        },
-        "transformer_layer_config": _llama_fields(cfg, dtype),
-        **_eagle3_fields(cfg), "torch_dtype": dtype, **native,
-    }
+        config = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **_eagle3_fields(cfg)}
+    else:
+        _need(bool(verifier), "the speculators layout names its verifier; none given")
+        config = {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
+            },
+            "transformer_layer_config": _llama_fields(cfg, dtype),
+            **_eagle3_fields(cfg), "torch_dtype": dtype,
+        }
+    _write_taps(config, cfg, layout)
+    return {**config, **native}
 
 
 # ---- export / validate / load back -----------------------------------------------------------------
 def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int = 3, overwrite: bool = False,
-                verifier_architectures=None) -> Path:
-    """Write ``head`` as ``layout`` into ``out_dir`` (config.json + model.safetensors), validated."""
-    if layout not in LAYOUTS:
-        raise ExportError(f"unknown export layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+                verifier_architectures=None, verifier: str | None = None) -> Path:
+    """Write ``head`` as ``layout`` into ``out_dir`` (config.json + model.safetensors), validated.
+
+    ``verifier``: the target's id written where engines read it (default: from the head's target
+    name, see heads.verifier); required by the speculators layout.
+    """
+    _engines(layout)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
-    cfg = head.config
-    state = layout_state(head, layout, dtype)
-    check_weights(layout, cfg, {k: (list(v.shape), _kind(v)) for k, v in state.items()}, where=f"export {layout}")
+    written, order = engine_head_config(head.config, layout)
+    verifier = resolve_verifier(verifier, head.config.target_name, required=layout == "speculators")
+    check_finite_head(head, where=f"export {layout}")
+    state = layout_state(head, layout, dtype, order)
+    check_finite(state, where=f"export {layout} ({dtype or head.dtype})")  # e.g. overflow in a cast to fp16
+    check_weights(layout, written, {k: (list(v.shape), _kind(v)) for k, v in state.items()}, where=f"export {layout}")
     dtype_name = str(dtype or head.dtype).removeprefix("torch.")
-    config = export_config(cfg, layout, dtype_name, verifier_architectures, speculative_tokens)
+    config = export_config(written, layout, dtype_name, verifier, verifier_architectures, speculative_tokens)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / WEIGHTS, state)
     write_json(out / CONFIG, config)
@@ -181,10 +276,13 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
 
 def detect_layout(config: dict, where: str = "config.json") -> str:
     archs = config.get("architectures") or []
+    written = (config.get(EXPORT_BLOCK) or {}).get("layout")
+    if written in LAYOUTS:
+        return written
     if config.get("speculators_model_type") == "eagle3" or "Eagle3Speculator" in archs:
         return "speculators"
-    if any(a in ENGINE_ARCHS for a in archs):
-        return "sglang"
+    if any(a in ENGINE_ARCHS for a in archs):  # tap ids only in eagle_config: SpecForge / SGLang's meaning
+        return "vllm" if config.get(TAP_KEY) else "sglang"
     if "LlamaForCausalLM" in archs and config.get("eaglekit", {}).get("kind", EAGLE1) == EAGLE1:
         return "eagle1"
     raise ExportError(f"{where}: not an eaglekit head nor a known export layout (architectures={archs})")
@@ -200,7 +298,8 @@ def head_config_of(config: dict, layout: str, target=None, where: str = "config.
     heads = llama["num_attention_heads"]
     kind = EAGLE1 if layout == "eagle1" else EAGLE3
     n_target = target.num_layers if target is not None else 0
-    aux = config.get("eagle_aux_hidden_state_layer_ids") or ([2, n_target // 2, n_target - 3] if n_target else [])
+    aux = None if kind == EAGLE1 else read_taps(config, _engines(layout)[0])
+    aux = aux or ([2, n_target // 2, n_target - 3] if n_target else [])
     return HeadConfig(
         kind=kind, num_layers=llama.get("num_hidden_layers", 1), hidden_size=llama["hidden_size"],
         target_vocab_size=llama["vocab_size"], draft_vocab_size=config.get("draft_vocab_size") or llama["vocab_size"],
@@ -218,6 +317,24 @@ class _Obj:
         self.__dict__.update(d)
 
 
+def check_engine_fields(config: dict, cfg: HeadConfig, layout: str, where) -> None:
+    """Each engine of ``layout`` reads back the head's taps, fc width and flags from ``config``."""
+    for engine in _engines(layout):
+        if cfg.kind == EAGLE3:
+            taps = read_taps(config, engine)
+            _need(taps == list(cfg.aux_layer_ids), f"{where}: {engine.name} would read taps {taps} "
+                  f"(layer inputs) but the head uses {cfg.aux_layer_ids}")
+            n = read_tap_count(config, engine)
+            _need(n == len(cfg.aux_layer_ids), f"{where}: {engine.name} would size fc for {n} taps, "
+                  f"the head has {len(cfg.aux_layer_ids)}")
+            _need("norm_before_residual" in config, f"{where}: missing explicit 'norm_before_residual'")
+        for flag in ("norm_before_residual",):
+            got = read_flag(config, engine, flag)
+            if got is not None and cfg.kind == EAGLE3:
+                _need(got == getattr(cfg, flag), f"{where}: {engine.name} would run {flag}={got}, the head "
+                      f"was trained with {getattr(cfg, flag)}")
+
+
 def validate_export(path, layout: str | None = None, target=None, optional=()) -> tuple[str, HeadConfig]:
     """Check a written export folder: its config and the exact key set/shapes/dtypes of its weights.
 
@@ -227,19 +344,20 @@ def validate_export(path, layout: str | None = None, target=None, optional=()) -
     path = Path(path)
     config = read_config(path)
     found = detect_layout(config, where=str(path / CONFIG))
-    if layout is not None and layout != found and not {layout, found} <= {"sglang", "vllm"}:
+    if layout is not None and layout != found and not ({layout, found} <= {"sglang", "vllm"}
+                                                       and EXPORT_BLOCK not in config):
         raise ExportError(f"{path}: expected a {layout} export, found a {found} layout")
-    layout = layout or found
+    layout = found
     cfg = head_config_of(config, layout, target, where=str(path / CONFIG))
-    if layout != "eagle1" and "eaglekit" in config:  # ours: every flag must be there and agree
-        for key, want in _eagle3_fields(cfg).items():
-            _need(key in config, f"{path / CONFIG}: missing explicit {key!r}")
-            _need(config[key] == want, f"{path / CONFIG}: {key}={config[key]!r} disagrees with the head ({want!r})")
+    if "eaglekit" in config:  # ours: every engine must read back what the head is
+        check_engine_fields(config, cfg, layout, path / CONFIG)
     f = path / WEIGHTS
     if not f.is_file():
         raise FileNotFoundError(f"{f}: missing weights")
     with safe_open(str(f), framework="pt") as st:
-        shapes = {k: (list(st.get_slice(k).get_shape()), _dtype_kind(st.get_slice(k).get_dtype())) for k in st.keys()}
+        shapes = {k: (list(st.get_slice(k).get_shape()), _dtype_kind(st.get_slice(k).get_dtype())) for k in st.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    if cfg.kind == EAGLE3 and _full_vocab(cfg):  # other trainers may save identity maps; ours omit them
+        optional = (*optional, "d2t", "t2d")
     check_weights(layout, cfg, shapes, where=str(f), optional=optional)
     return layout, cfg
 
@@ -256,16 +374,23 @@ def load_export(path, target, dtype=None, device=None):
     layout, cfg = validate_export(path, target=target, optional=("embed_tokens.weight",))
     check_target(cfg, target, where=str(path))
     state = {_rename(k, layout, False): v for k, v in _read_weights(path / WEIGHTS).items()}
-    state.pop("embed_tokens.weight", None)  # speculators (and some trainers) save the target's embedding
+    state.pop("embed_tokens.weight", None)  # speculators / eagle1 (and some trainers) save the target's embedding
+    if cfg.kind == EAGLE3 and ("d2t" in state) != ("t2d" in state):
+        raise ExportError(f"{path / WEIGHTS}: holds only one of d2t / t2d")
+    if cfg.kind == EAGLE3 and "d2t" not in state:  # a full-vocabulary head: identity maps
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.target_vocab_size, dtype=torch.bool)
     config = read_config(path)
     saved = config.get("transformer_layer_config", config)
     return _instantiate(cfg, state, target, dtype or _saved_dtype(saved, target), device, path / WEIGHTS)
 
 
-def export_to(src, dst, layout: str, target, dtype=None, overwrite: bool = False, **kw) -> Path:
+def export_to(src, dst, layout: str, target, dtype=None, overwrite: bool = False, verifier: str | None = None,
+              **kw) -> Path:
     """Load the head in ``src`` (checked against ``target``) and export it to ``dst``."""
     from eaglekit.heads.io import load_head
 
     head = load_head(src, target)
     archs = list(getattr(target.config, "architectures", None) or [])
-    return export_head(head, dst, layout, dtype=dtype, overwrite=overwrite, verifier_architectures=archs, **kw)
+    return export_head(head, dst, layout, dtype=dtype, overwrite=overwrite, verifier_architectures=archs,
+                       verifier=verifier, **kw)

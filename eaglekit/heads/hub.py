@@ -1,7 +1,9 @@
 """Share a head on the Hugging Face Hub: stage a layout + model card, then create_repo + upload_folder.
 
-The token is handed to huggingface_hub only (argument, ``HF_TOKEN`` or its saved login); nothing here
-prints or logs it. ``HF_ENDPOINT`` is read at call time, so a local mirror (or a test server) works.
+Nothing goes over the network until the head is read back from the staged files, its weights are
+finite and it matches its target (fingerprint), and a token is known. The token is handed to
+huggingface_hub only (argument, ``HF_TOKEN`` or its saved login); nothing here prints or logs it.
+``HF_ENDPOINT`` is read at call time, so a local mirror (or a test server) works.
 """
 from __future__ import annotations
 
@@ -15,21 +17,22 @@ from pathlib import Path
 import yaml
 
 from eaglekit.heads.config import EAGLE1, HeadConfig
+from eaglekit.heads.verifier import default_verifier, resolve_verifier
 
 log = logging.getLogger(__name__)
 
-# eaglekit's embedded targets are GGUF conversions of these Hub models
-KNOWN_BASE_MODELS = {
-    "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "qwen2.5-coder-0.5b-instruct": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
-    "qwen2.5-coder-1.5b-instruct": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
-}
 RESULTS_FILE = "results.json"  # optional, beside the head: {"tau", "speedup", "benchmark", "device", ...}
 LAYOUT_CHOICES = ("native", "sglang", "vllm", "speculators", "eagle1")
+NO_TOKEN = "no Hugging Face token: set HF_TOKEN or run `hf auth login`"
+
+
+class PushError(RuntimeError):
+    """A push that cannot start (no token) or whose connection to the Hub failed."""
 
 
 def base_model_of(config: HeadConfig) -> str:
-    return KNOWN_BASE_MODELS.get(config.target_name, config.target_name)
+    """The head's target as a model card names it: its Hub id where one is known."""
+    return default_verifier(config.target_name) or config.target_name
 
 
 def read_results(head_dir) -> dict:
@@ -90,24 +93,7 @@ def model_card(config: HeadConfig, repo_id: str, layout: str, base_model: str | 
     vocab = (f"draft vocabulary {config.draft_vocab_size} of {config.target_vocab_size} target tokens, "
              f"taps (layer inputs) {config.aux_layer_ids}" if config.kind != EAGLE1
              else "predicts the target's next last-layer feature; uses the target's lm_head")
-    engines = (f"""### vLLM
-
-```bash
-vllm serve {base} --speculative-config '{{"method": "{method}", "model": "{repo_id}", "num_speculative_tokens": 3}}'
-```
-
-### SGLang
-
-```bash
-python -m sglang.launch_server --model {base} --speculative-algorithm {algo} \\
-  --speculative-draft-model-path {repo_id} --speculative-num-steps 3 \\
-  --speculative-eagle-topk 4 --speculative-num-draft-tokens 16
-```
-""" if layout != "native" else f"""### vLLM / SGLang
-
-This upload is eaglekit's native layout. Export it for the engines first:
-`eaglekit export --head {repo_id} --out exported --to sglang` (or `--to speculators` / `--to eagle1`).
-""")
+    engines = _serving_section(layout, repo_id, base, method, algo)
     body = f"""# {name} draft head for {base}
 
 A speculative-decoding draft head trained with [eaglekit](https://github.com/) for `{base}`
@@ -137,11 +123,58 @@ out = decode.generate(target, head, input_ids, max_new_tokens=256, temperature=0
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + body
 
 
+def _serving_section(layout: str, repo_id: str, base: str, method: str, algo: str) -> str:
+    """How to serve the uploaded layout, for the engines that read it (docs/exports.md)."""
+    vllm = f"""### vLLM
+
+```bash
+vllm serve {base} --speculative-config '{{"method": "{method}", "model": "{repo_id}", "num_speculative_tokens": 3}}'
+```
+"""
+    sglang = f"""### SGLang
+
+```bash
+python -m sglang.launch_server --model {base} --speculative-algorithm {algo} \\
+  --speculative-draft-model-path {repo_id} --speculative-num-steps 3 \\
+  --speculative-eagle-topk 4 --speculative-num-draft-tokens 16
+```
+"""
+    if layout == "vllm":
+        return vllm
+    if layout == "sglang":
+        return sglang
+    if layout == "speculators":
+        return vllm + f"""
+The config names the verifier (`{base}`), so `vllm serve {repo_id}` also works.
+
+### speculators
+
+```python
+from speculators.models.eagle3 import Eagle3DraftModel
+draft = Eagle3DraftModel.from_pretrained("{repo_id}")
+```
+"""
+    if layout == "eagle1":
+        return f"""### SafeAILab/EAGLE
+
+```python
+from eagle.model.ea_model import EaModel
+model = EaModel.from_pretrained(base_model_path="{base}", ea_model_path="{repo_id}", use_eagle3=False)
+```
+"""
+    return f"""### vLLM / SGLang
+
+This upload is eaglekit's native layout. Export it for an engine first:
+`eaglekit export --head {repo_id} --out exported --to vllm` (or `--to sglang` / `--to speculators` / `--to eagle1`).
+"""
+
+
 def stage(head_or_dir, out_dir, layout: str = "native", target=None, repo_id: str = "user/head",
-          datasets=(), base_model: str | None = None) -> list[str]:
-    """Write the files to upload into ``out_dir`` (layout + README.md); returns their names."""
-    from eaglekit.heads.export import export_head
-    from eaglekit.heads.io import CONFIG, WEIGHTS, load_head, native_config, read_config
+          datasets=(), base_model: str | None = None, verifier: str | None = None) -> list[str]:
+    """Write the files to upload into ``out_dir`` (layout + README.md), read back and checked; returns
+    their names. A folder is checked against ``target`` (default: the target its config names)."""
+    from eaglekit.heads.export import check_finite_head, export_head
+    from eaglekit.heads.io import CONFIG, WEIGHTS, load_head
 
     if layout not in LAYOUT_CHOICES:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
@@ -149,41 +182,93 @@ def stage(head_or_dir, out_dir, layout: str = "native", target=None, repo_id: st
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(head_or_dir, (str, Path)):
         src = Path(head_or_dir)
-        if layout == "native":
-            config = native_config(read_config(src), where=str(src / CONFIG))
+        target = target if target is not None else _target_of(src)
+        if layout == "native":  # the bytes uploaded are the bytes checked: copy first, then load the copy
             for name in (CONFIG, WEIGHTS):
                 shutil.copyfile(src / name, out / name)
+            config = _load_staged(out, src, target).config
         else:
-            if target is None:
-                raise ValueError(f"exporting {src} as {layout} needs the target (to check and bind the head)")
             head = load_head(src, target)
             config = head.config
-            archs = list(getattr(target.config, "architectures", None) or [])
-            export_head(head, out, layout, verifier_architectures=archs, overwrite=True)
     else:
         head, config = head_or_dir, head_or_dir.config
-        head.save_pretrained(out) if layout == "native" else export_head(head, out, layout, overwrite=True)
-    card = model_card(config, repo_id, layout, base_model, datasets, read_results(src))
+        check_finite_head(head, where="push")
+        if layout == "native":
+            head.save_pretrained(out)
+    base = resolve_verifier(verifier or base_model, config.target_name, hub_only=True)
+    if layout != "native":
+        archs = list(getattr(getattr(target, "config", None), "architectures", None) or [])
+        export_head(head, out, layout, verifier_architectures=archs, overwrite=True, verifier=base)
+    card = model_card(config, repo_id, layout, base, datasets, read_results(src))
     (out / "README.md").write_text(card)
     return sorted(p.name for p in out.iterdir())
 
 
+def _load_staged(staged: Path, src: Path, target):
+    """load_head on the staged copy; its errors name the user's folder, not the temporary one."""
+    from eaglekit.heads.io import load_head
+
+    try:
+        return load_head(staged, target)
+    except (ValueError, OSError) as e:
+        try:
+            renamed = type(e)(str(e).replace(str(staged), str(src)))
+        except TypeError:  # an exception class that takes other arguments: keep the original
+            raise e from None
+        raise renamed from e
+
+
+def _target_of(head_dir: Path):
+    from eaglekit.heads.export_cli import load_target_for
+
+    return load_target_for(str(head_dir), "")
+
+
+def hub_token(token: str | None = None) -> str:
+    """The token to upload with: the argument, else HF_TOKEN / the saved `hf auth login`."""
+    from huggingface_hub import get_token
+
+    token = token or get_token()
+    if not token:
+        raise PushError(NO_TOKEN)
+    return token
+
+
+def _is_connection_error(e: BaseException) -> bool:
+    names = {c.__name__ for c in type(e).__mro__}  # httpx / requests, whichever huggingface_hub uses
+    return isinstance(e, ConnectionError) or bool(names & {"ConnectError", "ConnectionError", "ConnectTimeout",
+                                                           "NetworkError", "TransportError"})
+
+
 def push_to_hub(head_or_dir, repo_id: str, private: bool = False, token: str | None = None, layout: str = "native",
                 target=None, datasets=(), base_model: str | None = None, dry_run: bool = False,
-                commit_message: str = "Upload EAGLE draft head (eaglekit)", endpoint: str | None = None) -> dict:
+                commit_message: str = "Upload EAGLE draft head (eaglekit)", endpoint: str | None = None,
+                verifier: str | None = None) -> dict:
     """Upload a head (module or saved folder) with its model card; ``dry_run`` only stages it.
 
-    Returns ``{"repo_id", "files", "card", "url"}`` (url is None in a dry run).
+    Before any request: a token is known, the staged files are read back (finite weights, the head
+    matches its target) and the verifier is a Hub id. Returns ``{"repo_id", "files", "card", "url"}``
+    (url is None in a dry run).
     """
+    if not dry_run:
+        token = hub_token(token)
     with tempfile.TemporaryDirectory(prefix="eaglekit-push-") as tmp:
-        files = stage(head_or_dir, tmp, layout, target, repo_id, datasets, base_model)
+        files = stage(head_or_dir, tmp, layout, target, repo_id, datasets, base_model, verifier)
         card = (Path(tmp) / "README.md").read_text()
         if dry_run:
             return {"repo_id": repo_id, "files": files, "card": card, "url": None}
-        from huggingface_hub import HfApi
+        from huggingface_hub import HfApi, constants
 
-        api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None)
-        repo = api.create_repo(repo_id, private=private, exist_ok=True, token=token)
-        log.info("uploading %d files to %s", len(files), repo_id)
-        commit = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message, token=token)
+        url = endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+        api = HfApi(endpoint=url)
+        try:
+            repo = api.create_repo(repo_id, private=private, exist_ok=True, token=token)
+            log.info("uploading %d files to %s", len(files), repo_id)
+            commit = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message,
+                                       token=token)
+        except Exception as e:
+            if _is_connection_error(e):
+                raise PushError(f"cannot reach the Hugging Face Hub at {url}: {e} (set HF_ENDPOINT for a "
+                                "mirror)") from e
+            raise
         return {"repo_id": repo_id, "files": files, "card": card, "url": str(getattr(commit, "commit_url", repo))}

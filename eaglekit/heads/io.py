@@ -107,13 +107,24 @@ def _saved_dtype(data: dict, target):
     return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else target.dtype
 
 
+def check_finite(tensors: dict, where) -> None:
+    """Refuse NaN/Inf in any floating tensor, naming the first bad one (a corrupt or diverged head)."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"{where}: tensor {name!r} holds {bad} non-finite value(s) (NaN/Inf) — "
+                             "refusing a corrupt or diverged head")
+
+
 def _read_weights(f: Path) -> dict:
     if not f.is_file():
         raise FileNotFoundError(f"{f}: missing head weights")
     try:
-        return load_file(str(f))
+        state = load_file(str(f))
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise ValueError(f"{f}: cannot read the head weights ({e})") from e
+    check_finite(state, f)
+    return state
 
 
 def _instantiate(config: HeadConfig, state: dict, target, dtype, device, where):

@@ -13,8 +13,9 @@ class PushOptions:
     layout: str = "native"  # native | sglang | vllm | speculators | eagle1
     private: bool = False
     datasets: list[str] = field(default_factory=list)  # Hub ids of the training data (model card)
-    base_model: str = ""  # default: the Hub id of the head's target
-    target: str = ""  # needed for non-native layouts (default: the head's own target)
+    base_model: str = ""  # same as verifier (kept for older configs)
+    verifier: str = ""  # the target's Hub id (model card base_model, speculators verifier); default: derived
+    target: str = ""  # the head is checked against it before upload (default: the head's own target)
     dry_run: bool = False
 
 
@@ -24,21 +25,24 @@ def add_arguments(p) -> None:
     p.add_argument("--layout", choices=["native", "sglang", "vllm", "speculators", "eagle1"])
     p.add_argument("--private", action="store_true", default=None)
     p.add_argument("--dataset", dest="datasets", action="append", help="training data Hub id (repeatable)")
-    p.add_argument("--base-model", dest="base_model")
+    p.add_argument("--verifier", help="the target's Hub id, ORG/NAME (default: the embedded target's id)")
+    p.add_argument("--base-model", dest="base_model", help="same as --verifier")
     p.add_argument("--target")
     p.add_argument("--dry-run", dest="dry_run", action="store_true", default=None,
                    help="print the file list and model card; upload nothing")
 
 
 def run(args) -> int:
-    from eaglekit.heads.hub import push_to_hub
+    from eaglekit.heads.hub import hub_token, push_to_hub
 
     opts = options(args, PushOptions)
     if not opts.head or not opts.repo_id:
         raise SystemExit("eaglekit push: --head and --repo-id are required")
-    target = load_target_for(opts.head, opts.target) if opts.layout != "native" else None
+    token = None if opts.dry_run else hub_token()  # before loading anything
+    target = load_target_for(opts.head, opts.target)  # every layout: the head is checked against it
     res = push_to_hub(opts.head, opts.repo_id, private=opts.private, layout=opts.layout, target=target,
-                      datasets=opts.datasets, base_model=opts.base_model or None, dry_run=opts.dry_run)
+                      token=token, datasets=opts.datasets, verifier=opts.verifier or opts.base_model or None,
+                      dry_run=opts.dry_run)
     print(("would upload" if opts.dry_run else "uploaded") + f" to {res['repo_id']}: " + ", ".join(res["files"]))
     if opts.dry_run:
         print(res["card"])

@@ -33,7 +33,7 @@ GOLDEN = {
                          **layer("layers.1.", H), "norm.weight": [H], "lm_head.weight": [VD, H], "d2t": [VD],
                          "t2d": [V], "embed_tokens.weight": [V, H]},
     ("eagle1", 2): {"fc.weight": [H, 2 * H], "fc.bias": [H], **layer("layers.0.", H, input_norm=False),
-                    **layer("layers.1.", H)},
+                    **layer("layers.1.", H), "embed_tokens.weight": [V, H]},
 }
 GOLDEN[("vllm", 1)] = GOLDEN[("sglang", 1)]
 GOLDEN[("speculators", 1)] = {k: v for k, v in GOLDEN[("speculators", 2)].items() if not k.startswith("layers.1.")}
@@ -43,7 +43,7 @@ CASES = [("sglang", 1), ("vllm", 1), ("speculators", 1), ("speculators", 2), ("e
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target(layers=6, hidden=H, vocab_size=V)
+    return tiny_target(layers=8, hidden=H, vocab_size=V)  # default taps [2, 4, 5]
 
 
 def make(target, kind, layers, seed=0):
@@ -71,7 +71,7 @@ def logits(target, head, ids):
 def test_heads_export_golden_keys_and_identical_reload(target, tmp_path, layout, layers):
     kind = "eagle1" if layout == "eagle1" else "eagle3"
     head = make(target, kind, layers)
-    out = export_head(head, tmp_path / layout, layout)
+    out = export_head(head, tmp_path / layout, layout, verifier="me/tiny-target")
     weights = load_file(str(out / "model.safetensors"))
     assert {k: list(v.shape) for k, v in weights.items()} == GOLDEN[(layout, layers)]
     cfg = json.loads((out / "config.json").read_text())
@@ -80,16 +80,20 @@ def test_heads_export_golden_keys_and_identical_reload(target, tmp_path, layout,
         fields = cfg.get("transformer_layer_config", cfg)
         assert fields["num_hidden_layers"] == layers and fields["vocab_size"] == V and fields["hidden_size"] == H
         assert cfg["draft_vocab_size"] == VD and cfg["target_hidden_size"] == H
-        assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3] and cfg["norm_before_residual"] is False
+        assert cfg["norm_before_residual"] is False
+        assert cfg["eaglekit_export"]["layout"] == layout
         if layout == "speculators":
             assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
             assert cfg["speculators_config"]["algorithm"] == "eagle3"
+            assert cfg["speculators_config"]["verifier"]["name_or_path"] == "me/tiny-target"
             assert torch.equal(weights["embed_tokens.weight"], target.embed_tokens.weight)
         else:
             assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
             assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2 and cfg["head_dim"] == 8
     else:
         assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == layers
+        assert cfg["bias"] is True  # SafeAILab's fc bias switch
+        assert torch.equal(weights["embed_tokens.weight"], target.embed_tokens.weight)  # a strict loader needs it
     back = load_head(out, target)
     ids = torch.randint(0, V, (1, 6))
     assert torch.equal(logits(target, head, ids), logits(target, back, ids))
@@ -133,9 +137,9 @@ def test_heads_validate_export_refuses_tampering(target, tmp_path):
 
 
 def test_heads_export_reload_refuses_other_target(target, tmp_path):
-    out = export_head(make(target, "eagle3", 1), tmp_path / "x", "speculators")
+    out = export_head(make(target, "eagle3", 1), tmp_path / "x", "speculators", verifier="me/tiny")
     with pytest.raises(ValueError, match="layer count"):
-        load_head(out, tiny_target(layers=8, hidden=H, vocab_size=V))
+        load_head(out, tiny_target(layers=10, hidden=H, vocab_size=V))
 
 
 def test_heads_export_foreign_engine_config_loads(target, tmp_path):
@@ -143,23 +147,24 @@ def test_heads_export_foreign_engine_config_loads(target, tmp_path):
     head = make(target, "eagle3", 1)
     out = export_head(head, tmp_path / "x", "vllm")
     cfg = json.loads((out / "config.json").read_text())
-    for key in ("eaglekit", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual"):
+    for key in ("eaglekit", "eaglekit_export", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+                "eagle_config", "norm_before_residual"):
         del cfg[key]  # SafeAILab's EAGLE-3 configs have none of these (engines default them)
     (out / "config.json").write_text(json.dumps(cfg))
     w = load_file(str(out / "model.safetensors"))
     save_file({**w, "embed_tokens.weight": target.embed_tokens.weight.detach().clone()},
               str(out / "model.safetensors"))  # SpecForge exports may carry the embedding
     back = load_head(out, target)
-    assert back.config.aux_layer_ids == [2, 3, 3] and back.config.norm_before_residual is False
+    assert back.config.aux_layer_ids == [2, 4, 5] and back.config.norm_before_residual is False
     ids = torch.randint(0, V, (1, 5))
     assert torch.equal(logits(target, head, ids), logits(target, back, ids))
 
 
-def test_heads_export_cli_bf16(tmp_path):
+def test_heads_export_cli_bf16(tmp_path, capsys):
     from eaglekit.cli import main
     from eaglekit.target import load_target
 
-    tdir = save_tiny(tmp_path / "target", layers=6, hidden=H, vocab_size=V)
+    tdir = save_tiny(tmp_path / "target", layers=8, hidden=H, vocab_size=V)
     target = load_target(tdir)
     head = make(target, "eagle3", 1)
     head.save_pretrained(tmp_path / "head")
@@ -172,5 +177,6 @@ def test_heads_export_cli_bf16(tmp_path):
     back = load_head(tmp_path / "out", target)
     assert back.dtype == torch.bfloat16
     torch.testing.assert_close(back.fc.weight, head.fc.weight.to(torch.bfloat16), atol=0, rtol=0)
-    with pytest.raises(FileExistsError):  # target taken from the head's config this time
-        main(["export", "--head", str(tmp_path / "head"), "--out", str(tmp_path / "out"), "--to", "sglang"])
+    # target taken from the head's config this time; the CLI prints one error line and returns 2
+    assert main(["export", "--head", str(tmp_path / "head"), "--out", str(tmp_path / "out"), "--to", "sglang"]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err

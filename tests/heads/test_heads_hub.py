@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 import yaml
-from helpers import tiny_target
+from helpers import save_tiny, tiny_target
 
 from eaglekit.heads import HeadConfig, build_head, model_card, push_to_hub
 
@@ -102,12 +102,16 @@ def test_heads_model_card_yaml(saved_head):
     finally:
         (d / "results.json").unlink()
     meta, body = front_matter(card)
-    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the asset's Hub id, not its alias
     assert meta["library_name"] == "eaglekit" and "eagle3" in meta["tags"] and "speculative-decoding" in meta["tags"]
     assert meta["datasets"] == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
     assert meta["acceptance_length"] == 2.75 and meta["speedup"] == 1.9
-    assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct" in body and '"method": "eagle3"' in body
+    # an sglang upload shows SGLang's command only (vLLM would read its eagle_config taps as layer inputs)
     assert "--speculative-algorithm EAGLE3" in body and 'load_head("me/smol-eagle3", target)' in body
+    assert "vllm serve" not in body and "--speculative-draft-model-path me/smol-eagle3" in body
+    _, vbody = front_matter(model_card(head.config, "me/v", "vllm"))
+    assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct" in vbody and '"method": "eagle3"' in vbody
+    assert "sglang" not in vbody
     meta2, body2 = front_matter(model_card(head.config, "me/x", "native"))
     assert "acceptance_length" not in meta2 and "Not measured" in body2
     meta3, body3 = front_matter(model_card(head.config, "me/x", "native", results={"eval_tau_sim": 2.345678}))
@@ -115,9 +119,9 @@ def test_heads_model_card_yaml(saved_head):
 
 
 def test_heads_push_uploads_files_and_hides_token(fake_hub, saved_head, capsys, caplog):
-    _, _, d = saved_head
     caplog.set_level(logging.DEBUG)
-    res = push_to_hub(d, "me/smol-eagle3", private=True, token=SECRET, datasets=["me/data"])
+    target, _, d = saved_head
+    res = push_to_hub(d, "me/smol-eagle3", private=True, token=SECRET, datasets=["me/data"], target=target)
     assert sorted(fake_hub.files) == ["README.md", "config.json", "model.safetensors"] == res["files"]
     assert fake_hub.files["model.safetensors"] == (d / "model.safetensors").read_bytes()
     assert fake_hub.files["config.json"] == (d / "config.json").read_bytes()
@@ -133,16 +137,18 @@ def test_heads_push_uploads_files_and_hides_token(fake_hub, saved_head, capsys, 
     assert SECRET not in caplog.text and SECRET not in json.dumps(res)
 
 
-def test_heads_push_cli_dry_run_and_upload(fake_hub, saved_head, capsys, monkeypatch):
+def test_heads_push_cli_dry_run_and_upload(fake_hub, saved_head, capsys, monkeypatch, tmp_path):
     from eaglekit.cli import main
 
     _, _, d = saved_head
     monkeypatch.setenv("HF_TOKEN", SECRET)
-    assert main(["push", "--head", str(d), "--repo-id", "me/h", "--dry-run"]) == 0
+    tdir = save_tiny(tmp_path / "target", layers=6, hidden=32, vocab_size=64)
+    # without --target the head's own target (the real SmolLM2) is loaded and the head refused for it
+    assert main(["push", "--head", str(d), "--repo-id", "me/h", "--dry-run", "--target", str(tdir)]) == 0
     out = capsys.readouterr().out
     assert "README.md, config.json, model.safetensors" in out and "base_model:" in out
     assert fake_hub.requests == []  # a dry run touches nothing
-    assert main(["push", "--head", str(d), "--repo-id", "me/h", "--private"]) == 0
+    assert main(["push", "--head", str(d), "--repo-id", "me/h", "--private", "--target", str(tdir)]) == 0
     out = capsys.readouterr()
     assert sorted(fake_hub.files) == ["README.md", "config.json", "model.safetensors"]
     assert fake_hub.created[0]["visibility"] == "private"
