@@ -20,10 +20,10 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import yaml
-from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, create_model
+from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 
 C = TypeVar("C")
 
@@ -86,6 +86,8 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
 
 
 def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found" if not path.exists() else f"{path}: not a file")
     try:
         loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
@@ -224,6 +226,10 @@ def _range(meta) -> str:
               if hasattr(m, k)}
     if "min_length" in bounds and bounds["min_length"] == bounds.get("max_length"):
         return f" of length {bounds['min_length']}"
+    sizes = [f"{word} {bounds[k]} item{'' if bounds[k] == 1 else 's'}"
+             for k, word in (("min_length", "at least"), ("max_length", "at most")) if k in bounds]
+    if sizes:
+        return f" ({', '.join(sizes)})"
     low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}" if "gt" in bounds else None
     high = f"{bounds['le']}]" if "le" in bounds else f"{bounds['lt']})" if "lt" in bounds else None
     if low and high:
@@ -249,6 +255,8 @@ def describe(hint) -> str:
     if origin is Annotated:
         meta = [m for info in hint.__metadata__ for m in getattr(info, "metadata", [info])]
         return describe(args[0]) + _range(meta)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
     if _is_union(hint):
         names = [describe(a) for a in args if a is not type(None)]
         text = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
@@ -257,6 +265,19 @@ def describe(hint) -> str:
         return "a list" + (f" of {_plural(describe(args[0]))}" if args and args[0] is not Any else "")
     names = {bool: "true or false", int: "an int", float: "a float", str: "a string", dict: "a mapping"}
     return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def check_fields(cfg, types: dict[str, Any], where: str = "config") -> None:
+    """Check fields of a loaded config against stricter ``types`` (``{"prompts": PosInt}``), for a caller
+    that adds ranges to a dataclass it does not own; ConfigError naming the key as load_config does."""
+    for key, hint in types.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        try:
+            TypeAdapter(_field_type(hint), config=ConfigDict(allow_inf_nan=False)).validate_python(value)
+        except ValidationError:
+            raise ConfigError(f"{where}: {key} must be {describe(hint)}, got {value!r}") from None
 
 
 def to_dict(cfg) -> dict:

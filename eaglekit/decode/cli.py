@@ -3,16 +3,26 @@
     eaglekit generate target=smollm2-135m-instruct head=runs/smollm2-eagle3/final
     eaglekit generate target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct gamma=5 \
         prompt="Write quicksort in Python" temperature=0.7
-Without ``prompt=`` it reads user turns from stdin (an empty line or EOF ends the chat).
+Without ``prompt=`` it reads user turns from stdin (an empty line or EOF ends the chat); an empty
+``prompt=`` is refused (it is a mistake, not a request for a chat).
+
+``eaglekit bench`` (``eaglekit.decode.bench``) runs behind ``bench``, below: its values are checked here,
+before any model loads.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field
 
-from eaglekit.config import NonNegFloat, NonNegInt, PosFraction, PosInt, load_config
+from eaglekit.config import NonNegFloat, NonNegInt, PosFraction, PosInt, check_fields, load_config
+
+DTYPES = Literal["float32", "bfloat16", "float16"]
+CPU_LINEAR = Literal["packed", "aten"]
 
 
 @dataclass
@@ -34,9 +44,9 @@ class GenerateConfig:
     # after a 1-gram match, 5 after a 2-gram, 10 after a 3-gram (lookup.BY_MATCH, the measured best);
     # "auto": 2,5,10 with a head or draft_tree= (it paid in every measured case), off otherwise; 0: off
     prompt_lookup: int | list | str = "auto"
-    dtype: str = "float32"
+    dtype: DTYPES = "float32"
     device: str = "cpu"
-    cpu_linear: str = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
+    cpu_linear: CPU_LINEAR = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
 
 
 def use_cpu_linear(choice: str, *models) -> int:
@@ -99,6 +109,9 @@ def run(args) -> int:
     from eaglekit.target import load_target
 
     cfg = load_config(GenerateConfig, args.config, args.overrides)
+    if cfg.prompt is not None and not cfg.prompt.strip():
+        raise ValueError("prompt= is empty: give the turn's text (prompt=\"...\"), or leave prompt out to chat "
+                         "on stdin")
     if cfg.prompt_lookup == "auto":
         from eaglekit.decode.lookup import BY_MATCH
 
@@ -141,3 +154,29 @@ def run(args) -> int:
         kind += f" + prompt lookup {cfg.prompt_lookup}" if cfg.prompt_lookup else ""
         print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, tau={s.tau:.2f} ({kind}), "
               f"acceptance per depth {[round(a, 2) for a in s.acceptance_per_depth]}]", file=sys.stderr)
+
+
+# ranges of eaglekit.decode.bench.BenchConfig, checked before any model loads
+BENCH_CHECKS = {
+    "prompts": PosInt, "repeats": PosInt, "max_new_tokens": PosInt, "gamma": PosInt, "threads": NonNegInt,
+    "prompt_lookup_tokens": PosInt, "temperatures": Annotated[list[NonNegFloat], Field(min_length=1)],
+    "assistant_tokens": list[PosInt], "dataset": Literal["mt-bench", "humaneval"],
+    "prompt_order": Literal["first", "spread"], "dtype": DTYPES, "cpu_linear": CPU_LINEAR,
+}
+
+
+def _bench_arguments(p):
+    from eaglekit.decode import bench as bench_module
+
+    bench_module.add_arguments(p)
+
+
+def _bench_run(args) -> int:
+    from eaglekit.decode import bench as bench_module
+
+    cfg = load_config(bench_module.BenchConfig, args.config, args.overrides)
+    check_fields(cfg, BENCH_CHECKS, where=args.config or "config")
+    return bench_module.run(args)
+
+
+bench = SimpleNamespace(add_arguments=_bench_arguments, run=_bench_run)  # the `eaglekit bench` command

@@ -4,7 +4,7 @@ import json
 import pytest
 from helpers import save_tiny
 
-from eaglekit.cli import main
+from eaglekit.cli import dispatch, main  # dispatch raises where main prints one line
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
@@ -45,14 +45,14 @@ def test_decode_cli_generate_streams_and_prints_tau(saved, capsys, monkeypatch):
                  "tree=2,2,3", "prompt_lookup=2,5,10"]) == 0  # lengths per match length, as text
     assert built[-1] == "2,5,10" and LookupDrafter(None, built[-1]).lengths == (2, 5, 10)
     with pytest.raises(ValueError, match="prompt lookup"):  # a bad value, before any model loads
-        main(["generate", "target=/nonexistent", "prompt=hi", "prompt_lookup=2,5"])
+        dispatch(["generate", "target=/nonexistent", "prompt=hi", "prompt_lookup=2,5"])
     with pytest.raises(ValueError, match="draft-model chain"):  # refused before any model loads
-        main(["generate", f"target={target_dir}", f"draft={draft_dir}", "prompt=hi", "prompt_lookup=3"])
+        dispatch(["generate", f"target={target_dir}", f"draft={draft_dir}", "prompt=hi", "prompt_lookup=3"])
     assert main(["generate", f"target={target_dir}", f"draft={draft_dir}", "prompt=hi", "max_new_tokens=5",
                  "temperature=0.8"]) == 0
     assert "draft model, gamma=4" in capsys.readouterr().err
     with pytest.raises(ValueError, match="tree="):
-        main(["generate", f"target={target_dir}", "prompt=hi", "tree=big"])
+        dispatch(["generate", f"target={target_dir}", "prompt=hi", "tree=big"])
 
 
 def test_decode_cli_bench_writes_json_with_baselines(saved, tmp_path):
