@@ -141,9 +141,16 @@ class TransformersServe:
     """
 
     def __init__(
-        self, model: str | Path, port: int = 0, device: str = "cpu", dtype: str = "float32", threads: int = 0
+        self,
+        model: str | Path,
+        port: int = 0,
+        device: str = "cpu",
+        dtype: str = "float32",
+        threads: int = 0,
+        extra_args: tuple[str, ...] = (),
     ):
         self.model, self.device, self.dtype, self.threads = str(model), device, dtype, threads
+        self.extra_args = list(extra_args)  # more `transformers serve` options, e.g. --continuous-batching
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.proc: subprocess.Popen | None = None
@@ -152,7 +159,7 @@ class TransformersServe:
     def start(self, wait_s: float = 300.0) -> str:
         exe = Path(sys.executable).with_name("transformers")  # the venv's console script
         cmd = [str(exe) if exe.exists() else "transformers", "serve", self.model, "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--device", self.device, "--dtype", self.dtype]
+        cmd += ["--port", str(self.port), "--device", self.device, "--dtype", self.dtype, *self.extra_args]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads)) if self.threads else None
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
