@@ -14,8 +14,15 @@ from helpers import tiny_target
 from safetensors.torch import load_file
 
 from eaglekit.heads import HeadConfig, build_head, export_head, load_head
-from eaglekit.heads.engines import (ENGINES, LAYOUT_ENGINES, TAP_KEY, captured_layers, get_path, read_flag,
-                                    read_tap_count)
+from eaglekit.heads.engines import (
+    ENGINES,
+    LAYOUT_ENGINES,
+    TAP_KEY,
+    captured_layers,
+    get_path,
+    read_flag,
+    read_tap_count,
+)
 from eaglekit.heads.export import ExportError
 from eaglekit.heads.io import check_finite
 
