@@ -41,18 +41,47 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the config's dataclass."""
 
 
-def parse_overrides(items: list[str]) -> dict:
-    """``["lr=1e-4", "data.dir=x"]`` → ``{"lr": 1e-4, "data.dir": "x"}`` (values parsed as YAML scalars)."""
+def parse_overrides(items: list[str], is_text=lambda key: False) -> dict:
+    """``["lr=1e-4", "data.dir=x"]`` → ``{"lr": 1e-4, "data.dir": "x"}`` (values parsed as YAML scalars).
+
+    A key for which ``is_text(key)`` holds keeps its text as given (``null`` or ``~`` is None): a prompt
+    or a path may read as YAML of another type (``prompt=yes``, ``prompt=Note: x``, ``system=#1 rule``).
+    """
     out = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value")
         key, value = item.split("=", 1)
+        key = key.strip()
+        if is_text(key):
+            out[key] = None if value.strip() in ("null", "~") else _unquote(value)
+            continue
         try:
-            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+            out[key] = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: not a YAML value ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"override {item!r}: not a YAML value ({' '.join(str(e).split())})") from None
     return out
+
+
+def _unquote(text: str) -> str:
+    """``"a: b"`` (quoted as YAML would) → ``a: b``; any other text as given."""
+    t = text.strip()
+    if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
+        try:
+            value = yaml.safe_load(t)
+        except yaml.YAMLError:
+            return text
+        return value if isinstance(value, str) else text
+    return text
+
+
+def _is_text(cls, key: str) -> bool:
+    """Is field ``key`` a string (or a string or None)? False for an unknown key."""
+    try:
+        hint = _hint_at(cls, key)
+    except (KeyError, TypeError):
+        return False
+    return hint is str or (_is_union(hint) and set(typing.get_args(hint)) == {str, type(None)})
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | dict | None = None) -> C:
@@ -62,7 +91,8 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     """
     where = str(path or "config")
     data = _read_yaml(Path(path)) if path is not None else {}
-    ov = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
+    ov = parse_overrides(overrides, lambda key: _is_text(cls, key)) if isinstance(overrides, list) \
+        else dict(overrides or {})
     for key, value in ov.items():
         node = data
         *parents, leaf = key.split(".")
