@@ -11,7 +11,14 @@ fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "eaglekit setup: installing into .venv (first time only, a few minutes)..."
   .venv/bin/python -m pip install -q -U pip
-  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,bench,serving]'
+  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,bench,serving,speculators-runtime]'
+  # the speculators extra without its dependencies (they would pull torchvision and an older transformers)
+  if .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    .venv/bin/python -m pip install -q --no-deps $(.venv/bin/python -c 'import tomllib
+print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["speculators"])')
+  else
+    echo "eaglekit setup: speculators needs Python >= 3.11; tests/heads/test_heads_speculators.py will skip"
+  fi
   echo "$want" > "$stamp"
 fi
 export HF_HUB_OFFLINE=1
