@@ -5,9 +5,10 @@ folder of those (sorted, recursive), or a ``datasets`` dataset saved with ``save
 ``conversations: [{from, value}]`` (ShareGPT) or ``messages: [{role, content}]`` (OpenAI / UltraChat),
 and optionally a top-level ``system`` prompt and an ``id``.
 
-A malformed item (bad JSON line, unknown role, empty content, non-alternating turns) is never dropped
-silently: with ``strict=True`` it raises ConversationError naming the file and line/index; otherwise it is
-skipped, and the returned list's ``.skipped`` names every skipped item and why.
+A malformed item (a JSONL line that is not UTF-8 or not JSON, unknown role, empty content,
+non-alternating turns) is never dropped silently: with ``strict=True`` it raises ConversationError
+naming the file and line/index; otherwise it is skipped, and the returned list's ``.skipped`` names
+every skipped item and why. A binary file (a NUL byte) is refused whole, strict or not.
 
 Two artefacts of scraped chat data are repaired rather than rejected, because they are the norm in
 ShareGPT's split files (a third of the items begin mid-conversation): leading assistant turns before the
