@@ -155,7 +155,7 @@ def engine_head_config(cfg: HeadConfig, layout: str) -> tuple[HeadConfig, list[i
         taps = cfg.aux_layer_ids
         dup = sorted({t for t in taps if taps.count(t) > 1})
         _need(not dup, f"the {layout} layout cannot hold this head: its taps {taps} repeat layer(s) {dup}, and "
-              f"{engine.version} captures each layer once")
+              f"{engine.version} reads each tapped layer once")
         order = sorted(order, key=lambda i: taps[i])
     if order != sorted(order):
         cfg = dataclasses.replace(cfg, aux_layer_ids=[cfg.aux_layer_ids[i] for i in order])

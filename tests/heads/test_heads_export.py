@@ -180,3 +180,81 @@ def test_heads_export_cli_bf16(tmp_path, capsys):
     # target taken from the head's config this time; the CLI prints one error line and returns 2
     assert main(["export", "--head", str(tmp_path / "head"), "--out", str(tmp_path / "out"), "--to", "sglang"]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_heads_export_refuses_non_finite_weights(target, tmp_path):
+    head = make(target, "eagle3", 1)
+    with torch.no_grad():
+        head.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"'layers.0.mlp.up_proj.weight' holds 1 non-finite"):
+        export_head(head, tmp_path / "a", "vllm")
+    assert not (tmp_path / "a").exists()
+    big = make(target, "eagle3", 1)
+    with torch.no_grad():
+        big.fc.weight[1, 2] = 1e6  # finite in fp32, inf once cast to fp16
+    with pytest.raises(ValueError, match=r"'fc.weight' holds 1 non-finite"):
+        export_head(big, tmp_path / "b", "sglang", dtype=torch.float16)
+    export_head(big, tmp_path / "c", "sglang", dtype=torch.bfloat16)  # bf16 holds it
+
+
+def test_heads_load_head_refuses_non_finite_weights(target, tmp_path):
+    head = make(target, "eagle3", 1)
+    head.save_pretrained(tmp_path / "native")
+    out = export_head(head, tmp_path / "exp", "speculators", verifier="me/x")
+    for folder, name in ((tmp_path / "native", "norm.weight"), (out, "layers.0.hidden_norm.weight")):
+        w = load_file(str(folder / "model.safetensors"))
+        w[name] = w[name].clone()
+        w[name][3] = float("inf")
+        save_file(w, str(folder / "model.safetensors"))
+        with pytest.raises(ValueError, match=rf"model.safetensors: tensor '{name}' holds 1 non-finite"):
+            load_head(folder, target)
+
+
+def test_heads_export_verifier(target, tmp_path):
+    from eaglekit.heads.verifier import default_verifier
+
+    assert default_verifier("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert default_verifier("qwen2.5-coder-0.5b-instruct") == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert default_verifier("qwen2.5-coder-1.5b-instruct") == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert default_verifier("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+    assert default_verifier("tiny-llama") is None
+    folder = save_tiny(tmp_path / "t", layers=8, hidden=H, vocab_size=V)
+    assert default_verifier(str(folder)) == str(folder.resolve())
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "org/tiny-base"}))
+    assert default_verifier(str(folder)) == "org/tiny-base"
+
+    head = make(target, "eagle3", 1)  # its target is named "tiny-llama": no engine could load that
+    with pytest.raises(ValueError, match="pass it with --verifier"):
+        export_head(head, tmp_path / "a", "speculators")
+    for bad in ("smollm2-135m-instruct", "no/such/thing", "a/b--c", str(tmp_path)):  # alias, not ORG/NAME, no config
+        with pytest.raises(ValueError, match="verifier"):
+            export_head(head, tmp_path / "b", "speculators", verifier=bad)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    out = export_head(head, tmp_path / "c", "speculators", verifier=str(folder))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(folder.resolve())
+    out = export_head(head, tmp_path / "d", "sglang")  # SGLang reads no verifier: none needed
+    assert json.loads((out / "config.json").read_text())["eaglekit_export"]["verifier"] is None
+    head.config.target_name = "smollm2-135m-instruct"
+    out = export_head(head, tmp_path / "e", "speculators")
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == \
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_heads_export_cli_verifier(tmp_path, capsys):
+    from eaglekit.cli import main
+    from eaglekit.target import load_target
+
+    tdir = save_tiny(tmp_path / "target", layers=8, hidden=H, vocab_size=V)
+    make(load_target(tdir), "eagle3", 1).save_pretrained(tmp_path / "head")
+    args = ["export", "--head", str(tmp_path / "head"), "--to", "speculators", "--target", str(tdir)]
+    assert main([*args, "--out", str(tmp_path / "a"), "--verifier", "smollm2-135m-instruct"]) == 2
+    assert "not a Hugging Face repo id" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert main([*args, "--out", str(tmp_path / "b"), "--verifier", "org/tiny"]) == 0
+    assert "verifier org/tiny" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
+    assert main([*args, "--out", str(tmp_path / "c")]) == 0  # the head's target is the local folder
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tdir.resolve())

@@ -75,7 +75,7 @@ def fake_hub(monkeypatch):
 
 @pytest.fixture(scope="module")
 def saved_head(tmp_path_factory):
-    target = tiny_target(layers=6, hidden=32, vocab_size=64)
+    target = tiny_target(layers=8, hidden=32, vocab_size=64)  # taps [2, 4, 5]
     torch.manual_seed(0)
     cfg = HeadConfig.from_target(target, kind="eagle3", draft_vocab_size=16)
     cfg.target_name = "smollm2-135m-instruct"
@@ -142,7 +142,7 @@ def test_heads_push_cli_dry_run_and_upload(fake_hub, saved_head, capsys, monkeyp
 
     _, _, d = saved_head
     monkeypatch.setenv("HF_TOKEN", SECRET)
-    tdir = save_tiny(tmp_path / "target", layers=6, hidden=32, vocab_size=64)
+    tdir = save_tiny(tmp_path / "target", layers=8, hidden=32, vocab_size=64)
     # without --target the head's own target (the real SmolLM2) is loaded and the head refused for it
     assert main(["push", "--head", str(d), "--repo-id", "me/h", "--dry-run", "--target", str(tdir)]) == 0
     out = capsys.readouterr().out
@@ -170,3 +170,65 @@ def test_heads_load_head_from_hub_id(saved_head, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="not found"):
         load_head("no/such/folder", target)
+
+
+@pytest.fixture
+def no_saved_token(monkeypatch, tmp_path):
+    import huggingface_hub.constants as hc
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
+    monkeypatch.setattr(hc, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+
+
+def test_heads_push_without_token_fails_before_any_request(fake_hub, saved_head, no_saved_token, capsys):
+    from eaglekit.cli import main
+    from eaglekit.heads.hub import NO_TOKEN, PushError
+
+    target, _, d = saved_head
+    with pytest.raises(PushError, match="no Hugging Face token: set HF_TOKEN or run `hf auth login`"):
+        push_to_hub(d, "me/h", target=target)
+    assert main(["push", "--head", str(d), "--repo-id", "me/h"]) == 2  # before loading the target
+    assert NO_TOKEN in capsys.readouterr().err
+    assert fake_hub.requests == []
+
+
+def test_heads_push_refused_connection_names_the_endpoint(saved_head, monkeypatch):
+    import socket
+
+    import huggingface_hub.constants as hc
+
+    from eaglekit.heads.hub import PushError
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    target, _, d = saved_head
+    with pytest.raises(PushError, match=rf"cannot reach the Hugging Face Hub at http://127.0.0.1:{port}"):
+        push_to_hub(d, "me/h", token=SECRET, target=target)
+
+
+def test_heads_push_reads_and_checks_the_head_before_any_request(fake_hub, saved_head, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target, head, d = saved_head
+    other = tiny_target(layers=10, hidden=32, vocab_size=64)
+    with pytest.raises(ValueError, match="not trained for this target.*layer count"):
+        push_to_hub(d, "me/h", token=SECRET, target=other)
+    bad = tmp_path / "bad"
+    head.save_pretrained(bad)
+    w = load_file(str(bad / "model.safetensors"))
+    w["fc.weight"][0, 0] = float("nan")
+    save_file(w, str(bad / "model.safetensors"))
+    for layout in ("native", "vllm"):  # native uploads the files as they are: they are read first
+        with pytest.raises(ValueError, match=rf"{bad}/model.safetensors: tensor 'fc.weight' holds 1 non-finite"):
+            push_to_hub(bad, "me/h", token=SECRET, target=target, layout=layout)
+    with pytest.raises(ValueError, match="not a Hugging Face repo id"):  # a published card needs a Hub id
+        push_to_hub(d, "me/h", token=SECRET, target=target, verifier=str(tmp_path))
+    assert fake_hub.requests == []
+    res = push_to_hub(d, "me/h", token=SECRET, target=target, layout="speculators", verifier="org/base")
+    cfg = json.loads(fake_hub.files["config.json"])
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/base"
+    assert front_matter(res["card"])[0]["base_model"] == "org/base"
