@@ -48,7 +48,7 @@ def target():
 
 def make(target, kind, layers, seed=0):
     torch.manual_seed(seed)
-    extra = dict(draft_vocab_size=VD) if kind == "eagle3" else {}
+    extra = {"draft_vocab_size": VD} if kind == "eagle3" else {}
     head = build_head(HeadConfig.from_target(target, kind=kind, num_layers=layers, **extra), target)
     with torch.no_grad():
         for n, p in head.named_parameters():

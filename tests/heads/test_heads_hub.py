@@ -18,7 +18,8 @@ SECRET = "hf_eaglekitTESTtoken0123456789abcdef"
 class FakeHub(BaseHTTPRequestHandler):
     """Answers the endpoints create_repo / upload_folder use; records requests and committed files."""
 
-    log_message = lambda *a: None  # noqa: E731  (keep the test output clean)
+    def log_message(self, *args):  # keep the test output clean
+        pass
 
     def _reply(self, code, payload):
         body = json.dumps(payload).encode()
