@@ -349,8 +349,12 @@ def validate_export(path, layout: str | None = None, target=None, optional=()) -
         raise ExportError(f"{path}: expected a {layout} export, found a {found} layout")
     layout = found
     cfg = head_config_of(config, layout, target, where=str(path / CONFIG))
-    if "eaglekit" in config:  # ours: every engine must read back what the head is
+    if "eaglekit" in config and EXPORT_BLOCK in config:  # ours: every engine must read back what the head is
         check_engine_fields(config, cfg, layout, path / CONFIG)
+    elif "eaglekit" in config and cfg.kind == EAGLE3:  # an older eaglekit export: top-level fields only
+        for key, want in {**_eagle3_fields(cfg), TAP_KEY: list(cfg.aux_layer_ids)}.items():
+            _need(config.get(key) == want, f"{path / CONFIG}: {key}={config.get(key)!r} disagrees with the "
+                  f"head ({want!r})")
     f = path / WEIGHTS
     if not f.is_file():
         raise FileNotFoundError(f"{f}: missing weights")

@@ -198,3 +198,18 @@ def test_heads_check_finite_names_the_tensor():
     with pytest.raises(ValueError, match=r"'b' holds 2 non-finite"):
         check_finite({"a": torch.ones(3), "i": torch.zeros(2, dtype=torch.long),
                       "b": torch.tensor([1.0, float("nan"), float("inf")])}, "here")
+
+
+def test_heads_engines_older_eaglekit_export_still_loads(target, tmp_path):
+    """Exports written before the engine table (top-level fields only, 4 taps) load back unchanged."""
+    head = make(target, [1, 3, 5, 10])
+    out = export_head(head, tmp_path / "x", "vllm")
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["eaglekit_export"], cfg["eagle_config"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    ids = torch.randint(0, V, (1, 5))
+    assert torch.equal(eaglekit_logits(target, load_head(out, target), ids), eaglekit_logits(target, head, ids))
+    cfg[TAP_KEY] = [1, 3, 5, 9]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="disagrees with the head"):
+        load_head(out, target)
