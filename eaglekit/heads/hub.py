@@ -174,7 +174,7 @@ def stage(head_or_dir, out_dir, layout: str = "native", target=None, repo_id: st
     """Write the files to upload into ``out_dir`` (layout + README.md), read back and checked; returns
     their names. A folder is checked against ``target`` (default: the target its config names)."""
     from eaglekit.heads.export import check_finite_head, export_head
-    from eaglekit.heads.io import CONFIG, WEIGHTS, load_head
+    from eaglekit.heads.io import CONFIG, WEIGHTS, check_target, load_head
 
     if layout not in LAYOUT_CHOICES:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
@@ -193,6 +193,8 @@ def stage(head_or_dir, out_dir, layout: str = "native", target=None, repo_id: st
     else:
         head, config = head_or_dir, head_or_dir.config
         check_finite_head(head, where="push")
+        if target is not None:  # a module was checked when bound; check again against the target given
+            check_target(config, target, where="push")
         if layout == "native":
             head.save_pretrained(out)
     base = resolve_verifier(verifier or base_model, config.target_name, hub_only=True)

@@ -233,3 +233,15 @@ def test_heads_push_reads_and_checks_the_head_before_any_request(fake_hub, saved
     cfg = json.loads(fake_hub.files["config.json"])
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/base"
     assert front_matter(res["card"])[0]["base_model"] == "org/base"
+
+
+def test_heads_push_module_is_checked_before_any_request(fake_hub, saved_head):
+    target, head, _ = saved_head
+    with pytest.raises(ValueError, match="push: this head was not trained for this target"):
+        push_to_hub(head, "me/h", token=SECRET, target=tiny_target(layers=10, hidden=32, vocab_size=64))
+    nan_head = build_head(head.config, target)
+    with torch.no_grad():
+        nan_head.norm.weight[0] = float("nan")
+    with pytest.raises(ValueError, match="push: tensor 'norm.weight' holds 1 non-finite"):
+        push_to_hub(nan_head, "me/h", token=SECRET, target=target)
+    assert fake_hub.requests == []
