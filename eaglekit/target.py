@@ -7,7 +7,9 @@ architecture with a ``layers`` list and a final ``norm`` works (Llama, Qwen2/3, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,13 @@ from torch import nn
 from eaglekit import assets
 
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
+
+
+@functools.cache
+def cache_kwarg(model_cls: type) -> str:
+    """The name under which ``model_cls.forward`` takes the KV cache: ``cache`` on newer transformers (where
+    ``past_key_values`` still works but warns on every forward), ``past_key_values`` on older (5.17)."""
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -119,8 +128,9 @@ class Target:
         """
         layer_ids = tuple(layer_ids or self.aux_layer_ids) if kind == EAGLE3 else ()
         kw = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=past_key_values is not None)
-        if past_key_values is not None:  # `past_key_values=` works on transformers 5.17 and 5.24
-            kw["past_key_values"] = past_key_values
+        cache_name = cache_kwarg(type(self.model if logits else self.decoder))
+        if past_key_values is not None:
+            kw[cache_name] = past_key_values
         with self._taps(layer_ids) as seen:
             if logits:
                 out = self.model(input_ids=input_ids, logits_to_keep=logits_to_keep, **kw)
@@ -129,7 +139,7 @@ class Target:
                 out = self.decoder(input_ids=input_ids, **kw)
                 lg = None
         aux = torch.cat([seen[i] for i in layer_ids], dim=-1) if layer_ids else None
-        return TargetOutput(lg, seen["last"], aux, getattr(out, "past_key_values", None))
+        return TargetOutput(lg, seen["last"], aux, getattr(out, cache_name, None))  # output field: same name
 
     def features(self, input_ids, attention_mask=None, kind: str = EAGLE3, layer_ids=None) -> TargetOutput:
         """What a head trains on: ``last`` (EAGLE-1 feature, teacher) and ``aux`` (EAGLE-3 taps)."""
