@@ -17,10 +17,9 @@ import torch
 from eaglekit.decode import generate
 from eaglekit.decode.bench import load_prompts
 from eaglekit.decode.cli import use_cpu_linear
-from eaglekit.decode.cost import auto_plan
 from eaglekit.decode.drafters import EagleDrafter
 from eaglekit.decode.lookup import LookupDrafter
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.plan import auto_plan
 from eaglekit.heads import load_head
 from eaglekit.target import load_target
 
@@ -40,10 +39,10 @@ def main() -> None:
     head = load_head(args.head, target)
     use_cpu_linear("packed", target, head)
     plan = auto_plan(target, head)
-    lookup = LookupDrafter(EagleDrafter(target, head, TreeSpec(**plan["spec"])), args.tokens)
+    lookup = LookupDrafter(EagleDrafter(target, head, plan.spec), args.tokens)
     for ids in load_prompts(target, "mt-bench", args.questions, "spread"):
         generate(target, lookup, ids, args.max_new_tokens)
-    print(f"{args.target} + {args.head}, tree {plan['spec']}, {args.questions} MT-bench questions, "
+    print(f"{args.target} + {args.head}, tree {plan.spec}, {args.questions} MT-bench questions, "
           f"{args.max_new_tokens} tokens, branch of {args.tokens}")
     ks = range(1, args.tokens + 1)
     print("| match n | steps | " + " | ".join(f">= {k}" for k in ks) + " |")
@@ -52,7 +51,7 @@ def main() -> None:
         steps = sum(counts.values())
         shares = [sum(c for got, c in counts.items() if got >= k) / steps for k in ks]
         print(f"| {n} | {steps} | " + " | ".join(f"{s:.2f}" for s in shares) + " |")
-    verify = {int(m): s for m, s in plan["costs"]["verify_s"].items()}
+    verify = {int(m): s for m, s in plan.costs["verify_s"].items()}
     print("verify ms per rows: " + ", ".join(f"{m}: {s * 1e3:.1f}" for m, s in sorted(verify.items()) if m <= 16))
 
 

@@ -72,7 +72,6 @@ def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tre
     decoding on MT-bench first turns, timed one after the other per prompt."""
     from eaglekit import decode
     from eaglekit.decode.cli import parse_tree, use_cpu_linear
-    from eaglekit.decode.tree import TreeSpec
     from eaglekit.heads import load_head
     from eaglekit.target import load_target
 
@@ -81,12 +80,12 @@ def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tre
     use_cpu_linear("packed", target, head)  # decoding only: oneDNN pre-packed weights, plain and EAGLE alike
     tree = parse_tree(tree)
     if tree == "auto":  # draft with the best measured tree even where plain would win, to show the head's τ
-        from eaglekit.decode.cost import auto_plan, drafting_pays
+        from eaglekit.decode.plan import auto_plan
 
         plan = auto_plan(target, head)
-        tree = TreeSpec(**plan["spec"])
-        print(f"tree='auto' on this device: {tree} expected {plan['expected_tokens_per_s']:.1f} tokens/s vs plain "
-              f"{plan['plain_tokens_per_s']:.1f}" + ("" if drafting_pays(plan) else " — `eaglekit generate "
+        tree = plan.spec
+        print(f"tree='auto' on this device: {tree} expected {plan.expected_tokens_per_s:.1f} tokens/s vs plain "
+              f"{plan.plain_tokens_per_s:.1f}" + ("" if plan.drafting_pays else " — `eaglekit generate "
               "tree=auto` would decode without drafting here; the demo drafts anyway to measure the head"))
     rows = []
     for q in assets.load_mt_bench()[:questions]:

@@ -1,14 +1,36 @@
-"""Lossless speculative decoding: EAGLE-2 trees from a head, a draft model's chain, or plain decoding.
+"""Lossless speculative decoding: EAGLE-2 trees from a head, a draft model's chain or tree, prompt lookup,
+or plain decoding; one loop for every drafter.
 
 ``decode.generate(target, drafter, input_ids, ...)`` with ``drafter`` an EAGLE head, another Target
-sharing the tokenizer (a chain of ``gamma`` tokens; ``ModelTreeDrafter`` for a tree), or None;
-``prompt_lookup=N`` grafts a prompt-lookup branch onto the tree (``LookupDrafter``).
-See ``eaglekit/decode/generate.py`` for the loop.
+sharing the tokenizer (a chain of ``gamma`` tokens; ``ModelTreeDrafter`` for a tree), any ``Drafter``,
+or None; ``prompt_lookup=N`` grafts a prompt-lookup branch onto the tree (``LookupDrafter``).
+Modules, each using only those below it: ``generate`` (the public call) → ``plan`` (which drafter;
+``tree="auto"``, measured by ``cost``) → ``loop`` (draft → verify → accept → keep → commit) →
+``lookup`` → ``drafters`` → ``proposers`` → ``verify`` / ``tree`` / ``kv`` / ``sampling`` / ``stats``.
 """
-from eaglekit.decode.drafters import ModelTreeDrafter
-from eaglekit.decode.generate import DecodeStats, GenerateOutput, generate
+from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelTreeDrafter, PlainDrafter, TreeDrafter
+from eaglekit.decode.generate import generate
 from eaglekit.decode.lookup import LookupDrafter
+from eaglekit.decode.loop import GenerateOutput
+from eaglekit.decode.plan import Plan, auto_plan, make_drafter
 from eaglekit.decode.sampling import Sampling
+from eaglekit.decode.stats import DecodeStats
 from eaglekit.decode.tree import Tree, TreeSpec
 
-__all__ = ["DecodeStats", "GenerateOutput", "LookupDrafter", "ModelTreeDrafter", "Sampling", "Tree", "TreeSpec", "generate"]
+__all__ = [
+           "DecodeStats",
+           "Drafter",
+           "EagleDrafter",
+           "GenerateOutput",
+           "LookupDrafter",
+           "ModelTreeDrafter",
+           "PlainDrafter",
+           "Plan",
+           "Sampling",
+           "Tree",
+           "TreeDrafter",
+           "TreeSpec",
+           "auto_plan",
+           "generate",
+           "make_drafter",
+]

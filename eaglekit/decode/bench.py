@@ -93,16 +93,15 @@ def _timed(fn):
     return res, time.perf_counter() - t0
 
 
-def methods(cfg: BenchConfig, target, drafter, tree, plan=None):
+def methods(cfg: BenchConfig, target, drafter, tree):
     """name -> fn(ids, temperature, seed) -> (new tokens, DecodeStats or None, sequences).
-    ``plan``: the head's auto plan, resolved once; its drafter is built per call as generate's
-    ``tree="auto"`` does, but always drafts (no fallback to plain decoding)."""
-    from eaglekit.decode.generate import generate, planned_drafter
+    ``tree``: a TreeSpec, or the head's auto ``Plan`` resolved once (drafted with as generate's
+    ``tree="auto"`` does, but always: no fallback to plain decoding)."""
+    from eaglekit.decode.generate import generate
 
     def ours(dr, lookup=0):
         def fn(ids, temp, seed):
-            inner = dr if plan is None or dr is None else planned_drafter(target, dr, plan)
-            out = generate(target, inner, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
+            out = generate(target, dr, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
                            gamma=cfg.gamma, prompt_lookup=lookup)
             return out.stats.new_tokens, out.stats, out.sequences
         return fn
@@ -156,14 +155,12 @@ def run_bench(cfg: BenchConfig) -> dict:
     packed = use_cpu_linear(cfg.cpu_linear, target, drafter)  # HF baselines run the same packed modules
     tree, plan = parse_tree(cfg.tree), None
     if tree == "auto" and cfg.head:
-        from eaglekit.decode.cost import auto_plan
-        from eaglekit.decode.tree import TreeSpec
+        from eaglekit.decode import plan as planner
 
-        plan = auto_plan(target, drafter)
-        tree = TreeSpec(**plan["spec"])
+        plan = planner.auto_plan(target, drafter)
     questions = load_questions(cfg.dataset, cfg.prompts, cfg.prompt_order)
     prompts = [target.chat_ids(text) for _, text in questions]
-    fns = methods(cfg, target, drafter, tree, plan)
+    fns = methods(cfg, target, drafter, plan or tree)
     for fn in fns.values():  # warm-up (allocations, auto-tree cache, kernels)
         fn(prompts[0][:, :16], 0.0, 0)
     results, per_prompt, per_category, acceptance = {}, {}, {}, {}
@@ -175,7 +172,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             per_category[str(temp)] = speedup_per_category(records)
             acceptance[str(temp)] = _rates(pooled)
     extra = dict(speedup_per_category=per_category, acceptance_per_depth=acceptance) if "ours" in fns else {}
-    return dict(config=asdict(cfg), tree=str(tree), nodes_with_lookup=plan and plan.get("nodes_with_lookup"),
+    return dict(config=asdict(cfg), tree=str(plan.spec if plan else tree),
+                nodes_with_lookup=plan.nodes_with_lookup if plan else None,
                 device=str(target.device), threads=torch.get_num_threads(), packed_linears=packed,
                 torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results,
@@ -185,7 +183,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 def bench_temperature(cfg: BenchConfig, fns: dict, prompts: list, categories: list[str], temp: float):
     """Every method on every prompt, ``cfg.repeats`` times. Returns (per-method totals per repeat,
     per-prompt records of plain and ours, ours' DecodeStats pooled over all prompts and repeats)."""
-    from eaglekit.decode.generate import DecodeStats
+    from eaglekit.decode.stats import DecodeStats
 
     runs = {name: [] for name in fns}
     records = [dict(category=c, **{m: dict(tokens=[], seconds=[]) for m in ("plain", "ours") if m in fns})
@@ -207,7 +205,7 @@ def bench_temperature(cfg: BenchConfig, fns: dict, prompts: list, categories: li
                     records[i][name]["tokens"].append(n)
                     records[i][name]["seconds"].append(dt)
                 if name == "ours":
-                    _pool_into(ours_stats[i], stats)
+                    ours_stats[i].pool(stats)
         for name, (n, dt, lengths, same) in totals.items():
             runs[name].append(dict(tokens=n, seconds=dt, tokens_per_s=n / dt,
                                    tau=sum(lengths) / len(lengths) if lengths else None,
@@ -218,15 +216,8 @@ def bench_temperature(cfg: BenchConfig, fns: dict, prompts: list, categories: li
         if "ours" in rec:
             rec["ours"]["tau"] = stats.tau
             rec["ours"]["acceptance_per_depth"] = _rates(stats)
-            _pool_into(pooled, stats)
+            pooled.pool(stats)
     return runs, records, pooled
-
-
-def _pool_into(pooled, stats) -> None:
-    """Append one run's verify steps to ``pooled``: its rates are then ratios of summed counts."""
-    pooled.accept_lengths += stats.accept_lengths
-    pooled.path_lengths += stats.path_lengths
-    pooled.tree_depths += stats.tree_depths
 
 
 def _rates(stats) -> list[float | None]:

@@ -1,24 +1,43 @@
-"""Drafters: what proposes tokens for the target to verify. One protocol, three kinds.
+"""Drafters: what proposes tokens for the target to verify. One protocol (``Drafter``), three kinds.
 
 * ``PlainDrafter`` proposes nothing (plain autoregressive decoding, the baseline).
 * ``ModelDrafter`` samples a chain of ``gamma`` tokens from a small model with the same tokenizer
   (classic speculative decoding; verified with Leviathan's rule).
-* ``EagleDrafter`` grows an EAGLE-2 dynamic tree with an EAGLE-1/EAGLE-3 head (one-hot rule).
-
-Protocol: ``kind`` (which target taps the verify forward needs), ``prefill(prompt, out, root)`` after
-the target's prefill, ``draft(max_depth) -> Tree`` below the current root, and
-``commit(tree, path, next_token, out, rows)`` after acceptance (``rows`` = verify rows of root + accepted
-nodes, whose target features ``out`` holds).
+* ``TreeDrafter`` grows an EAGLE-2 dynamic tree from a proposer (one-hot rule): ``EagleDrafter`` with
+  an EAGLE-1/EAGLE-3 head, ``ModelTreeDrafter`` with a draft model. ``lookup.LookupDrafter`` wraps any
+  tree drafter with a prompt-lookup branch.
 """
 from __future__ import annotations
 
-import weakref
+from typing import Protocol
 
 import torch
 
 from eaglekit.decode import kv
+from eaglekit.decode.proposers import HeadProposer, ModelProposer, check_same_tokenizer
 from eaglekit.decode.sampling import Sampling, sample
-from eaglekit.decode.tree import Tree, TreeSpec, additive, select_best
+from eaglekit.decode.tree import Tree, TreeSpec, expand
+
+
+class Drafter(Protocol):
+    """What the decode loop calls, once per sequence (``prefill``) and then once per verify forward.
+
+    ``kind``/``layer_ids``: which target taps the verify forward must return (``Target.forward``).
+    ``prefill(prompt, out, root)``: after the target's prefill (``out`` its ``TargetOutput``; ``root`` the
+    first token, not yet in the target's cache). ``draft(max_depth) -> Tree``: proposals below the current
+    root, at most ``max_depth`` deep. ``commit(tree, path, next_token, out, rows)``: after acceptance, with
+    the accepted node indices ``path``, the token sampled after them, and the verify forward's output,
+    whose rows ``rows`` (root + accepted nodes) now sit in the target's cache.
+    """
+
+    kind: str | None
+    layer_ids: tuple | None
+
+    def prefill(self, prompt: torch.Tensor, out, root: int) -> None: ...
+
+    def draft(self, max_depth: int) -> Tree: ...
+
+    def commit(self, tree: Tree, path: list[int], next_token: int, out, rows: torch.Tensor) -> None: ...
 
 
 class PlainDrafter:
@@ -32,28 +51,6 @@ class PlainDrafter:
 
     def commit(self, tree, path, next_token, out, rows):
         pass
-
-
-# draft tokenizer -> target tokenizers it was found equal to: ``get_vocab()`` on two 152k vocabularies costs
-# ~0.3 s, about 3% of a 64-token Qwen generate on the CPU, so each pair is compared once.
-_SAME_TOKENIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def check_same_tokenizer(target, draft) -> None:
-    """A draft model must speak the target's vocabulary (same token strings at the same ids)."""
-    checked = _SAME_TOKENIZER.setdefault(draft.tokenizer, weakref.WeakSet())
-    if target.tokenizer in checked:
-        return
-    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-    if tv == dv:
-        checked.add(target.tokenizer)
-        return
-    t_inv = {i: s for s, i in tv.items()}
-    d_inv = {i: s for s, i in dv.items()}
-    diff = [i for i in sorted(set(t_inv) | set(d_inv)) if t_inv.get(i) != d_inv.get(i)]
-    shown = ", ".join(f"id {i}: target {t_inv.get(i)!r} vs draft {d_inv.get(i)!r}" for i in diff[:3])
-    raise ValueError(f"draft model {draft.name!r} does not share the tokenizer of target {target.name!r}: "
-                     f"vocab sizes {len(tv)} vs {len(dv)}, {len(diff)} ids differ ({shown})")
 
 
 class ModelDrafter:
@@ -108,166 +105,55 @@ class ModelDrafter:
         fed = max(self.drafted - 1, 0)
         keep = min(len(path), fed)
         kv.crop(self.cache, kv.cache_length(self.cache) - (fed - keep))
-        accepted = tree.tokens[path].tolist() if path else []
-        self.pending = self.pending + accepted[keep:] + [next_token]
+        self.pending = self.pending + tree.path_tokens(path)[keep:] + [next_token]
 
 
-class EagleDrafter:
-    """EAGLE-2 dynamic tree from an EAGLE-1/EAGLE-3 head that keeps its own ``HeadCache``.
+class TreeDrafter:
+    """An EAGLE-2 dynamic tree grown by a proposer (``proposers.HeadProposer`` or ``ModelProposer``).
 
-    The head's element t is (feature g_t, token x_{t+1}) at position t. Accepted tokens are fed back with
-    the *target's* features from the verify forward (the tree's own elements, drafted from the head's
-    predicted features, are cropped away after drafting), so the head cache only ever holds exact
-    elements; the target's cache is never re-run.
+    Each draft first runs the tokens accepted since the last one through the proposer's cache, then
+    expands the tree level by level above them (``tree.expand``) and crops the proposer's cache back to
+    the accepted text. Candidates are chosen (top-k), so acceptance uses the one-hot rule, exact at any
+    temperature.
     """
 
-    def __init__(self, target, head, spec: TreeSpec):
-        from eaglekit.heads import HeadCache, check_target
-
-        check_target(head.config, target, where="decode.generate")
-        self.head, self.spec, self.kind = head, spec, head.config.kind
-        self.layer_ids = tuple(head.config.aux_layer_ids) or None
-        self.HeadCache = HeadCache
-        p = next(head.parameters())
-        self.device, self.dtype = p.device, p.dtype
-
-    def _features(self, out, rows) -> torch.Tensor:
-        feats = out.aux if self.kind == "eagle3" else out.last
-        return feats[0, rows].to(self.device, self.dtype)
+    def __init__(self, proposer, spec: TreeSpec):
+        self.proposer, self.spec = proposer, spec
+        self.kind, self.layer_ids = proposer.kind, proposer.layer_ids
 
     def prefill(self, prompt, out, root):
-        self.cache = self.HeadCache()
-        self.committed = 0
-        ids = prompt[0, 1:].tolist() + [root]
-        self.pending_ids = torch.tensor(ids, device=self.device)
-        self.pending_g = self.head.fuse(self._features(out, torch.arange(prompt.shape[1])))
+        self.proposer.start(prompt, out, root)
 
     def commit(self, tree, path, next_token, out, rows):
-        ids = (tree.tokens[path].tolist() if path else []) + [next_token]
-        self.pending_ids = torch.tensor(ids, device=self.device)
-        self.pending_g = self.head.fuse(self._features(out, rows.to(out.last.device)))
+        self.proposer.accept(tree.path_tokens(path) + [next_token], out, rows)
 
     @torch.no_grad()
     def draft(self, max_depth: int) -> Tree:
-        n = len(self.pending_ids)
-        pos = torch.arange(self.committed, self.committed + n, device=self.device)
-        g = None if self.pending_g is None else self.pending_g[None]
-        hidden, logits = self.head.step(self.pending_ids[None], g, pos[None], cache=self.cache)
-        self.committed += n
+        hidden, logits = self.proposer.catch_up()
         depth = min(self.spec.depth, max_depth)
         if depth == 0:
-            return Tree.empty(self.device)
-        tree = self._expand(hidden[0, -1], logits[0, -1], depth)
-        self.cache.crop(self.committed)
+            return Tree.empty(self.proposer.device)
+        committed = self.proposer.length
+        tree = expand(self.proposer, hidden, logits, self.spec, depth)
+        self.proposer.crop(committed)
         return tree
 
-    def _expand(self, root_hidden, root_logits, depth: int) -> Tree:
-        """EAGLE-2: expand the ``top_k`` best frontier nodes by their ``top_k`` children for ``depth``
-        levels (score = log path probability); keep the best ``total_tokens`` of all candidates."""
-        k = min(self.spec.top_k, root_logits.shape[-1])
-        top = torch.log_softmax(root_logits.float(), -1).topk(k)
-        # the candidate pool (all levels; pool order = parents before children), bookkept on the CPU
-        tokens, logq = [top.indices.cpu()], [top.values.cpu()]
-        parents, depths, scores = [torch.full((k,), -1)], [torch.ones(k, dtype=torch.long)], [logq[0]]
-        frontier = torch.arange(k)  # pool indices expanded at the next level
-        feed = root_hidden.expand(k, -1)  # a node's element takes its parent's output as g
-        slots: dict[int, int] = {}  # pool index -> head cache slot of the node's element
-        for d in range(2, depth + 1):
-            pool_tokens, pool_parents = torch.cat(tokens), torch.cat(parents)
-            ids = self.head.draft_to_target(pool_tokens[frontier].to(self.device))
-            pos = torch.full((len(frontier),), self.committed - 1 + d - 1, device=self.device)
-            mask = self._level_mask(frontier, pool_parents, slots)
-            for i, f in enumerate(frontier.tolist()):
-                slots[f] = self.cache.length + i
-            hidden, lg = self.head.step(ids[None], feed[None], pos[None], cache=self.cache, attn_mask=mask)
-            lp = torch.log_softmax(lg[0].float(), -1).topk(k)  # [len(frontier), k]
-            values, indices = lp.values.cpu(), lp.indices.cpu()
-            cand = (torch.cat(scores)[frontier][:, None] + values).flatten()
-            base = len(pool_tokens)
-            tokens.append(indices.flatten())
-            logq.append(values.flatten())
-            parents.append(frontier.repeat_interleave(k))
-            depths.append(torch.full((len(cand),), d, dtype=torch.long))
-            scores.append(cand)
-            best = cand.topk(min(k, len(cand))).indices
-            frontier = base + best
-            feed = hidden[0][(best // k).to(self.device)]
-        kept, new_parents = select_best(torch.cat(scores), torch.cat(parents), self.spec.total_tokens)
-        draft_ids = torch.cat(tokens)[kept].to(self.device)
-        return Tree(tokens=self.head.draft_to_target(draft_ids).long(), parents=new_parents.to(self.device),
-                    depths=torch.cat(depths)[kept].to(self.device), q_token=torch.cat(logq)[kept].exp())
 
-    def _level_mask(self, frontier, pool_parents, slots) -> torch.Tensor:
-        """Frontier elements see every committed element, their ancestors' elements and themselves."""
-        kf, before = len(frontier), self.cache.length
-        allowed = torch.zeros(kf, before + kf, dtype=torch.bool)
-        allowed[:, : self.committed] = True
-        for i, f in enumerate(frontier.tolist()):
-            allowed[i, before + i] = True
-            a = int(pool_parents[f])
-            while a >= 0:
-                allowed[i, slots[a]] = True
-                a = int(pool_parents[a])
-        return additive(allowed.to(self.device), self.dtype)[None, None]
+class EagleDrafter(TreeDrafter):
+    """EAGLE-2 dynamic tree from an EAGLE-1/EAGLE-3 head (``HeadProposer``: the head keeps its own cache)."""
+
+    def __init__(self, target, head, spec: TreeSpec):
+        super().__init__(HeadProposer(target, head), spec)
 
 
-class _ModelCache:
-    """A draft model's ``DynamicCache`` behind the two calls the tree expansion makes (``length``, ``crop``)."""
-
-    def __init__(self, model):
-        self.dyn = kv.new_cache(model)
-
-    @property
-    def length(self) -> int:
-        return kv.cache_length(self.dyn)
-
-    def crop(self, n: int) -> None:
-        kv.crop(self.dyn, n)
-
-
-class _ModelAsHead:
-    """A draft Target driven like a head by the tree expansion: ``step`` = one draft-model forward over the
-    given tokens (tree mask and positions given) on its own cache. It reads no features: the ``hidden`` it
-    returns is an empty placeholder for the feature slot the expansion carries."""
-
-    def __init__(self, draft, vocab: int):
-        self.draft, self.vocab = draft, vocab
-
-    def step(self, ids, g, pos, cache: _ModelCache, attn_mask=None):
-        keep = 1 if attn_mask is None else 0  # the pending tokens (a whole prompt at first): last row only
-        out = self.draft.forward(ids, attention_mask=attn_mask, position_ids=pos, past_key_values=cache.dyn,
-                                 kind=None, logits_to_keep=keep)
-        logits = out.logits[..., : self.vocab]  # a draft lm_head padded past the target's vocab: never propose those
-        return logits.new_zeros(logits.shape[:2] + (1,)), logits
-
-    @staticmethod
-    def draft_to_target(ids: torch.Tensor) -> torch.Tensor:
-        return ids
-
-
-class ModelTreeDrafter(EagleDrafter):
+class ModelTreeDrafter(TreeDrafter):
     """A draft model growing an EAGLE-2 dynamic tree instead of a chain (SpecInfer-style token tree).
 
     Each level is one draft-model forward over the ``top_k`` frontier nodes with a tree mask; on a CPU
-    that costs about one token, so the extra branches are nearly free to draft. Candidates are chosen
-    (top-k), so acceptance uses the one-hot rule, exact at any temperature. The draft cache is cropped
+    that costs about one token, so the extra branches are nearly free to draft. The draft cache is cropped
     after drafting and the accepted tokens re-fed in the next draft forward, like the head cache.
     ``decode.generate(target, ModelTreeDrafter(target, draft, TreeSpec(...)), ...)``.
     """
 
-    kind, layer_ids = None, None
-
     def __init__(self, target, draft, spec: TreeSpec):
-        check_same_tokenizer(target, draft)
-        self.draft_model, self.head, self.spec = draft, _ModelAsHead(draft, target.vocab_size), spec
-        self.device, self.dtype = draft.device, draft.dtype
-
-    def prefill(self, prompt, out, root):
-        self.cache = _ModelCache(self.draft_model.model)
-        self.committed = 0
-        self.pending_ids = torch.tensor(prompt[0].tolist() + [root], device=self.device)
-        self.pending_g = None
-
-    def commit(self, tree, path, next_token, out, rows):
-        ids = (tree.tokens[path].tolist() if path else []) + [next_token]
-        self.pending_ids = torch.tensor(ids, device=self.device)
+        super().__init__(ModelProposer(target, draft), spec)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from eaglekit.decode.drafters import ModelDrafter, PlainDrafter
 from eaglekit.decode.tree import Tree, prune
 
 SAMPLED = ("prompt lookup grafts onto a tree of chosen tokens; a draft-model chain is sampled (Leviathan's "
@@ -121,8 +122,6 @@ class LookupDrafter:
     candidates; ``tree="auto"`` sets it from the measured costs)."""
 
     def __init__(self, inner, tokens, max_ngram: int = 3, min_ngram: int = 1, inner_nodes: int | None = None):
-        from eaglekit.decode.drafters import ModelDrafter, PlainDrafter
-
         if isinstance(inner, ModelDrafter):
             raise ValueError(SAMPLED)
         self.lengths = branch_lengths(tokens, max_ngram, min_ngram)
@@ -154,7 +153,7 @@ class LookupDrafter:
 
     def commit(self, tree, path, next_token, out, rows):
         self.accepted += sum(1 for node in path if node >= self.first_grafted)
-        accepted = tree.tokens[path].tolist() if path else []
+        accepted = tree.path_tokens(path)
         n, chain = self.branch
         if chain:
             k = 0

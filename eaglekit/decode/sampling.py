@@ -13,7 +13,8 @@ when all are rejected. Which rule is lossless depends on how the children were p
 * ``accept_minpq_on_topk`` — the classic mistake (min(1, p/q) on deterministically chosen candidates),
   kept only so tests can show that the sampling check catches a wrong rule.
 
-At temperature 0 every rule reduces to "accept the child equal to argmax p" (``accept_greedy``).
+``rule_for(tree)`` picks the lossless rule for a tree. At temperature 0 every rule reduces to "accept the
+child equal to argmax p", which ``verify.accept`` does directly.
 """
 from __future__ import annotations
 
@@ -74,14 +75,6 @@ def _uniform(p: torch.Tensor, generator) -> float:
     return float(torch.rand((), generator=generator, device=device))
 
 
-def accept_greedy(p, tokens, q_token, q_full, generator):
-    best = int(p.argmax())
-    for i, x in enumerate(tokens):
-        if x == best:
-            return i, p
-    return None, p
-
-
 def accept_deterministic(p, tokens, q_token, q_full, generator):
     """One-hot proposals (top-k children): accept x w.p. p(x)/Σp, else zero it and try the next."""
     p = p.clone()
@@ -105,6 +98,12 @@ def accept_sampled(p, tokens, q_token, q_full, generator):
             continue
         p = rest / total
     return None, p
+
+
+def rule_for(tree):
+    """The lossless rule for how ``tree``'s nodes were proposed: sampled from q (a draft model's chain) or
+    chosen (top-k, prompt lookup)."""
+    return accept_sampled if tree.sampled else accept_deterministic
 
 
 def accept_minpq_on_topk(p, tokens, q_token, q_full, generator):

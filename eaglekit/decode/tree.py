@@ -3,6 +3,9 @@
 A tree hangs below a *root*: the last emitted token, not yet in the target's cache. Nodes are stored
 parents before children; ``parents[i] = -1`` means a child of the root. In the verify forward, row 0
 is the root and row ``i + 1`` is node ``i``; a node's position id is ``past_len + depth``.
+
+``expand`` grows an EAGLE-2 dynamic tree from any *proposer* (an EAGLE head or a draft model, see
+``proposers.py``): something that runs a few tokens through its own cache under a given mask.
 """
 from __future__ import annotations
 
@@ -51,6 +54,10 @@ class Tree:
     @property
     def is_chain(self) -> bool:
         return bool(torch.equal(self.parents.cpu(), torch.arange(len(self)) - 1))
+
+    def path_tokens(self, path: list[int]) -> list[int]:
+        """Token ids of the nodes ``path`` (e.g. an accepted path), in order."""
+        return self.tokens[path].tolist() if path else []
 
     def children(self) -> list[list[int]]:
         """Children node indices of each verify row (row 0 = root, row i+1 = node i), in draft order."""
@@ -112,3 +119,62 @@ def prune(tree: Tree, total: int) -> Tree:
     kept, parents = select_best(path, tree.parents.cpu(), total)
     kept = kept.to(tree.tokens.device)
     return Tree(tree.tokens[kept], parents.to(tree.tokens.device), tree.depths[kept], tree.q_token[kept])
+
+
+def expand(proposer, root_hidden, root_logits: torch.Tensor, spec: TreeSpec, depth: int) -> Tree:
+    """EAGLE-2: expand the ``top_k`` best frontier nodes by their ``top_k`` children for ``depth`` levels
+    (score = log path probability under the proposer); keep the best ``total_tokens`` of all candidates.
+
+    ``root_logits`` [V] (and ``root_hidden`` [H], the feature fed with the root's children; None for a
+    proposer that reads none) come from the proposer's last committed element, which sits at position
+    ``proposer.length - 1``. Each level is one ``proposer.step`` over the frontier on top of the committed
+    elements (a tree mask: committed elements, the node's ancestors and itself); the caller crops the
+    proposer's cache back to the committed elements afterwards.
+    """
+    committed = proposer.length
+    k = min(spec.top_k, root_logits.shape[-1])
+    top = torch.log_softmax(root_logits.float(), -1).topk(k)
+    # the candidate pool (all levels; pool order = parents before children), bookkept on the CPU
+    tokens, logq = [top.indices.cpu()], [top.values.cpu()]
+    parents, depths, scores = [torch.full((k,), -1)], [torch.ones(k, dtype=torch.long)], [logq[0]]
+    frontier = torch.arange(k)  # pool indices expanded at the next level
+    feed = None if root_hidden is None else root_hidden.expand(k, -1)  # a child takes its parent's output
+    slots: dict[int, int] = {}  # pool index -> proposer cache slot of the node's element
+    for d in range(2, depth + 1):
+        pool_tokens, pool_parents = torch.cat(tokens), torch.cat(parents)
+        ids = proposer.to_target(pool_tokens[frontier].to(proposer.device))
+        pos = torch.full((len(frontier),), committed - 1 + d - 1, device=proposer.device)
+        mask = _level_mask(proposer, committed, frontier, pool_parents, slots)
+        for i, f in enumerate(frontier.tolist()):
+            slots[f] = proposer.length + i
+        hidden, lg = proposer.step(ids[None], None if feed is None else feed[None], pos[None], mask)
+        lp = torch.log_softmax(lg[0].float(), -1).topk(k)  # [len(frontier), k]
+        values, indices = lp.values.cpu(), lp.indices.cpu()
+        cand = (torch.cat(scores)[frontier][:, None] + values).flatten()
+        base = len(pool_tokens)
+        tokens.append(indices.flatten())
+        logq.append(values.flatten())
+        parents.append(frontier.repeat_interleave(k))
+        depths.append(torch.full((len(cand),), d, dtype=torch.long))
+        scores.append(cand)
+        best = cand.topk(min(k, len(cand))).indices
+        frontier = base + best
+        feed = None if hidden is None else hidden[0][(best // k).to(proposer.device)]
+    kept, new_parents = select_best(torch.cat(scores), torch.cat(parents), spec.total_tokens)
+    draft_ids = torch.cat(tokens)[kept].to(proposer.device)
+    return Tree(tokens=proposer.to_target(draft_ids).long(), parents=new_parents.to(proposer.device),
+                depths=torch.cat(depths)[kept].to(proposer.device), q_token=torch.cat(logq)[kept].exp())
+
+
+def _level_mask(proposer, committed: int, frontier, pool_parents, slots) -> torch.Tensor:
+    """Frontier elements see every committed element, their ancestors' elements and themselves."""
+    kf, before = len(frontier), proposer.length
+    allowed = torch.zeros(kf, before + kf, dtype=torch.bool)
+    allowed[:, :committed] = True
+    for i, f in enumerate(frontier.tolist()):
+        allowed[i, before + i] = True
+        a = int(pool_parents[f])
+        while a >= 0:
+            allowed[i, slots[a]] = True
+            a = int(pool_parents[a])
+    return additive(allowed.to(proposer.device), proposer.dtype)[None, None]

@@ -1,65 +1,20 @@
-"""Independent review of lossless sampling (T=0.7, top_p=0.8, top_k=5).
-
-Two levels, both against distributions computed here with transformers' own warpers in float64:
-* the acceptance step alone (``decode.generate.accept``) on fixed verify logits, 20k draws: the first
-  emitted token must follow p_root, and the second (when the walk went deeper) p at the accepted child;
-* end to end: the joint law of the first 3 generated tokens with max_new_tokens=4, so the tree/chain is
-  2 levels deep and the walk really descends (with max_new_tokens=3 the first verify only gets depth 1).
-
-Statistic: Pearson chi-square, cells expected below 5 pooled, groups (conditionals) summed with their
-degrees of freedom; p-value from the chi-square law. A check fails below ALPHA = 1e-3 (false-alarm rate
-0.1% per check; seeds fixed, so outcomes are deterministic). An impossible token emitted once fails.
-Each correct-rule check is paired with deliberately wrong rules that the same check must reject, and
-a lossless-but-lazy rule (reject everything) that the tau checks must reject."""
+"""The acceptance step alone (``decode.verify.accept``) on fixed verify logits, 20k draws, T=0.7, top_p=0.8,
+top_k=5: the first emitted token must follow p_root, and the second (when the walk went deeper) p at the
+accepted child, against exact_law.py's distributions (transformers' warpers, float64; chi-square summed
+over the conditionals, ALPHA = 1e-3 per check). Each correct-rule check is paired with deliberately wrong
+rules that the same check must reject. The wrong and lazy rules here are also used by the end-to-end
+checks (test_decode_sampling_checks.py)."""
 import pytest
 import torch
-from helpers import tiny_target
-from test_decode_review_exact import OracleDrafter, review_head
+from exact_law import ALPHA, chi2_pvalue, hf_probs
 
-from eaglekit import decode
-from eaglekit.decode.generate import accept
 from eaglekit.decode.sampling import Sampling, accept_deterministic, accept_minpq_on_topk, accept_sampled
 from eaglekit.decode.tree import Tree
+from eaglekit.decode.verify import accept
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
 CFG = dict(temperature=0.7, top_p=0.8, top_k=5)
-ALPHA = 1e-3
-PROMPT = [2, 8, 9, 10]
-
-
-def hf_probs(logits: torch.Tensor, cfg=CFG) -> torch.Tensor:
-    """The exact target distribution, as transformers' sampling defines it (float64)."""
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
-
-    warp = LogitsProcessorList([TemperatureLogitsWarper(cfg["temperature"]), TopKLogitsWarper(cfg["top_k"]),
-                                TopPLogitsWarper(cfg["top_p"])])
-    return torch.softmax(warp(None, logits.double()[None]), -1)[0]
-
-
-def chi2(groups) -> float:
-    """groups: list of (counts {cell: n}, probs {cell: p}). Sum of per-group Pearson statistics."""
-    stat, df = 0.0, 0
-    for counts, probs in groups:
-        n = sum(counts.values())
-        if n == 0:
-            continue
-        if any(c and probs.get(k, 0.0) <= 0 for k, c in counts.items()):
-            return 0.0  # an impossible outcome
-        big = [k for k, p in probs.items() if n * p >= 5]
-        small_e = n * sum(p for k, p in probs.items() if n * p < 5)
-        small_o = sum(c for k, c in counts.items() if n * probs[k] < 5)
-        stat += sum((counts.get(k, 0) - n * probs[k]) ** 2 / (n * probs[k]) for k in big)
-        cells = len(big)
-        if small_e > 0.5:
-            stat += (small_o - small_e) ** 2 / small_e
-            cells += 1
-        df += max(cells - 1, 0)
-    if df == 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 # ---------------------------------------------------------------- wrong rules (each must be caught)
@@ -116,7 +71,7 @@ def _draws(logits_of, tree_of, rule, n, seed):
         tree, logits = tree_of(g), logits_of
         if callable(logits):
             logits = logits(tree)
-        path, nxt = accept(logits, tree, s, rule, g)
+        path, nxt = accept(logits, tree, s, g, rule)
         em = tree.tokens[path].tolist() + [nxt]
         firsts[em[0]] = firsts.get(em[0], 0) + 1
         if len(em) >= 2:
@@ -130,11 +85,11 @@ def _as_dict(p):
     return {i: float(v) for i, v in enumerate(p) if v > 0}
 
 
-def test_decode_review_accept_topk_tree_exact_law():
+def test_decode_accept_topk_tree_exact_law():
     """Top-k tree (root children = the 3 best of the draft, each with 2 children): first token ~ p_root,
     second ~ p_child. Candidates include tokens outside the target's support (p=0)."""
     lg = _synthetic(0)
-    p = [hf_probs(r) for r in lg]
+    p = [hf_probs(r, CFG) for r in lg]
     order0 = lg[0].argsort(descending=True)
     kids0 = [int(order0[1]), int(order0[0]), int(order0[7])]  # 2nd best first; one token with p = 0
     tokens, parents = list(kids0), [-1, -1, -1]
@@ -152,7 +107,7 @@ def test_decode_review_accept_topk_tree_exact_law():
         groups = [(firsts, _as_dict(p[0]))]
         for c, x in enumerate(kids0):
             groups.append((seconds.get(x, {}), _as_dict(p_row[c])))
-        return chi2(groups), lengths
+        return chi2_pvalue(groups), lengths
 
     pv, lengths = law(accept_deterministic)
     assert pv > ALPHA, pv
@@ -161,17 +116,17 @@ def test_decode_review_accept_topk_tree_exact_law():
         assert law(wrong, n=4000)[0] < ALPHA, wrong.__name__
 
 
-def test_decode_review_accept_leviathan_chain_exact_law():
+def test_decode_accept_leviathan_chain_exact_law():
     """A sampled chain x1 ~ q0, x2 ~ q1[x1]; p at row 1 depends on x1. First ~ p0, second | x1 ~ p1[x1]."""
     V = 12
     lg = _synthetic(1, V)
-    p0 = hf_probs(lg[0])
+    p0 = hf_probs(lg[0], CFG)
     qlog = lg + _synthetic(2, V)  # a draft near the target: supports overlap, ratios far from 1
     s = Sampling(**CFG)
     q0 = s.probs(qlog[0])
     row1 = torch.stack([lg[1] + 0.5 * torch.roll(lg[2], x) for x in range(V)])  # target p at x1
     q1 = torch.stack([s.probs(row1[x] + qlog[1] - lg[1]) for x in range(V)])  # q at depth 2 depends on x1
-    p1 = {x: hf_probs(row1[x]) for x in range(V)}
+    p1 = {x: hf_probs(row1[x], CFG) for x in range(V)}
 
     def tree_of(g):
         x1 = int(torch.multinomial(q0, 1, generator=g))
@@ -185,7 +140,7 @@ def test_decode_review_accept_leviathan_chain_exact_law():
 
     def law(rule, n=12000, seed=3):
         firsts, seconds, lengths = _draws(logits_of, tree_of, rule, n, seed)
-        return chi2([(firsts, _as_dict(p0))] + [(seconds[x], _as_dict(p1[x])) for x in seconds]), lengths
+        return chi2_pvalue([(firsts, _as_dict(p0))] + [(seconds[x], _as_dict(p1[x])) for x in seconds]), lengths
 
     pv, lengths = law(accept_sampled)
     assert pv > ALPHA, pv

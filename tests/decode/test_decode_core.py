@@ -5,10 +5,10 @@ import torch
 from helpers import tiny_target
 
 from eaglekit import decode
-from eaglekit.decode import kv
+from eaglekit.decode import kv, loop
 from eaglekit.decode.drafters import ModelTreeDrafter
-from eaglekit.decode.generate import verify
 from eaglekit.decode.tree import Tree, TreeSpec
+from eaglekit.decode.verify import verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
@@ -81,31 +81,46 @@ def test_decode_tree_verify_logits_equal_path_forwards():
         torch.testing.assert_close(out.logits[0, i + 1], ref, atol=1e-5, rtol=1e-5)
 
 
-def _cache_equals_fresh(target, tol):
+def _cache_equals_fresh(monkeypatch, target, tol):
+    """After every step of decode.generate, the target's cache must equal a fresh forward over the text it
+    covers (the prompt and every emitted token but the last). Returns the text lengths checked."""
     checked = []
+    prefill, step = loop.Decoder.prefill, loop.Decoder.step
 
-    def on_step(cache, tokens):
+    def watched_prefill(self, prompt):
+        root = prefill(self, prompt)
+        self.text = prompt[0].tolist() + [root]
+        return root
+
+    def watched_step(self, root, max_depth):
+        done = step(self, root, max_depth)
+        self.text += done.emitted
+        tokens = torch.tensor(self.text[:-1])
         fresh = kv.new_cache(target.model)
         target.forward(tokens[None], past_key_values=fresh, kind=None)
-        assert kv.cache_length(cache) == len(tokens)
-        for (g1, _), (g2, _) in zip(kv._slots(cache), kv._slots(fresh)):
+        assert kv.cache_length(self.cache) == len(tokens)
+        for (g1, _), (g2, _) in zip(kv._slots(self.cache), kv._slots(fresh)):
             for a, b in zip(g1(), g2()):
                 torch.testing.assert_close(a, b, atol=tol, rtol=tol)
         checked.append(len(tokens))
-    return on_step, checked
+        return done
+
+    monkeypatch.setattr(loop.Decoder, "prefill", watched_prefill)
+    monkeypatch.setattr(loop.Decoder, "step", watched_step)
+    return checked
 
 
 @pytest.mark.parametrize("drafter", ["eagle3", "self", "chain", "model_tree"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_decode_kv_keep_equals_fresh_forward(drafter, temperature):
+def test_decode_kv_keep_equals_fresh_forward(drafter, temperature, monkeypatch):
     """After every step the target cache equals a fresh forward over the accepted text (fp32, 1e-5)."""
     t = tiny_target(vocab_size=64, layers=3)
     small = tiny_target(seed=1, vocab_size=64, layers=2)
     dr = {"eagle3": tiny_head(t, "eagle3", 48), "self": t, "chain": small,
           "model_tree": ModelTreeDrafter(t, small, TreeSpec(**TREE))}[drafter]
-    on_step, checked = _cache_equals_fresh(t, 1e-5)
+    checked = _cache_equals_fresh(monkeypatch, t, 1e-5)
     out = decode.generate(t, dr, torch.tensor([PROMPTS[0]]), 24, temperature=temperature, seed=0,
-                          eos_token_id=False, tree=TREE, gamma=3, on_step=on_step)
+                          eos_token_id=False, tree=TREE, gamma=3)
     assert len(checked) == len(out.stats.accept_lengths) >= 6
     if drafter == "self":
         assert max(out.stats.accept_lengths) == 4  # the keep moved multi-token paths
@@ -175,9 +190,9 @@ def test_decode_tree_draft_probs_equal_sequential_head(kind):
     prompt = torch.tensor([PROMPTS[2]])
     out = t.forward(prompt, kind=kind, layer_ids=dr.layer_ids)
     dr.prefill(prompt, out, 12)
-    ids0, g0 = dr.pending_ids.clone(), dr.pending_g.clone()
+    ids0, g0 = (x.clone() for x in dr.proposer.pending)
     tree = dr.draft(max_depth=10)
-    assert len(tree) == 20 and int(tree.depths.max()) >= 3 and dr.cache.length == len(ids0)
+    assert len(tree) == 20 and int(tree.depths.max()) >= 3 and dr.proposer.length == len(ids0)
     to_draft = head.target_to_draft
     for v in range(len(tree)):
         path, j = [], v

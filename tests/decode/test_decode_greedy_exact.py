@@ -1,6 +1,6 @@
-"""Independent review of decode exactness at temperature 0 (and top-k=1): adversarial drafters, tiny
-budgets, EOS inside an accepted run, every attention backend and dtype for the tree mask, and the head's
-own cache after every step. Reference = the target's own decoding (transformers' generate), fp32.
+"""Greedy exactness (temperature 0, and top-k=1): adversarial drafters, tiny budgets, EOS inside an
+accepted run, every attention backend and dtype for the tree mask, and the head's own cache after every
+step. Reference = the target's own decoding (transformers' generate), fp32.
 
 The drafters written here follow the decode protocol (``prefill/draft/commit``) and ask the *target*
 for their proposals, so their acceptance is known in advance: an oracle that proposes the target's
@@ -9,14 +9,14 @@ must have nothing accepted (tau = 1). Both must still produce the target's own o
 import pytest
 import torch
 from helpers import tiny_target
-from test_decode_core import tiny_head as review_head
+from test_decode_core import tiny_head
 
 from eaglekit import decode
 from eaglekit.decode import kv
 from eaglekit.decode.drafters import EagleDrafter
-from eaglekit.decode.generate import verify
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.tree import Tree, TreeSpec
+from eaglekit.decode.verify import verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
@@ -91,7 +91,7 @@ def run(target, drafter, ids, n, **kw):
 
 
 @pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "eager")])
-def test_decode_review_oracle_tau_max_and_wrong_tau_one(arch, attn):
+def test_decode_greedy_oracle_tau_max_and_wrong_tau_one(arch, attn):
     t = tiny_target(arch, attn=attn, vocab_size=64, layers=2)
     greedy = Sampling()
     for ids in PROMPTS[:1]:
@@ -107,11 +107,11 @@ def test_decode_review_oracle_tau_max_and_wrong_tau_one(arch, attn):
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_decode_review_tiny_budgets_every_drafter(n):
+def test_decode_greedy_tiny_budgets_every_drafter(n):
     t = tiny_target(vocab_size=64, layers=2)
     greedy = Sampling()
     drafters = {"plain": None, "chain": tiny_target(seed=1, vocab_size=64, layers=1), "self": t,
-                "eagle3": review_head(t, "eagle3", 48), "eagle1": review_head(t, "eagle1"),
+                "eagle3": tiny_head(t, "eagle3", 48), "eagle1": tiny_head(t, "eagle1"),
                 "oracle": OracleDrafter(t, greedy, 4, argmax_second),
                 "oracle_overshoot": OracleDrafter(t, greedy, 4, argmax_second, ignore_max_depth=True)}
     for ids in PROMPTS[1:]:
@@ -126,16 +126,16 @@ def test_decode_review_tiny_budgets_every_drafter(n):
 
 @pytest.mark.parametrize("spec", [dict(depth=1, top_k=1, total_tokens=1), dict(depth=5, top_k=1, total_tokens=1),
                                   dict(depth=6, top_k=1, total_tokens=6), dict(depth=2, top_k=6, total_tokens=36)])
-def test_decode_review_degenerate_tree_shapes(spec):
+def test_decode_greedy_degenerate_tree_shapes(spec):
     t = tiny_target(vocab_size=64, layers=2, attn="eager")
-    head = review_head(t, "eagle3", 40)
+    head = tiny_head(t, "eagle3", 40)
     for ids in PROMPTS[1:]:
         out = run(t, head, ids, 12, tree=spec)
         assert out.sequences.tolist() == hf_greedy(t, ids, 12), (spec, ids)
         assert max(out.stats.tree_sizes) <= spec["total_tokens"]
 
 
-def test_decode_review_eos_inside_accepted_run():
+def test_decode_greedy_eos_inside_accepted_run():
     """EOS emitted in the middle of a fully accepted path: output stops right after it, as plain decoding."""
     t = tiny_target(vocab_size=64, layers=2)
     greedy = Sampling()
@@ -148,7 +148,7 @@ def test_decode_review_eos_inside_accepted_run():
             continue
         ref = hf_greedy(t, ids, 16, eos=eos)
         assert ref[0][len(ids):] == free[: j + 1]
-        for dr in (OracleDrafter(t, greedy, 4, argmax_second), t, review_head(t, "eagle3", 48), None):
+        for dr in (OracleDrafter(t, greedy, 4, argmax_second), t, tiny_head(t, "eagle3", 48), None):
             out = run(t, dr, ids, 16, eos_token_id=eos, gamma=4)
             assert out.sequences.tolist() == ref, (j, dr)
             assert out.stats.new_tokens == j + 1
@@ -158,11 +158,11 @@ def test_decode_review_eos_inside_accepted_run():
     assert cases == 4  # EOS at the root (j=0) and inside runs of the oracle (accept length 5 per step)
 
 
-def test_decode_review_topk1_and_tiny_top_p_sampling_is_greedy():
+def test_decode_greedy_topk1_and_tiny_top_p_sampling_is_greedy():
     """At T>0 with top_k=1 (or top_p tiny) p is one-hot: every drafter must give the greedy output."""
     t = tiny_target(vocab_size=64, layers=2)
     chain = tiny_target(seed=1, vocab_size=64, layers=1)
-    head = review_head(t, "eagle3", 48)
+    head = tiny_head(t, "eagle3", 48)
     for cfg in (dict(temperature=0.7, top_k=1), dict(temperature=1.5, top_p=1e-6)):
         s = Sampling(**cfg)
         for ids in PROMPTS[:1]:
@@ -186,7 +186,7 @@ def _path_forward_logits(t, prompt, tree):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("qwen2", "eager")])
-def test_decode_review_tree_verify_every_backend_and_dtype(arch, attn, dtype):
+def test_decode_greedy_tree_verify_every_backend_and_dtype(arch, attn, dtype):
     """Verify-forward logits of every tree row equal a plain forward over prefix + its path; finite.
     bf16 tolerance 0.1 (logits ~N(0, 4)): a causal mask instead of the tree mask must exceed it."""
     t = tiny_target(arch, attn=attn, vocab_size=64, layers=2)
@@ -213,14 +213,14 @@ def test_decode_review_tree_verify_every_backend_and_dtype(arch, attn, dtype):
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_decode_review_head_cache_equals_fresh_every_step(kind):
+def test_decode_greedy_head_cache_equals_fresh_every_step(kind):
     """At each draft, the head's cache holds exactly the elements (g_t, x_{t+1}) of the accepted text with
     the target's own features: equal (1e-5) to a fresh head run over the whole text. Tree elements and the
     bonus token must not linger; the tree below must be the same as from a fresh cache."""
     from eaglekit.heads import HeadCache
 
     t = tiny_target(vocab_size=64, layers=3)
-    head = review_head(t, kind, 48)
+    head = tiny_head(t, kind, 48)
     head.lm_head.weight.data.mul_(10.0) if kind == "eagle3" else None
     ed = EagleDrafter(t, head, TreeSpec(depth=3, top_k=3, total_tokens=8))
     text, checks = [], []
@@ -243,8 +243,9 @@ def test_decode_review_head_cache_equals_fresh_every_step(kind):
             g = head.fuse_output(fo)
             fresh = HeadCache()
             head.step(x[:, 1:], g, torch.arange(x.shape[1] - 1)[None], cache=fresh)
-            assert ed.cache.length == fresh.length == len(text) - 1 == ed.committed
-            for a, b in zip(ed.cache.keys + ed.cache.values, fresh.keys + fresh.values):
+            cache = ed.proposer.cache
+            assert cache.length == fresh.length == len(text) - 1
+            for a, b in zip(cache.keys + cache.values, fresh.keys + fresh.values):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
             checks.append(len(tree))
             return tree

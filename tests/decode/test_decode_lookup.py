@@ -146,7 +146,7 @@ def test_decode_lookup_greedy_equals_hf_every_tree_drafter():
                 counts = dr.accepted_by_match
                 assert set(counts) <= {1, 2, 3} and sum(c for h in counts.values() for c in h.values()) == dr.matches
                 assert sum(k * c for h in counts.values() for k, c in h.items()) == dr.accepted, counts
-            # the generate() switch builds the same wrapper around what make_drafter builds
+            # the generate() switch builds the same wrapper around what plan.make_drafter builds
             plain_arg = {"plain": None, "eagle3": head, "model_tree": ModelTreeDrafter(t, small, TreeSpec(**TREE))}
             via_kw = decode.generate(t, plain_arg[name], torch.tensor([ids]), 40, eos_token_id=False, tree=TREE,
                                      prompt_lookup=5)
@@ -167,12 +167,12 @@ def test_decode_lookup_greedy_equals_hf_every_tree_drafter():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_decode_lookup_kv_keep_equals_fresh_forward(temperature):
+def test_decode_lookup_kv_keep_equals_fresh_forward(temperature, monkeypatch):
     t = tiny_target(vocab_size=64, layers=3)
-    on_step, checked = _cache_equals_fresh(t, 1e-5)
+    checked = _cache_equals_fresh(monkeypatch, t, 1e-5)
     dr = LookupDrafter(EagleDrafter(t, tiny_head(t, "eagle3", 48), TreeSpec(**TREE)), 4)
     out = decode.generate(t, dr, torch.tensor([[2, 5, 6, 7, 5, 6, 7, 5, 6]]), 24, temperature=temperature,
-                          seed=0, eos_token_id=False, on_step=on_step)
+                          seed=0, eos_token_id=False)
     assert len(checked) == len(out.stats.accept_lengths) >= 4
     # greedy, the keep moved rows of grafted nodes too (this near-uniform tiny model's samples rarely repeat;
     # lookup acceptance under sampling is exercised by the sampling-law test)

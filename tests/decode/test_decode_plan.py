@@ -7,7 +7,7 @@ import torch
 from helpers import tiny_target
 
 from eaglekit import decode
-from eaglekit.decode import cost
+from eaglekit.decode import cost, plan
 from eaglekit.decode.tree import TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
@@ -21,7 +21,7 @@ def synthetic_pools(accept=0.7, contexts=2, untrained=False):
         child = [accept] + [(1 - accept) / 2 ** (i + 1) for i in range(k - 1)]
         child = [1 / 32000] * k if untrained else child
         depths, probs, frontier = [], [], [1.0]
-        for d in range(1, cost.MAX_DEPTH + 1):
+        for d in range(1, plan.MAX_DEPTH + 1):
             cand = sorted((f * c for f in frontier for c in child), reverse=True)
             depths += [d] * len(cand)
             probs += cand
@@ -37,21 +37,21 @@ GPU = cost.Costs("gpu", {1: 0.020, 16: 0.0201, 32: 0.0203, 64: 0.021, 96: 0.024}
                  {k: 0.0006 for k in cost.LEVEL_SIZES})
 
 
-def test_decode_auto_tree_small_on_cpu_large_on_gpu():
+def test_decode_plan_auto_tree_small_on_cpu_large_on_gpu():
     pools = synthetic_pools()
-    cpu, cpu_rate = cost.choose(CPU, pools)
-    gpu, gpu_rate = cost.choose(GPU, pools)
+    cpu, cpu_rate = plan.choose(CPU, pools)
+    gpu, gpu_rate = plan.choose(GPU, pools)
     assert cpu.total_tokens <= 16 and gpu.total_tokens >= 48, (cpu, gpu)
     assert gpu.depth > cpu.depth
     # the chosen spec beats plain decoding and EAGLE's fixed 60-node tree under each cost model
     for costs, spec, rate in ((CPU, cpu, cpu_rate), (GPU, gpu, gpu_rate)):
         assert rate > 1 / costs.verify(1)
         step = costs.level(2) + 5 * costs.level(8) + costs.verify(61)
-        fixed = cost.expected_tokens(pools[8], 6, 60) / step
+        fixed = plan.expected_tokens(pools[8], 6, 60) / step
         assert rate >= fixed
 
 
-def test_decode_auto_tree_uses_a_lumpy_cpu_curve():
+def test_decode_plan_auto_tree_uses_a_lumpy_cpu_curve():
     """Measured on this CPU with packed linears: 2 rows cost more than 3 to 6, then ~1 ms a row. A head
     with a few likely children gets the 5 nodes that fit in the free rows (the old 1/2/4/8 grid and
     candidate list could not express 5), not 6 (the next row costs more than its child adds)."""
@@ -59,18 +59,18 @@ def test_decode_auto_tree_uses_a_lumpy_cpu_curve():
                                16: 0.062, 96: 0.2}, {k: 0.002 for k in cost.LEVEL_SIZES})
     child = [0.2, 0.1, 0.08, 0.06, 0.05, 0.01, 0.01, 0.01, 0.01, 0.01]
     pools = {k: [([1] * k, child[:k])] for k in cost.LEVEL_SIZES}  # depth 1 only
-    spec, rate = cost.choose(lumpy, pools)
+    spec, rate = plan.choose(lumpy, pools)
     assert spec.depth == 1 and spec.total_tokens == 5 and spec.top_k >= 5, spec
     assert rate == pytest.approx((1 + sum(child[:5])) / (0.002 + 0.041))  # a head level + 6 rows
 
 
-def test_decode_auto_tree_untrained_head_gets_minimal_tree():
+def test_decode_plan_auto_tree_untrained_head_gets_minimal_tree():
     pools = synthetic_pools(untrained=True)
-    spec, _ = cost.choose(GPU, pools)
+    spec, _ = plan.choose(GPU, pools)
     assert spec.total_tokens <= 2
 
 
-def test_decode_auto_tree_measures_calibrates_and_caches(tmp_path, monkeypatch):
+def test_decode_plan_auto_tree_measures_calibrates_and_caches(tmp_path, monkeypatch):
     from test_decode_core import tiny_head
 
     t = tiny_target(vocab_size=64, layers=2)
@@ -78,29 +78,30 @@ def test_decode_auto_tree_measures_calibrates_and_caches(tmp_path, monkeypatch):
     costs = cost.measure(t, head, prefix_len=16, repeats=1)
     assert set(costs.verify_s) == set(cost.VERIFY_SIZES) and all(v > 0 for v in costs.level_s.values())
     ids = torch.randint(7, 64, (1, 40), generator=torch.Generator().manual_seed(0))
-    pools = cost.calibrate(t, head, ids, contexts=2, depth=3, ks=(1, 2, 3))
+    pools = plan.calibrate(t, head, ids, contexts=2, depth=3, ks=(1, 2, 3))
     assert [len(pools[k][0][0]) for k in (1, 2, 3)] == [3, 2 + 2 * 4, 3 + 2 * 9]
     assert all(0 < p <= 1 for p in pools[3][0][1])
-    monkeypatch.setattr(cost, "calibration_ids", lambda target: ids)
-    spec = cost.auto_tree(t, head, cache_dir=tmp_path)
+    monkeypatch.setattr(plan, "calibration_ids", lambda target: ids)
+    spec = plan.auto_tree(t, head, cache_dir=tmp_path)
     assert isinstance(spec, TreeSpec) and len(list(tmp_path.glob("*.json"))) == 1
-    monkeypatch.setattr(cost, "measure", lambda *a, **k: pytest.fail("cached costs were measured again"))
-    assert cost.auto_tree(t, head, cache_dir=tmp_path) == spec
+    monkeypatch.setattr(plan, "measure", lambda *a, **k: pytest.fail("cached costs were measured again"))
+    assert plan.auto_tree(t, head, cache_dir=tmp_path) == spec
     out = decode.generate(t, head, ids[:, :8], 6, eos_token_id=False, tree=spec)
     assert out.stats.new_tokens == 6
     # in-process: the plan is reused without hashing the weights again, until a weight changes in place
-    plan = cost.auto_plan(t, head, cache_dir=tmp_path)
-    assert 0 <= plan["nodes_with_lookup"] <= spec.total_tokens
+    made = plan.auto_plan(t, head, cache_dir=tmp_path)
+    assert isinstance(made, plan.Plan) and made.spec == spec and 0 <= made.nodes_with_lookup <= spec.total_tokens
     keys = []
-    real_key = cost._key
-    monkeypatch.setattr(cost, "_key", lambda *a: keys.append(1) or real_key(*a))
-    assert cost.auto_plan(t, head, cache_dir=tmp_path) is plan and keys == []
+    real_key = plan._key
+    monkeypatch.setattr(plan, "_key", lambda *a: keys.append(1) or real_key(*a))
+    assert plan.auto_plan(t, head, cache_dir=tmp_path) is made and keys == []
     with torch.no_grad():
         next(head.parameters()).mul_(1.0)  # an in-place write (same values: the file cache still answers)
-    assert cost.auto_plan(t, head, cache_dir=tmp_path) is not plan and keys == [1]
+    again = plan.auto_plan(t, head, cache_dir=tmp_path)
+    assert again is not made and again == made and keys == [1]
 
 
-def test_decode_auto_keeps_fewer_head_nodes_beside_a_lookup_branch(monkeypatch):
+def test_decode_plan_auto_keeps_fewer_head_nodes_beside_a_lookup_branch(monkeypatch):
     """Where rows cost time (the lumpy CPU curve) a step with a 3-row lookup branch keeps fewer of the
     head's candidates; where verification is flat (GPU) it keeps them all; generate(tree="auto",
     prompt_lookup=...) hands the plan's count to the LookupDrafter."""
@@ -109,31 +110,28 @@ def test_decode_auto_keeps_fewer_head_nodes_beside_a_lookup_branch(monkeypatch):
     child = [0.2, 0.1, 0.08, 0.06, 0.05, 0.01]
     pool = [([1] * 6, child)]
     spec = TreeSpec(1, 6, 5)
-    beside = cost.nodes_beside_branch(lumpy, pool, spec, rows=3, tokens=0.8)
+    beside = plan.nodes_beside_branch(lumpy, pool, spec, rows=3, tokens=0.8)
     assert beside < spec.total_tokens
     rate = lambda n: (1 + sum(child[:n]) + 0.8) / (0.002 + lumpy.verify(n + 4))
     assert rate(beside) == max(rate(n) for n in range(6))
-    assert cost.nodes_beside_branch(GPU, pool, spec, rows=3, tokens=0.8) == spec.total_tokens
-    import sys
-
+    assert plan.nodes_beside_branch(GPU, pool, spec, rows=3, tokens=0.8) == spec.total_tokens
     from test_decode_core import tiny_head
 
-    gen = sys.modules["eaglekit.decode.generate"]  # the module (eaglekit.decode.generate is the function)
     t = tiny_target(vocab_size=64, layers=2)
     head = tiny_head(t, "eagle3", 48)
-    plan = dict(spec=dict(depth=2, top_k=2, total_tokens=4), expected_tokens_per_s=30.0, plain_tokens_per_s=20.0,
-                costs={}, nodes_with_lookup=1)
-    monkeypatch.setattr(cost, "auto_plan", lambda target, head: plan)
+    made = plan.Plan(TreeSpec(depth=2, top_k=2, total_tokens=4), expected_tokens_per_s=30.0,
+                     plain_tokens_per_s=20.0, nodes_with_lookup=1)
+    monkeypatch.setattr(plan, "auto_plan", lambda target, head: made)
     built = []
-    real = gen.LookupDrafter
-    monkeypatch.setattr(gen, "LookupDrafter", lambda inner, n, **kw: built.append(kw) or real(inner, n, **kw))
+    real = plan.LookupDrafter
+    monkeypatch.setattr(plan, "LookupDrafter", lambda inner, n, **kw: built.append(kw) or real(inner, n, **kw))
     ids = torch.tensor([[2, 5, 6, 7, 5, 6, 7, 5, 6]])
     out = decode.generate(t, head, ids, 12, eos_token_id=False, tree="auto", prompt_lookup=4)
     assert built == [dict(inner_nodes=1)]
     assert torch.equal(out.sequences, decode.generate(t, None, ids, 12, eos_token_id=False).sequences)
 
 
-def test_decode_auto_falls_back_to_plain_when_no_tree_pays(tmp_path, monkeypatch):
+def test_decode_plan_auto_falls_back_to_plain_when_no_tree_pays(tmp_path, monkeypatch):
     from test_decode_core import tiny_head
 
     t = tiny_target(vocab_size=64, layers=2)
@@ -141,9 +139,8 @@ def test_decode_auto_falls_back_to_plain_when_no_tree_pays(tmp_path, monkeypatch
     ids = torch.randint(7, 64, (1, 12), generator=torch.Generator().manual_seed(1))
     plain = decode.generate(t, None, ids, 6, eos_token_id=False)
     for expected, plain_rate, drafts in ((5.0, 20.0, False), (30.0, 20.0, True)):
-        plan = dict(spec=dict(depth=2, top_k=2, total_tokens=4), expected_tokens_per_s=expected,
-                    plain_tokens_per_s=plain_rate, costs={})
-        monkeypatch.setattr(cost, "auto_plan", lambda target, head, plan=plan: plan)
+        made = plan.Plan(TreeSpec(depth=2, top_k=2, total_tokens=4), expected, plain_rate)
+        monkeypatch.setattr(plan, "auto_plan", lambda target, head, made=made: made)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             out = decode.generate(t, head, ids, 6, eos_token_id=False, tree="auto")

@@ -1,0 +1,209 @@
+"""Which drafter ``generate`` runs: ``make_drafter``, and ``tree="auto"``'s plan for a head on this device.
+
+``make_drafter(target, drafter, ...)`` turns what a caller passes (None, a draft Target, an EAGLE head, or
+a ready drafter) into a ``drafters.Drafter``, optionally with a prompt-lookup branch grafted on.
+
+``tree="auto"`` sizes the head's EAGLE-2 tree from what verification and drafting cost here: verifying m
+tokens costs the target c(m), one draft level of k nodes costs the head d(k) (``cost.measure``, once per
+device, target, head shape and dtype, cached as JSON under the eaglekit cache dir, ``decode-costs/``).
+The expected tokens per step of a tree is 1 + Σ over its nodes of the node's path probability under the
+head (EAGLE-2's observation: the draft's confidence predicts acceptance), taken from a short calibration
+run of the head on a real prompt. The spec maximising E[tokens] / (d(pending) + (depth-1)·d(top_k) +
+c(total_tokens + 1)) wins: on a CPU, where c grows quickly, that is a small tree; on a GPU, where c is
+almost flat up to ~64 tokens, a large one. Where no tree is expected to beat plain decoding, "auto"
+decodes without drafting.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+import weakref
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from eaglekit import __version__, assets
+from eaglekit.decode.cost import LEVEL_SIZES, VERIFY_SIZES, Costs, device_name, measure
+from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelDrafter, PlainDrafter
+from eaglekit.decode.lookup import LookupDrafter
+from eaglekit.decode.loop import run
+from eaglekit.decode.sampling import Sampling
+from eaglekit.decode.tree import TreeSpec
+from eaglekit.fileio import write_text
+from eaglekit.packed_linear import packed_count
+
+MAX_DEPTH = 8
+PLAN_FORMAT = 2  # bumped when a plan gains fields or is measured differently: cached plans are then remade
+# A prompt-lookup branch (lookup.BY_MATCH) on MT-bench with an EAGLE-3 head on SmolLM2: on the steps that
+# have one, it added ~3 rows to the verify and ~0.8 accepted tokens (1-gram matches 0.35, 3-gram ~3.5).
+BRANCH_ROWS, BRANCH_TOKENS = 3, 0.8
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The best tree for a head on this device, and what it is expected to be worth."""
+
+    spec: TreeSpec
+    expected_tokens_per_s: float
+    plain_tokens_per_s: float  # one target forward per token
+    nodes_with_lookup: int | None = None  # the head's nodes kept on a step that has a lookup branch
+    costs: dict = field(default_factory=dict)  # the measured ``cost.Costs``, as JSON
+
+    @property
+    def drafting_pays(self) -> bool:
+        """Whether the best tree is expected to beat plain decoding."""
+        return self.expected_tokens_per_s > self.plain_tokens_per_s
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Plan:
+        return cls(**{**data, "spec": TreeSpec(**data["spec"])})
+
+
+def make_drafter(target, drafter, sampling: Sampling | None = None, generator: torch.Generator | None = None,
+                 tree=None, gamma: int = 4, prompt_lookup=0) -> Drafter:
+    """The drafter for ``drafter``: None → plain decoding; another Target sharing the tokenizer → a chain of
+    ``gamma`` tokens sampled with ``sampling``; an EAGLE head → its EAGLE-2 tree (``tree``: a ``TreeSpec``,
+    a dict of its fields, a ``Plan``, or "auto" for ``auto_plan``'s); anything following the ``Drafter``
+    protocol → itself. ``prompt_lookup`` (``lookup.LookupDrafter``'s tokens) grafts a prompt-lookup branch
+    on top; with a plan, the head keeps the plan's ``nodes_with_lookup`` nodes on steps that have one."""
+    inner, plan = _inner(target, drafter, sampling or Sampling(), generator, tree, gamma)
+    if not prompt_lookup:
+        return inner
+    return LookupDrafter(inner, prompt_lookup, inner_nodes=None if plan is None else plan.nodes_with_lookup)
+
+
+def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, Plan | None]:
+    if drafter is None:
+        return PlainDrafter(), None
+    if hasattr(drafter, "fingerprint") and hasattr(drafter, "tokenizer"):  # another Target
+        return ModelDrafter(target, drafter, gamma, sampling, generator), None
+    if hasattr(drafter, "step") and hasattr(drafter, "config"):  # an EAGLE head
+        plan = auto_plan(target, drafter) if tree == "auto" else tree if isinstance(tree, Plan) else None
+        if tree == "auto" and not plan.drafting_pays:  # plain decoding where no tree is expected to pay
+            warnings.warn(f"tree='auto': this head's best tree is expected at {plan.expected_tokens_per_s:.1f} "
+                          f"tokens/s, plain decoding at {plan.plain_tokens_per_s:.1f} on this device: "
+                          "decoding without drafting (pass an explicit tree to draft anyway)", stacklevel=4)
+            return PlainDrafter(), None
+        if plan is not None:
+            return EagleDrafter(target, drafter, plan.spec), plan
+        return EagleDrafter(target, drafter, tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {}))), None
+    if hasattr(drafter, "draft") and hasattr(drafter, "commit"):  # anything following the protocol
+        return drafter, None
+    raise TypeError(f"drafter must be None, a Target or an EAGLE head, got {type(drafter).__name__}")
+
+
+@torch.no_grad()
+def calibrate(target, head, ids: torch.Tensor, contexts: int = 4, depth: int = MAX_DEPTH,
+              ks=LEVEL_SIZES) -> dict:
+    """Per top_k: for each calibration context, every pool node's (depth, path probability)."""
+    kind, layer_ids = head.config.kind, tuple(head.config.aux_layer_ids) or None
+    out = target.forward(ids, kind=kind, layer_ids=layer_ids, logits=False)
+    L = ids.shape[1]
+    cuts = [int(L * (i + 1) / (contexts + 1)) for i in range(contexts)]
+    pools = {}
+    for k in ks:
+        pools[k] = []
+        for j in cuts:
+            dr = EagleDrafter(target, head, TreeSpec(depth, k, total_tokens=k + (depth - 1) * k * k))
+            dr.prefill(ids[:, :j], out, int(ids[0, j]))  # the head reads the features of the first j rows
+            tree = dr.draft(max_depth=depth)
+            path_p = tree.q_token.double().clone()
+            for i, p in enumerate(tree.parents.tolist()):  # parents come first
+                if p >= 0:
+                    path_p[i] *= path_p[p]
+            pools[k].append((tree.depths.tolist(), path_p.tolist()))
+    return pools
+
+
+def expected_tokens(pool, depth: int, n: int) -> float:
+    """1 + the n largest path probabilities among nodes at depth <= ``depth``, averaged over contexts."""
+    total = 0.0
+    for depths, probs in pool:
+        ps = sorted((p for d, p in zip(depths, probs) if d <= depth), reverse=True)[:n]
+        total += 1.0 + sum(ps)
+    return total / max(len(pool), 1)
+
+
+def choose(costs: Costs, pools: dict, max_total: int = 96) -> tuple[TreeSpec, float]:
+    """The spec with the most expected tokens per second; returns (spec, expected tokens/s)."""
+    best, best_rate = TreeSpec(1, 1, 1), 0.0
+    for k, pool in pools.items():
+        k = int(k)
+        for d in range(1, MAX_DEPTH + 1):
+            size = k + (d - 1) * k * k
+            for n in sorted({1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 80, 96}):
+                if n > min(size, max_total):
+                    continue
+                step = costs.level(2) + (d - 1) * costs.level(k) + costs.verify(n + 1)
+                rate = expected_tokens(pool, d, n) / step
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = TreeSpec(d, k, n), rate
+    return best, best_rate
+
+
+def nodes_beside_branch(costs: Costs, pool, spec: TreeSpec, rows: int = BRANCH_ROWS,
+                        tokens: float = BRANCH_TOKENS) -> int:
+    """How many of ``spec``'s best nodes to keep on a step that also verifies a branch of ``rows`` nodes
+    worth ``tokens`` accepted tokens: the most expected tokens per second (ties: fewer nodes)."""
+    def rate(n):
+        step = costs.level(2) + (spec.depth - 1) * costs.level(spec.top_k) + costs.verify(n + 1 + rows)
+        return (expected_tokens(pool, spec.depth, n) + tokens) / step
+    return max(range(spec.total_tokens + 1), key=rate)
+
+
+def calibration_ids(target, n_new: int = 48) -> torch.Tensor:
+    """An MT-bench question in the chat template plus the target's own greedy answer."""
+    q = assets.load_mt_bench()[1]["turns"][0]
+    return run(target, PlainDrafter(), target.chat_ids(q), n_new, Sampling()).sequences
+
+
+def _key(target, head) -> str:
+    with torch.no_grad():
+        w = float(sum(p.double().abs().sum() for p in head.parameters()))
+    blob = json.dumps([device_name(target.device), str(target.dtype), target.fingerprint(),
+                       head.config.kind, head.config.num_layers, head.config.draft_vocab_size, round(w, 3),
+                       __version__, packed_count(target.model), packed_count(head), VERIFY_SIZES, PLAN_FORMAT])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# head -> (what the plan was made for, plan): generate(tree="auto") called per prompt would otherwise hash
+# the head's weights (~30 ms) every call. Parameters are compared by identity and in-place version.
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _made_for(target, head, cache_dir) -> tuple:
+    return (id(target.model), target.fingerprint(), str(target.device), str(target.dtype), str(cache_dir),
+            packed_count(target.model), packed_count(head), tuple((id(p), p._version) for p in head.parameters()))
+
+
+def auto_plan(target, head, cache_dir=None, refresh: bool = False) -> Plan:
+    """Measure (or read the cached) costs and calibration: the best tree for ``head`` on this device."""
+    made_for = _made_for(target, head, cache_dir)
+    if not refresh and head in _PLANS and _PLANS[head][0] == made_for:
+        return _PLANS[head][1]
+    plan = _load_or_measure(target, head, cache_dir, refresh)
+    _PLANS[head] = made_for, plan
+    return plan
+
+
+def _load_or_measure(target, head, cache_dir, refresh: bool) -> Plan:
+    path = (cache_dir or assets.cache_dir() / "decode-costs") / f"{_key(target, head)}.json"
+    if path.exists() and not refresh:
+        return Plan.from_json(json.loads(path.read_text()))
+    costs = measure(target, head)
+    pools = calibrate(target, head, calibration_ids(target))
+    spec, rate = choose(costs, pools)
+    plan = Plan(spec, rate, plain_tokens_per_s=1 / costs.verify(1), costs=asdict(costs),
+                nodes_with_lookup=nodes_beside_branch(costs, pools[spec.top_k], spec))
+    text = json.dumps(plan.to_json(), indent=1)
+    write_text(path, text)
+    return Plan.from_json(json.loads(text))  # as a later read of the file gives it (costs keyed by strings)
+
+
+def auto_tree(target, head, cache_dir=None, refresh: bool = False) -> TreeSpec:
+    """The best drafting tree on this device (even where plain decoding would be faster)."""
+    return auto_plan(target, head, cache_dir, refresh).spec

@@ -1,0 +1,141 @@
+"""Proposers: what grows a draft tree (``tree.expand``), an EAGLE head or a draft model, each on its own cache.
+
+A proposer holds *committed* elements (the accepted text, exactly) in its cache and *pending* ones (the
+last accepted tokens, not yet run). ``TreeDrafter`` drives it:
+
+* ``start(prompt, out, root)`` after the target's prefill (``out`` = its ``TargetOutput``), and
+  ``accept(tokens, out, rows)`` after each verify: the tokens pending next, with the target's
+  features at verify rows ``rows`` (a proposer that reads none ignores ``out``);
+* ``catch_up() -> (hidden, logits)`` runs the pending elements into the cache, returning the last
+  one's output (``hidden`` None for a proposer that feeds no feature to its children);
+* ``step(ids, feed, pos, mask)`` [1, S] tokens above the committed ones under a tree mask,
+  ``to_target(ids)``, ``length`` and ``crop(n)``: what ``tree.expand`` calls;
+* ``kind``/``layer_ids``: which target taps the verify forward must return for ``accept``.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import fields, replace
+
+import torch
+
+from eaglekit.decode import kv
+from eaglekit.heads import HeadCache, check_target
+
+
+def at_rows(out, rows: torch.Tensor, device) -> object:
+    """``out`` (a ``TargetOutput``) without logits, each per-token feature [1, S, ...] cut to sequence
+    positions ``rows`` and moved to ``device``: which feature a head reads is the head's business."""
+    cut = {f.name: v[:, rows.to(v.device)].to(device) for f in fields(out)
+           if f.name != "logits" and isinstance(v := getattr(out, f.name), torch.Tensor)}
+    return replace(out, logits=None, **cut)
+
+
+class HeadProposer:
+    """An EAGLE-1/EAGLE-3 head with its own ``HeadCache``.
+
+    The head's element t is (feature g_t, token x_{t+1}) at position t. Accepted tokens are fed back with
+    the *target's* features from the verify forward (the tree's own elements, drafted from the head's
+    predicted features, are cropped away after drafting), so the head cache only ever holds exact
+    elements; the target's cache is never re-run.
+    """
+
+    def __init__(self, target, head):
+        check_target(head.config, target, where="decode.generate")
+        self.head, self.kind = head, head.config.kind
+        self.layer_ids = tuple(head.config.aux_layer_ids) or None
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    def _features(self, out, rows: torch.Tensor) -> torch.Tensor:
+        return self.head.fuse_output(at_rows(out, rows, self.device))[0]
+
+    def start(self, prompt, out, root: int) -> None:
+        self.cache = HeadCache()
+        self.pending = (torch.tensor(prompt[0, 1:].tolist() + [root], device=self.device),
+                        self._features(out, torch.arange(prompt.shape[1])))
+
+    def accept(self, tokens: list[int], out, rows: torch.Tensor) -> None:
+        self.pending = torch.tensor(tokens, device=self.device), self._features(out, rows)
+
+    def catch_up(self):
+        ids, g = self.pending
+        pos = torch.arange(self.length, self.length + len(ids), device=self.device)
+        hidden, logits = self.head.step(ids[None], g[None], pos[None], cache=self.cache)
+        return hidden[0, -1], logits[0, -1]
+
+    def step(self, ids, feed, pos, mask):
+        return self.head.step(ids, feed, pos, cache=self.cache, attn_mask=mask)
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_to_target(ids)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def crop(self, n: int) -> None:
+        self.cache.crop(n)
+
+
+# draft tokenizer -> target tokenizers it was found equal to: ``get_vocab()`` on two 152k vocabularies costs
+# ~0.3 s, about 3% of a 64-token Qwen generate on the CPU, so each pair is compared once.
+_SAME_TOKENIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_same_tokenizer(target, draft) -> None:
+    """A draft model must speak the target's vocabulary (same token strings at the same ids)."""
+    checked = _SAME_TOKENIZER.setdefault(draft.tokenizer, weakref.WeakSet())
+    if target.tokenizer in checked:
+        return
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv == dv:
+        checked.add(target.tokenizer)
+        return
+    t_inv = {i: s for s, i in tv.items()}
+    d_inv = {i: s for s, i in dv.items()}
+    diff = [i for i in sorted(set(t_inv) | set(d_inv)) if t_inv.get(i) != d_inv.get(i)]
+    shown = ", ".join(f"id {i}: target {t_inv.get(i)!r} vs draft {d_inv.get(i)!r}" for i in diff[:3])
+    raise ValueError(f"draft model {draft.name!r} does not share the tokenizer of target {target.name!r}: "
+                     f"vocab sizes {len(tv)} vs {len(dv)}, {len(diff)} ids differ ({shown})")
+
+
+class ModelProposer:
+    """A draft model sharing the target's tokenizer, on its own ``DynamicCache``: element t is token t at
+    position t. It reads no target features, and feeds none to its children."""
+
+    kind, layer_ids = None, None
+
+    def __init__(self, target, draft):
+        check_same_tokenizer(target, draft)
+        self.model, self.vocab = draft, target.vocab_size
+        self.device, self.dtype = draft.device, draft.dtype
+
+    def start(self, prompt, out, root: int) -> None:
+        self.cache = kv.new_cache(self.model.model)
+        self.pending = torch.tensor(prompt[0].tolist() + [root], device=self.device)
+
+    def accept(self, tokens: list[int], out, rows) -> None:
+        self.pending = torch.tensor(tokens, device=self.device)
+
+    def catch_up(self):
+        pos = torch.arange(self.length, self.length + len(self.pending), device=self.device)
+        _, logits = self.step(self.pending[None], None, pos[None], None)
+        return None, logits[0, -1]
+
+    def step(self, ids, feed, pos, mask):
+        keep = 1 if mask is None else 0  # the pending tokens (a whole prompt at first): last row only
+        out = self.model.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                                 kind=None, logits_to_keep=keep)
+        return None, out.logits[..., : self.vocab]  # a draft lm_head padded past the target's vocab: never propose those
+
+    @staticmethod
+    def to_target(ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    @property
+    def length(self) -> int:
+        return kv.cache_length(self.cache)
+
+    def crop(self, n: int) -> None:
+        kv.crop(self.cache, n)

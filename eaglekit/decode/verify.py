@@ -1,0 +1,59 @@
+"""One verification: the target's forward over the root and a draft tree, then the acceptance walk.
+
+Row 0 of the verify forward is the root (the last emitted token, not yet in the target's cache), row
+``i + 1`` is tree node ``i``. The walk starts at the root's row and descends into the first child the
+acceptance rule accepts; where none is, it samples the next token from what the rule left.
+"""
+from __future__ import annotations
+
+import torch
+
+from eaglekit.decode import kv
+from eaglekit.decode.sampling import Sampling, rule_for, sample
+from eaglekit.decode.tree import Tree, verify_mask
+
+
+def verify(target, cache, root: int, tree: Tree, drafter):
+    """One target forward over the root and every tree node (tree mask, position = past + depth), with
+    the taps ``drafter`` reads. Returns (its ``TargetOutput``, the cache length before it)."""
+    past = kv.cache_length(cache)
+    dev = target.device
+    ids = torch.cat([torch.tensor([root], device=dev), tree.tokens.to(dev)])[None]
+    pos = past + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths.cpu()]).to(dev)[None]
+    mask = None if tree.is_chain else verify_mask(tree, past, target.dtype, dev)
+    out = target.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, kind=drafter.kind,
+                         layer_ids=drafter.layer_ids)
+    return out, past
+
+
+def accept(logits: torch.Tensor, tree: Tree, sampling: Sampling, generator=None, rule=None) -> tuple[list[int], int]:
+    """Walk down from the root: (accepted node indices, next token sampled from what is left).
+
+    ``logits`` [n + 1, V] are the verify rows. Greedy: follow the child equal to the row's argmax. Else
+    ``rule`` (default ``sampling.rule_for(tree)``) decides at each row among its children."""
+    rule = rule or rule_for(tree)
+    kids, tokens = tree.children(), tree.tokens.tolist()
+    q_full = tree.q_full
+    row, path = 0, []
+    while True:
+        ch = kids[row]
+        if sampling.greedy:
+            best = int(logits[row].argmax())
+            hit = [c for c in ch if tokens[c] == best]
+            if not hit:
+                return path, best
+            node = hit[0]
+        else:
+            p = sampling.probs(logits[row])
+            q = None if q_full is None else q_full[ch]
+            i, left = rule(p, [tokens[c] for c in ch], tree.q_token[ch], q, generator) if ch else (None, p)
+            if i is None:
+                return path, sample(left, generator)
+            node = ch[i]
+        path.append(node)
+        row = node + 1
+
+
+def accepted_rows(path: list[int]) -> torch.Tensor:
+    """Verify rows of the root and the accepted nodes: what the target's cache keeps."""
+    return torch.tensor([0] + [n + 1 for n in path])
