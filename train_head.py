@@ -19,4 +19,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from eaglekit.cli import run_with_errors
+
+    sys.exit(run_with_errors(main))  # an error is one line, ``eaglekit: error: ...`` (EAGLEKIT_DEBUG=1: traceback)

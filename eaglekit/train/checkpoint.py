@@ -234,7 +234,7 @@ def read_rng(path: Path, rank: int) -> dict | None:
 # ---- config changes and the log --------------------------------------------------------------------
 def config_changes(saved: dict, current: dict) -> list[tuple[str, object, object]]:
     """(dotted key, saved value, current value) for every field that differs, free fields excepted."""
-    a, b = _flat(saved), _flat(current)
+    a, b = _flat(saved), _flat(json.loads(json.dumps(current)))  # as stored: tuples read back as lists
     keys = sorted(set(a) | set(b))
     missing = object()
     out = []

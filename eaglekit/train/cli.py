@@ -6,6 +6,7 @@ import sys
 
 
 def run(args) -> int:
+    from eaglekit.cli import EXIT_ERROR, error_line
     from eaglekit.train.runguard import TrainError, exit_with_launcher
 
     exit_with_launcher()  # first thing: a launcher killed while this worker still imports takes it along
@@ -15,10 +16,10 @@ def run(args) -> int:
     cfg = load_train_config(args.config, args.overrides)
     try:
         train(cfg)
-    except TrainError as e:  # a deliberate stop: one line (from one rank), exit status 1, no traceback
+    except TrainError as e:  # a deliberate stop: one line from one rank, every rank leaves the group cleanly
         if not e.quiet:
-            print(f"eaglekit train: error: {e}", file=sys.stderr, flush=True)
-        return finish(1)
+            print(error_line(e), file=sys.stderr, flush=True)
+        return finish(EXIT_ERROR)
     return finish()
 
 

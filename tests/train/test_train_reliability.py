@@ -175,8 +175,8 @@ def test_nan_loss_stops_before_the_step_naming_step_and_origin(tiny, tmp_path, m
     poisoned = _poison_call(monkeypatch, n_train=20, at_call=3)
     code = run(Namespace(config=None, overrides=_args(tiny, out, "save_interval=1", "keep_last=0")))
     err = capsys.readouterr().err
-    assert code == 1
-    lines = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("eaglekit: error:")]
     assert len(lines) == 1, err
     assert "non-finite loss at step 3" in lines[0]
     assert poisoned and all(f"poisoned-{i}" in lines[0] or f"sample {i}" in lines[0] for i in poisoned), lines[0]
@@ -263,7 +263,7 @@ def test_two_process_run_owns_its_dir_and_dies_with_its_launcher(tiny, tmp_path)
         assert holder in workers
         second = subprocess.run(train_command(*_args(tiny, out)), cwd=ROOT, env=env, capture_output=True,
                                 text=True, timeout=120, check=False)
-        assert second.returncode == 1, second.stderr[-2000:]
+        assert second.returncode == 2, second.stderr[-2000:]
         assert f"output_dir {out} is in use by another training run (pid {holder} on" in second.stderr
         assert second.stderr.count("error:") == 1
         launcher.send_signal(signal.SIGKILL)
