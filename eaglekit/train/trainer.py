@@ -281,9 +281,9 @@ class Trainer:
         seen = [t for t in self._gather_text(f"{v} on " + ", ".join(origins) if bad else "") if t]
         done = ("DeepSpeed already took the step, but nothing is saved from it"
                 if what != "loss" and checkpoints.zero_engine(self) is not None else "stopped before the optimizer step")
+        kept = f"the newest checkpoint is at or before step {self.state.step}" if self.state.step else "none was"
         raise TrainError(f"non-finite {what} at step {self.state.step + 1} ({'; '.join(seen)}): {done}; no checkpoint "
-                         f"or final/ is written with these weights (the newest checkpoint is at or before step "
-                         f"{self.state.step})", quiet=not self.acc.is_main_process)
+                         f"or final/ is written with these weights ({kept})", quiet=not self.acc.is_main_process)
 
     def _gather_text(self, text: str) -> list[str]:
         """Every rank's ``text`` on every rank (as padded byte tensors: no pickle between processes)."""
