@@ -11,7 +11,7 @@ Writes benchmarks/results/decode/<target>-<drafter>-<dataset>.json and .png.
 import argparse
 import sys
 
-from eaglekit.decode import bench
+from eaglekit.bench import cli as bench
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
+from eaglekit.bench.prompts import load_prompts
 from eaglekit.decode import generate
-from eaglekit.decode.bench import load_prompts
 from eaglekit.decode.cli import use_cpu_linear
 from eaglekit.decode.drafters import EagleDrafter
 from eaglekit.decode.lookup import LookupDrafter

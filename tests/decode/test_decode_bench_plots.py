@@ -68,7 +68,7 @@ def test_decode_bench_plots_target_as_its_own_draft(saved, tmp_path):
 
 def test_decode_bench_plots_head_acceptance_pools_generate_stats(saved, tmp_path):
     """A random head: the report's acceptance per depth is DecodeStats' rate over all prompts' steps pooled."""
-    from eaglekit.decode.bench import load_prompts
+    from eaglekit.bench.prompts import load_prompts
     from eaglekit.decode.cli import parse_tree
     from eaglekit.decode import DecodeStats, generate
     from eaglekit.heads import load_head
@@ -101,7 +101,7 @@ def test_decode_bench_plots_only_with_a_drafter(saved, tmp_path):
     assert "acceptance_per_depth" not in rep and "speedup_per_category" not in rep
     assert set(rep["per_prompt"]["0.0"][0]) == {"category", "plain"}
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [f"{path.stem}.png"]
-    from eaglekit.decode.bench import load_questions
+    from eaglekit.bench.prompts import load_questions
 
     assert [c for c, _ in load_questions("humaneval", 2)] == ["humaneval", "humaneval"]
     with pytest.raises(ValueError, match="prompt_order"):

@@ -5,8 +5,9 @@ returns None. Files are written under a temporary name, then renamed.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from eaglekit.fileio import atomic_write
 
 
 def _pyplot():
@@ -28,11 +29,10 @@ def _title(report: dict) -> str:
 
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def plot(report: dict, path: Path) -> Path | None:

@@ -1,0 +1,142 @@
+"""``eaglekit bench``: τ, tokens/s and speedup vs plain decoding, measured side by side in one run.
+
+Methods per prompt, interleaved so that machine drift hits all alike: ``plain`` (our loop, no
+drafter: the baseline), ``ours`` (our loop with the head or draft model), with ``lookup_tokens=N`` (or
+``2,5,10``) ``lookup`` and ``ours_lookup`` (our loop with a prompt-lookup branch, alone and grafted onto
+ours), ``hf`` (transformers' ``generate``), ``hf_lookup`` (prompt lookup decoding) and, with a draft
+model, ``hf_assisted`` (transformers' assisted generation, same pair): see ``methods``. Each (method, temperature) is repeated; the report
+takes the median over repeats of the total tokens/s over the prompt set. Per prompt, ``plain`` and
+``ours`` keep their tokens and seconds per repeat (and ``ours`` its acceptance per depth), from which
+the report adds the speedup per prompt category and the acceptance per draft depth. Writes JSON and
+PNGs (``report``, ``plots``).
+
+    eaglekit bench target=smollm2-135m-instruct head=runs/smollm2/final prompts=20
+    eaglekit bench target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct dataset=humaneval
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from eaglekit.bench.methods import methods
+from eaglekit.bench.prompts import load_questions
+from eaglekit.bench.report import rates, speedup_per_category, summarise, table, write
+from eaglekit.config import load_config
+from eaglekit.decode import plan as planner
+from eaglekit.decode.cli import load_drafter, parse_tree, use_cpu_linear
+from eaglekit.decode.stats import DecodeStats
+from eaglekit.target import load_target
+from eaglekit.timing import timed
+
+
+@dataclass
+class BenchConfig:
+    target: str = "smollm2-135m-instruct"
+    head: str | None = None
+    draft: str | None = None
+    dataset: str = "mt-bench"  # "mt-bench" (first turns) or "humaneval"
+    prompts: int = 10
+    prompt_order: str = "first"  # "first": the first n questions; "spread": round-robin over categories
+    max_new_tokens: int = 128
+    temperatures: list = field(default_factory=lambda: [0.0, 1.0])
+    repeats: int = 3
+    tree: str = "auto"
+    gamma: int = 4
+    draft_tree: str | None = None  # with draft=: "depth,top_k,total_tokens", our loop drafts a tree, not a chain
+    hf_baselines: bool = True
+    prompt_lookup_tokens: int = 10
+    lookup_tokens: int | list | str = 0  # > 0 (or "2,5,10", lengths per match as in generate's prompt_lookup):
+    # add "lookup" (our loop, prompt lookup only) and, with a head or draft_tree, "ours_lookup" (drafter +
+    # lookup). hf_lookup keeps transformers' own settings (prompt_lookup_tokens, n-gram 2)
+    assistant_tokens: list = field(default_factory=lambda: [4, 8])  # best of these is reported
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    threads: int = 0  # torch CPU threads (0 = torch's default)
+    cpu_linear: str = "packed"  # "packed" (oneDNN pre-packed weights, every method alike) or "aten"
+    out: str = "benchmarks/results/decode"
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    drafter = load_drafter(cfg, target)
+    packed = use_cpu_linear(cfg.cpu_linear, target, drafter)  # HF baselines run the same packed modules
+    tree, plan = parse_tree(cfg.tree), None
+    if tree == "auto" and cfg.head:
+        plan = planner.auto_plan(target, drafter)
+    questions = load_questions(cfg.dataset, cfg.prompts, cfg.prompt_order)
+    prompts = [target.chat_ids(text) for _, text in questions]
+    fns = methods(cfg, target, drafter, plan or tree)
+    for fn in fns.values():  # warm-up (allocations, auto-tree cache, kernels)
+        fn(prompts[0][:, :16], 0.0, 0)
+    results, per_prompt, per_category, acceptance = {}, {}, {}, {}
+    for temp in cfg.temperatures:
+        runs, records, pooled = bench_temperature(cfg, fns, prompts, [c for c, _ in questions], temp)
+        results[str(temp)] = summarise(runs)
+        per_prompt[str(temp)] = records
+        if "ours" in fns:
+            per_category[str(temp)] = speedup_per_category(records)
+            acceptance[str(temp)] = rates(pooled)
+    extra = {"speedup_per_category": per_category, "acceptance_per_depth": acceptance} if "ours" in fns else {}
+    return dict(config=asdict(cfg), tree=str(plan.spec if plan else tree),
+                nodes_with_lookup=plan.nodes_with_lookup if plan else None,
+                device=str(target.device), threads=torch.get_num_threads(), packed_linears=packed,
+                torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results,
+                per_prompt=per_prompt, **extra)
+
+
+def bench_temperature(cfg: BenchConfig, fns: dict, prompts: list, categories: list[str], temp: float):
+    """Every method on every prompt, ``cfg.repeats`` times. Returns (per-method totals per repeat,
+    per-prompt records of plain and ours, ours' DecodeStats pooled over all prompts and repeats)."""
+    runs = {name: [] for name in fns}
+    records = [dict(category=c, **{m: {"tokens": [], "seconds": []} for m in ("plain", "ours") if m in fns})
+               for c in categories]
+    ours_stats = [DecodeStats() for _ in prompts]  # per prompt, pooled over repeats
+    for rep in range(cfg.repeats):
+        totals = {name: [0, 0.0, [], 0] for name in fns}
+        for i, ids in enumerate(prompts):
+            plain_seq = None
+            for name, fn in fns.items():
+                seed = cfg.seed + 1000 * rep + i
+                (n, stats, seq), dt = timed(lambda fn=fn, ids=ids, seed=seed: fn(ids, temp, seed))
+                plain_seq = seq if name == "plain" else plain_seq
+                totals[name][0] += n
+                totals[name][1] += dt
+                totals[name][2] += stats.accept_lengths if stats else []
+                totals[name][3] += int(torch.equal(seq.cpu(), plain_seq.cpu()))
+                if name in records[i]:
+                    records[i][name]["tokens"].append(n)
+                    records[i][name]["seconds"].append(dt)
+                if name == "ours":
+                    ours_stats[i].pool(stats)
+        for name, (n, dt, lengths, same) in totals.items():
+            runs[name].append({"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
+                               "tau": sum(lengths) / len(lengths) if lengths else None,
+                               # greedy: lossless methods give plain's tokens (bf16 ties may differ)
+                               "identical_to_plain": f"{same}/{len(prompts)}" if temp == 0 else None})
+    pooled = DecodeStats()
+    for rec, stats in zip(records, ours_stats):
+        if "ours" in rec:
+            rec["ours"]["tau"] = stats.tau
+            rec["ours"]["acceptance_per_depth"] = rates(stats)
+            pooled.pool(stats)
+    return runs, records, pooled
+
+
+def add_arguments(p):
+    p.epilog = "keys: " + ", ".join(BenchConfig.__dataclass_fields__)
+
+
+def run(args) -> int:
+    cfg = load_config(BenchConfig, args.config, args.overrides)
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    report = run_bench(cfg)
+    path = write(report, cfg.out)
+    print(table(report))
+    print(f"wrote {path} (and PNGs beside it)")
+    return 0

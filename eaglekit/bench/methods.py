@@ -1,0 +1,62 @@
+"""The bench's methods: name -> fn(ids, temperature, seed) -> (new tokens, DecodeStats or None, sequences).
+
+``plain`` (our loop, no drafter: the baseline), ``ours`` (our loop with the head or draft model), with
+``lookup_tokens`` ``lookup`` and ``ours_lookup`` (a prompt-lookup branch, alone and grafted onto ours),
+``hf`` (transformers' ``generate``), ``hf_lookup`` (its prompt lookup decoding) and, with a draft model,
+``hf_assisted_<k>`` (its assisted generation, same pair, k draft tokens).
+"""
+from __future__ import annotations
+
+import torch
+
+from eaglekit.decode.cli import with_draft_tree
+from eaglekit.decode.generate import generate
+
+
+def methods(cfg, target, drafter, tree) -> dict:
+    """name -> fn(ids, temperature, seed) -> (new tokens, DecodeStats or None, sequences).
+    ``tree``: generate's ``tree`` for a head, e.g. its ``Plan`` resolved once (used as ``tree="auto"`` uses
+    it, but always drafting: no fallback to plain decoding)."""
+    def ours(dr, lookup=0):
+        def fn(ids, temp, seed):
+            out = generate(target, dr, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
+                           gamma=cfg.gamma, prompt_lookup=lookup)
+            return out.stats.new_tokens, out.stats, out.sequences
+        return fn
+
+    def hf(**kw):
+        def fn(ids, temp, seed):
+            torch.manual_seed(seed)
+            sample = {"do_sample": True, "temperature": temp, "top_p": 1.0, "top_k": 0} if temp > 0 else \
+                {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+            seq = target.model.generate(ids.to(target.device), max_new_tokens=cfg.max_new_tokens, **sample,
+                                        **kw)
+            return seq.shape[1] - ids.shape[1], None, seq
+        return fn
+
+    out = {"plain": ours(None)}
+    dr = None if drafter is None else with_draft_tree(cfg, target, drafter)
+    if dr is not None:
+        out["ours"] = ours(dr)
+    if cfg.lookup_tokens:
+        out["lookup"] = ours(None, cfg.lookup_tokens)
+        if cfg.head or cfg.draft_tree:  # a tree of chosen tokens (a draft-model chain is sampled)
+            out["ours_lookup"] = ours(dr, cfg.lookup_tokens)
+    if cfg.hf_baselines:
+        out["hf"] = hf()
+        out["hf_lookup"] = hf(prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
+        if cfg.draft:  # fixed-length drafts, as our loop does (no dynamic schedule or early stop)
+            gc = drafter.model.generation_config
+            gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = "constant", 0.0
+            for k in cfg.assistant_tokens:
+                out[f"hf_assisted_{k}"] = _assisted(hf, drafter, k)
+    return out
+
+
+def _assisted(hf, drafter, k):
+    inner = hf(assistant_model=drafter.model)
+
+    def fn(ids, temp, seed):
+        drafter.model.generation_config.num_assistant_tokens = k
+        return inner(ids, temp, seed)
+    return fn
