@@ -90,7 +90,7 @@ def test_yaml_values_are_checked_naming_file_and_key(tmp_path):
 def test_every_config_dataclass_is_checked():
     """Each CLI's config refuses a bad value naming the key (the types alone, no hand-written check)."""
     from eaglekit.data_prep.prepare import PrepareConfig
-    from eaglekit.decode.bench import BenchConfig
+    from eaglekit.bench.cli import BenchConfig
     from eaglekit.decode.cli import GenerateConfig
     from eaglekit.heads.export_cli import ExportOptions
     from eaglekit.heads.push_cli import PushOptions

@@ -6,7 +6,7 @@
 Without ``prompt=`` it reads user turns from stdin (an empty line or EOF ends the chat); an empty
 ``prompt=`` is refused (it is a mistake, not a request for a chat).
 
-``eaglekit bench`` (``eaglekit.decode.bench``) runs behind ``bench``, below: its values are checked here,
+``eaglekit bench`` (``eaglekit.bench``) runs behind ``bench``, below: its values are checked here,
 before any model loads.
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ def run(args) -> int:
               f"acceptance per depth {[round(a, 2) for a in s.acceptance_per_depth]}]", file=sys.stderr)
 
 
-# ranges of eaglekit.decode.bench.BenchConfig, checked before any model loads
+# ranges of eaglekit.bench.cli.BenchConfig, checked before any model loads
 BENCH_CHECKS = {
     "prompts": PosInt, "repeats": PosInt, "max_new_tokens": PosInt, "gamma": PosInt, "threads": NonNegInt,
     "prompt_lookup_tokens": PosInt, "temperatures": Annotated[list[NonNegFloat], Field(min_length=1)],
@@ -166,13 +166,13 @@ BENCH_CHECKS = {
 
 
 def _bench_arguments(p):
-    from eaglekit.decode import bench as bench_module
+    from eaglekit.bench import cli as bench_module
 
     bench_module.add_arguments(p)
 
 
 def _bench_run(args) -> int:
-    from eaglekit.decode import bench as bench_module
+    from eaglekit.bench import cli as bench_module
 
     cfg = load_config(bench_module.BenchConfig, args.config, args.overrides)
     check_fields(cfg, BENCH_CHECKS, where=args.config or "config")
