@@ -24,6 +24,7 @@ from eaglekit.train import resume as checkpoints
 from eaglekit.train.checkpoint import TrainState
 from eaglekit.train.config import TrainConfig
 from eaglekit.train.data import Schedule, collate, fetch, plan_micro_batches, to_device
+from eaglekit.train.finite import refuse_non_finite_weights, stop_if_not_finite
 from eaglekit.train.losses import Teacher, supervised_count, ttt_loss
 from eaglekit.train.metrics import Tally
 from eaglekit.train.runguard import OutputDirLock, TrainError, exit_with_launcher
@@ -244,11 +245,13 @@ class Trainer:
         for b, origin in zip(batches, origins):
             with self.acc.accumulate(self.model):
                 loss_sum, stats = self.model(**self._on_device(b), steps=lc.ttt_steps, noise=noise)
-                self._stop_if_not_finite("loss", loss_sum, origin)  # before backward: DeepSpeed steps inside it
+                # checked before backward: under DeepSpeed the optimizer steps inside it
+                stop_if_not_finite(self.acc, "loss", loss_sum, origin, self.state.step)
                 self.acc.backward(loss_sum * scale)
                 if self.acc.sync_gradients:
                     grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-                    self._stop_if_not_finite("gradient norm", grad_norm, [o for os_ in origins for o in os_])
+                    stop_if_not_finite(self.acc, "gradient norm", grad_norm, [o for os_ in origins for o in os_],
+                                       self.state.step, step_taken=checkpoints.zero_engine(self) is not None)
                 self.opt.step()
                 self.opt.zero_grad()
             tally.add(stats)
@@ -269,41 +272,6 @@ class Trainer:
         if named:
             return [str(o) for o in named]
         return [f"{self.src.where} sample {self.src.train.indices[i]}" for i in micro_batch]
-
-    # ---- refusing non-finite values ----------------------------------------------------------------
-    def _stop_if_not_finite(self, what: str, value, origins: list[str]) -> None:
-        """Stop every rank at once when any rank's ``value`` is NaN/Inf, with one message (main process)
-        naming the step and where that rank's batch came from. Nothing is written for the step."""
-        v = 0.0 if value is None else float(value.detach() if isinstance(value, torch.Tensor) else value)
-        bad = not math.isfinite(v)
-        if not self._reduce([float(bad)])[0]:
-            return
-        seen = [t for t in self._gather_text(f"{v} on " + ", ".join(origins) if bad else "") if t]
-        done = ("DeepSpeed already took the step, but nothing is saved from it"
-                if what != "loss" and checkpoints.zero_engine(self) is not None else "stopped before the optimizer step")
-        kept = f"the newest checkpoint is at or before step {self.state.step}" if self.state.step else "none was"
-        raise TrainError(f"non-finite {what} at step {self.state.step + 1} ({'; '.join(seen)}): {done}; no checkpoint "
-                         f"or final/ is written with these weights ({kept})", quiet=not self.acc.is_main_process)
-
-    def _gather_text(self, text: str) -> list[str]:
-        """Every rank's ``text`` on every rank (as padded byte tensors: no pickle between processes)."""
-        if self.acc.num_processes == 1:
-            return [text]
-        data = torch.tensor(list(text.encode()), dtype=torch.int64, device=self.acc.device)
-        sizes = self.acc.gather(torch.tensor([data.numel()], device=self.acc.device)).tolist()
-        padded = torch.zeros(max(1, max(sizes)), dtype=torch.int64, device=self.acc.device)
-        padded[:data.numel()] = data
-        rows = self.acc.gather(padded[None]).tolist()
-        return [bytes(row[:n]).decode(errors="replace") for row, n in zip(rows, sizes)]
-
-    def _finite_weights(self, what: str) -> dict:
-        """The whole head; refused (on every rank alike: they all hold the same weights) if any is NaN/Inf."""
-        state = self._full_state()
-        bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-        if bad:
-            raise TrainError(f"head weight(s) {', '.join(bad[:5])} hold NaN/Inf at step {self.state.step}: "
-                             f"not writing {what}", quiet=not self.acc.is_main_process)
-        return state
 
     # ---- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -377,7 +345,9 @@ class Trainer:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec.get('acc_0', 0):.2f}",
                             tau_sim=f"{last_eval.get('eval_tau_sim', float('nan')):.2f}")
             if cfg.save_interval and self.state.step % cfg.save_interval == 0:
-                checkpoints.save(self, self._finite_weights(f"checkpoint step-{self.state.step}"))
+                weights = refuse_non_finite_weights(self.acc, self._full_state(), self.state.step,
+                                                    f"checkpoint step-{self.state.step}")
+                checkpoints.save(self, weights)
             if self._out_of_time():
                 self.acc.print(f"[eaglekit.train] optim.max_minutes={cfg.optim.max_minutes} spent at step "
                                f"{self.state.step}/{self.total_steps}: stopping early")
@@ -417,7 +387,7 @@ class Trainer:
         from eaglekit.heads import build_head
 
         path = self.out / "final"
-        state = self._finite_weights(str(path))
+        state = refuse_non_finite_weights(self.acc, self._full_state(), self.state.step, str(path))
         if self.acc.is_main_process:
             head = build_head(self.head.config, self.target, dtype=torch.float32)
             head.load_state_dict({k.removeprefix("head."): v for k, v in state.items()})
