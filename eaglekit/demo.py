@@ -71,7 +71,7 @@ def decode_side_by_side(head_dir: Path, questions: int, max_new_tokens: int, tre
     """Plain vs EAGLE (vs EAGLE + a prompt-lookup branch, ``lookup`` as generate's ``prompt_lookup``) greedy
     decoding on MT-bench first turns, timed one after the other per prompt."""
     from eaglekit import decode
-    from eaglekit.decode.cli import parse_tree, use_cpu_linear
+    from eaglekit.decode.plan import parse_tree, use_cpu_linear
     from eaglekit.heads import load_head
     from eaglekit.target import load_target
 

@@ -25,7 +25,7 @@ from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates, speedup_per_category, summarise, table, write
 from eaglekit.config import load_config
 from eaglekit.decode import plan as planner
-from eaglekit.decode.cli import load_drafter, parse_tree, use_cpu_linear
+from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.target import load_target
 from eaglekit.timing import timed

@@ -20,6 +20,7 @@ import torch
 from pydantic import Field
 
 from eaglekit.config import NonNegFloat, NonNegInt, PosFraction, PosInt, check_fields, load_config
+from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear, with_draft_tree
 
 DTYPES = Literal["float32", "bfloat16", "float16"]
 CPU_LINEAR = Literal["packed", "aten"]
@@ -47,55 +48,6 @@ class GenerateConfig:
     dtype: DTYPES = "float32"
     device: str = "cpu"
     cpu_linear: CPU_LINEAR = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
-
-
-def use_cpu_linear(choice: str, *models) -> int:
-    """Apply ``cpu_linear=`` to targets / heads / draft models (None skipped); returns linears packed."""
-    from eaglekit.packed_linear import pack_linears
-
-    if choice not in ("packed", "aten"):
-        raise ValueError(f"cpu_linear={choice!r}: expected 'packed' or 'aten'")
-    if choice == "aten":
-        return 0
-    return sum(pack_linears(getattr(m, "model", m)) for m in models if m is not None)
-
-
-def parse_tree(text: str):
-    from eaglekit.decode.tree import TreeSpec
-
-    if text == "auto":
-        return "auto"
-    try:
-        depth, top_k, total = (int(x) for x in str(text).split(","))
-    except ValueError:
-        raise ValueError(f"tree={text!r}: expected 'auto' or 'depth,top_k,total_tokens' (e.g. 5,8,48)") \
-            from None
-    return TreeSpec(depth, top_k, total)
-
-
-def load_drafter(cfg, target):
-    from eaglekit.target import load_target
-
-    if cfg.head and cfg.draft:
-        raise ValueError("give either head= or draft=, not both")
-    if cfg.head:
-        from eaglekit.heads import load_head
-
-        return load_head(cfg.head, target)
-    if cfg.draft:
-        return load_target(cfg.draft, dtype=target.dtype, device=cfg.device)
-    return None
-
-
-def with_draft_tree(cfg, target, drafter):
-    """``draft_tree=`` with ``draft=``: wrap the draft model in a ``ModelTreeDrafter``; else unchanged."""
-    if not cfg.draft_tree:
-        return drafter
-    if not cfg.draft:
-        raise ValueError("draft_tree= needs draft= (a head drafts a tree through tree=)")
-    from eaglekit.decode.drafters import ModelTreeDrafter
-
-    return ModelTreeDrafter(target, drafter, parse_tree(cfg.draft_tree))
 
 
 def add_arguments(p):

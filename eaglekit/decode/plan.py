@@ -1,7 +1,8 @@
 """Which drafter ``generate`` runs: ``make_drafter``, and ``tree="auto"``'s plan for a head on this device.
 
 ``make_drafter(target, drafter, ...)`` turns what a caller passes (None, a draft Target, an EAGLE head, or
-a ready drafter) into a ``drafters.Drafter``, optionally with a prompt-lookup branch grafted on.
+a ready drafter) into a ``drafters.Drafter``, optionally with a prompt-lookup branch grafted on. The
+option helpers at the end (``parse_tree``, ``load_drafter``, ...) read the CLIs' spelling of the same.
 
 ``tree="auto"`` sizes the head's EAGLE-2 tree from what verification and drafting cost here: verifying m
 tokens costs the target c(m), one draft level of k nodes costs the head d(k) (``cost.measure``, once per
@@ -25,13 +26,15 @@ import torch
 
 from eaglekit import __version__, assets
 from eaglekit.decode.cost import LEVEL_SIZES, VERIFY_SIZES, Costs, device_name, measure
-from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelDrafter, PlainDrafter
+from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelDrafter, ModelTreeDrafter, PlainDrafter
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import run
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.tree import TreeSpec
 from eaglekit.fileio import write_text
-from eaglekit.packed_linear import packed_count
+from eaglekit.heads import load_head
+from eaglekit.packed_linear import pack_linears, packed_count
+from eaglekit.target import load_target
 
 MAX_DEPTH = 8
 PLAN_FORMAT = 2  # bumped when a plan gains fields or is measured differently: cached plans are then remade
@@ -207,3 +210,46 @@ def _load_or_measure(target, head, cache_dir, refresh: bool) -> Plan:
 def auto_tree(target, head, cache_dir=None, refresh: bool = False) -> TreeSpec:
     """The best drafting tree on this device (even where plain decoding would be faster)."""
     return auto_plan(target, head, cache_dir, refresh).spec
+
+
+# ---- options as the CLIs (generate, bench) and the demo spell them -------------------------------------
+
+def parse_tree(text: str):
+    """``tree=``/``draft_tree=``: "auto" or "depth,top_k,total_tokens" (e.g. "5,8,48") as a ``TreeSpec``."""
+    if text == "auto":
+        return "auto"
+    try:
+        depth, top_k, total = (int(x) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"tree={text!r}: expected 'auto' or 'depth,top_k,total_tokens' (e.g. 5,8,48)") \
+            from None
+    return TreeSpec(depth, top_k, total)
+
+
+def load_drafter(cfg, target):
+    """``cfg.head`` (a saved head folder or Hub id) or ``cfg.draft`` (a draft model), loaded for ``target``."""
+    if cfg.head and cfg.draft:
+        raise ValueError("give either head= or draft=, not both")
+    if cfg.head:
+        return load_head(cfg.head, target)
+    if cfg.draft:
+        return load_target(cfg.draft, dtype=target.dtype, device=cfg.device)
+    return None
+
+
+def with_draft_tree(cfg, target, drafter):
+    """``draft_tree=`` with ``draft=``: wrap the draft model in a ``ModelTreeDrafter``; else unchanged."""
+    if not cfg.draft_tree:
+        return drafter
+    if not cfg.draft:
+        raise ValueError("draft_tree= needs draft= (a head drafts a tree through tree=)")
+    return ModelTreeDrafter(target, drafter, parse_tree(cfg.draft_tree))
+
+
+def use_cpu_linear(choice: str, *models) -> int:
+    """Apply ``cpu_linear=`` to targets / heads / draft models (None skipped); returns linears packed."""
+    if choice not in ("packed", "aten"):
+        raise ValueError(f"cpu_linear={choice!r}: expected 'packed' or 'aten'")
+    if choice == "aten":
+        return 0
+    return sum(pack_linears(getattr(m, "model", m)) for m in models if m is not None)
