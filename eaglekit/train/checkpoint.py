@@ -258,8 +258,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def trim_log(path: Path, step: int) -> int:
-    """Keep the records of ``log.jsonl`` up to ``step`` (a resumed run logs the later ones again) and
-    drop a line a kill cut short; returns how many records were dropped."""
+    """Keep the training records of ``log.jsonl`` up to ``step`` (a resumed run logs the later ones again);
+    drop an earlier end-of-run record (the resumed run writes its own) and a line a kill cut short.
+    Returns how many lines were dropped."""
     if not path.is_file():
         return 0
     kept, dropped = [], 0
@@ -269,7 +270,7 @@ def trim_log(path: Path, step: int) -> int:
         except ValueError:
             dropped += 1
             continue
-        if isinstance(rec, dict) and rec.get("step", 0) <= step:
+        if isinstance(rec, dict) and rec.get("step", 0) <= step and not rec.get("final"):
             kept.append(line)
         else:
             dropped += 1

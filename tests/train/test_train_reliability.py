@@ -146,6 +146,8 @@ def test_changed_config_refused_then_applied_when_allowed(tiny, finished, tmp_pa
     # the new lr and the new schedule's length apply from the resumed step on
     assert first["lr"] == pytest.approx(3e-3 * lr_lambda(10, 2, 0.0)(9), rel=1e-12)
     assert "config_changes" not in rows[9]
+    finals = [r for r in _rows(out) if r.get("final")]
+    assert [r["step"] for r in finals] == [10]  # the step-8 run's end record went with the resume
 
 
 # ---- item 1 (trainer): non-finite values stop the run, nothing bad is written ----------------------------
