@@ -4,9 +4,15 @@ or plain decoding; one loop for every drafter.
 ``decode.generate(target, drafter, input_ids, ...)`` with ``drafter`` an EAGLE head, another Target
 sharing the tokenizer (a chain of ``gamma`` tokens; ``ModelTreeDrafter`` for a tree), any ``Drafter``,
 or None; ``prompt_lookup=N`` grafts a prompt-lookup branch onto the tree (``LookupDrafter``).
-Modules, each using only those below it: ``generate`` (the public call) → ``plan`` (which drafter;
-``tree="auto"``, measured by ``cost``) → ``loop`` (draft → verify → accept → keep → commit) →
-``lookup`` → ``drafters`` → ``proposers`` → ``verify`` / ``tree`` / ``kv`` / ``sampling`` / ``stats``.
+Modules, each importing only modules on the lines below it:
+
+    cli                     eaglekit generate (the bench is eaglekit.bench, beside it)
+    generate                the public call: plan.make_drafter, then loop.run
+    plan                    which drafter: make_drafter, tree="auto" (Plan), the CLIs' option helpers
+    cost, loop, lookup      measured costs; the loop (Decoder.step); the prompt-lookup wrapper
+    drafters                Drafter protocol: PlainDrafter, ModelDrafter (chain), TreeDrafter
+    proposers, verify       HeadProposer / ModelProposer; verify forward and the acceptance walk
+    tree, kv, sampling, stats   Tree + EAGLE-2 expand; KV keep; Sampling + rules; DecodeStats
 """
 from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelTreeDrafter, PlainDrafter, TreeDrafter
 from eaglekit.decode.generate import generate

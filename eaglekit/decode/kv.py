@@ -9,12 +9,11 @@ it is refused. The head keeps its own ``HeadCache`` (``crop``/``keep``), handled
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 
 def new_cache(model):
     """An empty ``DynamicCache`` for ``model`` (built from its config so layer types match)."""
-    from transformers import DynamicCache
-
     try:
         return DynamicCache(config=model.config)
     except TypeError:  # very old signature without config
