@@ -35,6 +35,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     if generator is None and seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
     eos = eos_ids(target, eos_token_id)
-    drafter = make_drafter(target, drafter, sampling, generator, tree=tree, gamma=gamma, prompt_lookup=prompt_lookup)
+    drafter = make_drafter(target, drafter, sampling, generator, tree=tree, gamma=gamma,
+                           prompt_lookup=prompt_lookup)
     stop = [stop] if isinstance(stop, str) else stop
     return run(target, drafter, input_ids, max_new_tokens, sampling, generator, eos, stop, streamer)

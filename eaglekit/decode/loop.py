@@ -53,15 +53,17 @@ class Decoder:
 
     def prefill(self, prompt: torch.Tensor) -> int:
         """Run ``prompt`` [1, T] into the cache; returns the first new token (the first root)."""
+        # logits of the last row only: [S, V] logits of a long prompt cost seconds
         out = self.target.forward(prompt, past_key_values=self.cache, kind=self.drafter.kind,
-                                  layer_ids=self.drafter.layer_ids, logits_to_keep=1)  # [S, V] of a long prompt costs seconds
+                                  layer_ids=self.drafter.layer_ids, logits_to_keep=1)
         last = out.logits[0, -1]
         root = int(last.argmax()) if self.sampling.greedy else sample(self.sampling.probs(last), self.generator)
         self.drafter.prefill(prompt, out, root)
         return root
 
     def step(self, root: int, max_depth: int) -> Step:
-        """Draft below ``root`` (at most ``max_depth`` deep), verify, accept, keep the accepted rows' KV, commit."""
+        """Draft below ``root`` (at most ``max_depth`` deep), verify, accept, keep the accepted rows' KV,
+        commit."""
         clock = Stopwatch(self.target.device)
         tree = self.drafter.draft(max_depth)
         draft_s = clock.lap()

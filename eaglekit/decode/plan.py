@@ -93,7 +93,8 @@ def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, 
             return PlainDrafter(), None
         if plan is not None:
             return EagleDrafter(target, drafter, plan.spec), plan
-        return EagleDrafter(target, drafter, tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {}))), None
+        spec = tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {}))
+        return EagleDrafter(target, drafter, spec), None
     if hasattr(drafter, "draft") and hasattr(drafter, "commit"):  # anything following the protocol
         return drafter, None
     raise TypeError(f"drafter must be None, a Target or an EAGLE head, got {type(drafter).__name__}")

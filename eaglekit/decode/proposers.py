@@ -127,7 +127,8 @@ class ModelProposer:
         keep = 1 if mask is None else 0  # the pending tokens (a whole prompt at first): last row only
         out = self.model.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
                                  kind=None, logits_to_keep=keep)
-        return None, out.logits[..., : self.vocab]  # a draft lm_head padded past the target's vocab: never propose those
+        # a draft lm_head padded past the target's vocabulary: never propose those ids
+        return None, out.logits[..., : self.vocab]
 
     @staticmethod
     def to_target(ids: torch.Tensor) -> torch.Tensor:

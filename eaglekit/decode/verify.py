@@ -26,7 +26,8 @@ def verify(target, cache, root: int, tree: Tree, drafter):
     return out, past
 
 
-def accept(logits: torch.Tensor, tree: Tree, sampling: Sampling, generator=None, rule=None) -> tuple[list[int], int]:
+def accept(logits: torch.Tensor, tree: Tree, sampling: Sampling, generator=None,
+           rule=None) -> tuple[list[int], int]:
     """Walk down from the root: (accepted node indices, next token sampled from what is left).
 
     ``logits`` [n + 1, V] are the verify rows. Greedy: follow the child equal to the row's argmax. Else
