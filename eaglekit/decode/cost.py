@@ -14,6 +14,7 @@ from itertools import pairwise
 import torch
 
 from eaglekit.decode import kv
+from eaglekit.decode.proposers import HeadProposer
 from eaglekit.heads import HeadCache
 from eaglekit.timing import timed
 
@@ -86,8 +87,8 @@ def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SI
 def measure(target, head, prefix_len: int = 128, repeats: int = 5) -> Costs:
     """Median wall time of a target forward over m new tokens on a cached prefix, and of a head step."""
     prefix = torch.randint(10, target.vocab_size - 1, (1, prefix_len), device=target.device)
-    verify_s = verify_costs(target, prefix, repeats, kind=head.config.kind,
-                            layer_ids=tuple(head.config.aux_layer_ids) or None)
+    taps = HeadProposer(target, head)  # the verify forward returns what this head reads
+    verify_s = verify_costs(target, prefix, repeats, kind=taps.kind, layer_ids=taps.layer_ids)
     hdev, H = head.device, head.config.hidden_size
     hcache = HeadCache()
     head.step(prefix[:, 1:].to(hdev), torch.randn(1, prefix_len - 1, H, device=hdev, dtype=head.dtype),

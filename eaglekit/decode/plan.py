@@ -29,6 +29,7 @@ from eaglekit.decode.cost import LEVEL_SIZES, VERIFY_SIZES, Costs, device_name, 
 from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelDrafter, ModelTreeDrafter, PlainDrafter
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import run
+from eaglekit.decode.proposers import HeadProposer
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.tree import TreeSpec
 from eaglekit.fileio import write_text
@@ -104,8 +105,8 @@ def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, 
 def calibrate(target, head, ids: torch.Tensor, contexts: int = 4, depth: int = MAX_DEPTH,
               ks=LEVEL_SIZES) -> dict:
     """Per top_k: for each calibration context, every pool node's (depth, path probability)."""
-    kind, layer_ids = head.config.kind, tuple(head.config.aux_layer_ids) or None
-    out = target.forward(ids, kind=kind, layer_ids=layer_ids, logits=False)
+    taps = HeadProposer(target, head)  # what the head reads of the target
+    out = target.forward(ids, kind=taps.kind, layer_ids=taps.layer_ids, logits=False)
     L = ids.shape[1]
     cuts = [int(L * (i + 1) / (contexts + 1)) for i in range(contexts)]
     pools = {}

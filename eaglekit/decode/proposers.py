@@ -42,7 +42,7 @@ class HeadProposer:
 
     def __init__(self, target, head):
         check_target(head.config, target, where="decode.generate")
-        self.head, self.kind = head, head.config.kind
+        self.head, self.kind = head, head.config.kind  # the target taps this head reads (Target.forward)
         self.layer_ids = tuple(head.config.aux_layer_ids) or None
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
