@@ -3,6 +3,8 @@
 Taps come from forward hooks on the model's own modules (pre-hooks on decoder layers for their
 *inputs*, a hook on the final norm for the tensor lm_head reads); no modeling file is copied, so any
 architecture with a ``layers`` list and a final ``norm`` works (Llama, Qwen2/3, Mistral, Gemma, Phi...).
+Which layers a head taps is the head's business (``head.taps``); this module knows only layer ids,
+and the default set serving engines assume when a head names none (``default_taps``).
 """
 from __future__ import annotations
 
@@ -19,8 +21,6 @@ from torch import nn
 
 from eaglekit import assets
 
-EAGLE1, EAGLE3 = "eagle1", "eagle3"
-
 
 @functools.cache
 def cache_kwarg(model_cls: type) -> str:
@@ -29,17 +29,25 @@ def cache_kwarg(model_cls: type) -> str:
     return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
 
 
-def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default taps: the inputs of layers (2, N//2, N-3), as vLLM and SGLang assume."""
+def default_taps(num_layers: int) -> tuple[int, int, int]:
+    """The default taps: the inputs of layers (2, N//2, N-3), what vLLM and SGLang assume for EAGLE-3."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+default_aux_layers = default_taps  # the older name
 
 
 @dataclass
 class TargetOutput:
     logits: torch.Tensor | None  # [B, S, V] (or the kept positions)
     last: torch.Tensor  # [B, S, H] the final-norm output lm_head reads (EAGLE-1 feature, teacher)
-    aux: torch.Tensor | None  # [B, S, len(layer_ids)*H] concatenated layer inputs (EAGLE-3)
+    taps: torch.Tensor | None  # [B, S, len(layer_ids)*H] the tapped layer inputs, concatenated (EAGLE-3)
     past_key_values: object = None
+
+    @property
+    def aux(self) -> torch.Tensor | None:
+        """The older name of ``taps``."""
+        return self.taps
 
 
 class Target:
@@ -57,7 +65,12 @@ class Target:
         self.num_layers = len(self.layers)
         self.hidden_size = self.config.hidden_size
         self.vocab_size = causal.get_output_embeddings().weight.shape[0]
-        self.aux_layer_ids = default_aux_layers(self.num_layers)
+        self.default_taps = default_taps(self.num_layers)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """The older name of ``default_taps``."""
+        return self.default_taps
 
     # frozen modules that heads and losses borrow
     @property
@@ -119,15 +132,16 @@ class Target:
 
     @torch.no_grad()
     def forward(self, input_ids, *, attention_mask=None, position_ids=None, past_key_values=None,
-                kind: str | None = EAGLE3, layer_ids=None, logits: bool = True,
+                kind: str | None = "eagle3", layer_ids=None, logits: bool = True,
                 logits_to_keep: int = 0) -> TargetOutput:
-        """One target forward returning logits (optional) and the taps for ``kind``.
+        """One target forward returning logits (optional), ``last`` and the inputs of ``layer_ids`` as ``taps``.
 
-        ``kind=None`` taps only the last hidden state. ``logits=False`` runs the decoder without the
-        lm_head, which saves the [B, S, V] matmul during capture.
+        ``layer_ids``: the layers to tap (a head's ``taps``; ``()`` taps none, None the default taps).
+        ``kind`` is how older callers ask: ``None`` or ``"eagle1"`` tap nothing whatever ``layer_ids`` says.
+        ``logits=False`` runs the decoder without the lm_head, which saves the [B, S, V] matmul during capture.
         """
-        layer_ids = tuple(layer_ids or self.aux_layer_ids) if kind == EAGLE3 else ()
-        kw = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=past_key_values is not None)
+        layer_ids = self.tap_ids(kind, layer_ids)
+        kw = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": past_key_values is not None}
         cache_name = cache_kwarg(type(self.model if logits else self.decoder))
         if past_key_values is not None:
             kw[cache_name] = past_key_values
@@ -138,11 +152,18 @@ class Target:
             else:
                 out = self.decoder(input_ids=input_ids, **kw)
                 lg = None
-        aux = torch.cat([seen[i] for i in layer_ids], dim=-1) if layer_ids else None
-        return TargetOutput(lg, seen["last"], aux, getattr(out, cache_name, None))  # output field: same name
+        taps = torch.cat([seen[i] for i in layer_ids], dim=-1) if layer_ids else None
+        return TargetOutput(lg, seen["last"], taps, getattr(out, cache_name, None))  # output field: same name
 
-    def features(self, input_ids, attention_mask=None, kind: str = EAGLE3, layer_ids=None) -> TargetOutput:
-        """What a head trains on: ``last`` (EAGLE-1 feature, teacher) and ``aux`` (EAGLE-3 taps)."""
+    def tap_ids(self, kind: str | None, layer_ids) -> tuple[int, ...]:
+        """The layers a forward taps: ``layer_ids`` (None: the default taps), none for an older caller's
+        ``kind`` of None or "eagle1"."""
+        if kind in (None, "eagle1"):
+            return ()
+        return self.default_taps if layer_ids is None else tuple(layer_ids)
+
+    def features(self, input_ids, attention_mask=None, kind: str | None = "eagle3", layer_ids=None) -> TargetOutput:
+        """What a head trains on: ``last`` (EAGLE-1 feature, teacher) and ``taps`` (EAGLE-3)."""
         return self.forward(input_ids, attention_mask=attention_mask, kind=kind, layer_ids=layer_ids,
                             logits=False)
 
@@ -182,7 +203,7 @@ def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype=torch.fl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, _ = resolve(name_or_path)
-    kw = dict(trust_remote_code=trust_remote_code, revision=revision)
+    kw = {"trust_remote_code": trust_remote_code, "revision": revision}
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                  **kw).to(device)

@@ -2,7 +2,8 @@ import pytest
 import torch
 from helpers import save_tiny, tiny_target
 
-from eaglekit.target import EAGLE1, default_aux_layers, load_target
+from eaglekit.heads import EAGLE1
+from eaglekit.target import default_taps, load_target
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -12,10 +13,10 @@ def test_eagle3_taps_equal_output_hidden_states(arch):
     feats = t.features(ids)
     ref = t.model(ids, output_hidden_states=True).hidden_states
     H = t.hidden_size
-    assert t.aux_layer_ids == (2, 4, 5)
-    assert feats.aux.shape == (2, 11, 3 * H)
-    for k, layer in enumerate(t.aux_layer_ids):
-        torch.testing.assert_close(feats.aux[..., k * H:(k + 1) * H], ref[layer], rtol=0, atol=0)
+    assert t.default_taps == (2, 4, 5)
+    assert feats.taps.shape == (2, 11, 3 * H)
+    for k, layer in enumerate(t.default_taps):
+        torch.testing.assert_close(feats.taps[..., k * H:(k + 1) * H], ref[layer], rtol=0, atol=0)
     torch.testing.assert_close(feats.last, ref[-1], rtol=0, atol=0)
 
 
@@ -24,15 +25,19 @@ def test_custom_layer_ids_and_eagle1_kind():
     ids = torch.randint(0, 64, (1, 7))
     ref = t.model(ids, output_hidden_states=True).hidden_states
     f = t.features(ids, layer_ids=(0, 5))
-    torch.testing.assert_close(f.aux, torch.cat([ref[0], ref[5]], -1), rtol=0, atol=0)
+    torch.testing.assert_close(f.taps, torch.cat([ref[0], ref[5]], -1), rtol=0, atol=0)
     f1 = t.features(ids, kind=EAGLE1)
-    assert f1.aux is None
+    assert f1.taps is None
     torch.testing.assert_close(f1.last, ref[-1], rtol=0, atol=0)
+    assert t.features(ids, layer_ids=()).taps is None  # a head without taps (EAGLE-1's head.taps) taps none
 
 
-def test_default_aux_layers():
-    assert default_aux_layers(30) == (2, 15, 27)
-    assert default_aux_layers(24) == (2, 12, 21)
+def test_default_taps_and_older_names():
+    assert default_taps(30) == (2, 15, 27)
+    assert default_taps(24) == (2, 12, 21)
+    t = tiny_target("llama", layers=6)
+    out = t.forward(torch.randint(0, 64, (1, 5)))
+    assert t.aux_layer_ids == t.default_taps and out.aux is out.taps is not None  # the names before `taps`
 
 
 def test_lora_changes_taps_and_merge_equals_live(tmp_path):
@@ -46,8 +51,8 @@ def test_lora_changes_taps_and_merge_equals_live(tmp_path):
     plain = load_target(base).features(ids)
     live = load_target(base, adapter=tmp_path / "lora").features(ids)
     merged = load_target(base, adapter=tmp_path / "lora", merge_adapter=True).features(ids)
-    assert (live.aux - plain.aux).abs().max() > 1e-3, "the adapter must change the taps"
-    torch.testing.assert_close(merged.aux, live.aux, rtol=1e-5, atol=1e-5)
+    assert (live.taps - plain.taps).abs().max() > 1e-3, "the adapter must change the taps"
+    torch.testing.assert_close(merged.taps, live.taps, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merged.last, live.last, rtol=1e-5, atol=1e-5)
 
 
@@ -80,8 +85,8 @@ def test_lm_head_of_last_reproduces_logits_smollm2(smollm2):
     out = t.forward(ids)
     ref = t.model(ids, output_hidden_states=True)
     torch.testing.assert_close(t.lm_head(out.last), ref.logits, rtol=1e-6, atol=1e-5)
-    for k, layer in enumerate(t.aux_layer_ids):
-        torch.testing.assert_close(out.aux[..., k * 576:(k + 1) * 576], ref.hidden_states[layer], rtol=0, atol=0)
+    for k, layer in enumerate(t.default_taps):
+        torch.testing.assert_close(out.taps[..., k * 576:(k + 1) * 576], ref.hidden_states[layer], rtol=0, atol=0)
 
 
 @pytest.mark.real
@@ -92,8 +97,8 @@ def test_real_qwen2_taps(qwen05):
     out = t.forward(ids)
     ref = t.model(ids, output_hidden_states=True)
     torch.testing.assert_close(t.lm_head(out.last), ref.logits, rtol=1e-6, atol=1e-4)
-    for k, layer in enumerate(t.aux_layer_ids):
-        torch.testing.assert_close(out.aux[..., k * 896:(k + 1) * 896], ref.hidden_states[layer], rtol=0, atol=0)
+    for k, layer in enumerate(t.default_taps):
+        torch.testing.assert_close(out.taps[..., k * 896:(k + 1) * 896], ref.hidden_states[layer], rtol=0, atol=0)
 
 
 def test_chat_ids_uses_the_tokenizers_template():

@@ -4,7 +4,10 @@ Layout (DESIGN.md "Feature shards")::
 
     features/manifest.json
     features/shard-00000.safetensors   input_ids [T] int32, loss_mask [T] uint8, offsets [N+1] int64,
-                                       hidden [T, L*H] bf16 (EAGLE-3 taps; not in eagle1), last [T, H] bf16
+                                       taps [T, L*H] bf16 (EAGLE-3; not in eagle1), last [T, H] bf16
+
+(``taps`` is the name of the fused taps tensor everywhere: ``TargetOutput.taps``, items, batches. Shards
+written before format version 3 call it ``hidden``; ``FeatureDataset`` reads both.)
 
 The samples are cut into shards by a *plan* that depends only on the data and ``shard_tokens`` (whole
 samples, in order, until a shard holds ``shard_tokens`` tokens). Shard j is written by process
@@ -34,13 +37,15 @@ from pathlib import Path
 import torch
 
 from eaglekit import __version__
+from eaglekit.data_prep.template import template_hash
 from eaglekit.fileio import atomic_write, write_json, write_text
-from eaglekit.target import EAGLE1, EAGLE3
+from eaglekit.heads import EAGLE3, tap_layers
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 SUMS_DIR = "checksums"  # per-shard sha256 files, gathered into the manifest when the capture completes
-FORMAT_VERSION = 2  # 2: shards[j]["sha256"] and "draft_vocab" (version 1 manifests have neither)
+# 2: shards[j]["sha256"] and "draft_vocab" (version 1 manifests have neither); 3: the taps tensor is "taps"
+FORMAT_VERSION = 3
 FEATURE_DTYPE = torch.bfloat16
 
 
@@ -49,14 +54,13 @@ def shard_name(j: int) -> str:
 
 
 def feature_bytes_per_token(hidden_size: int, num_taps: int) -> int:
-    """bf16 bytes of ``hidden`` + ``last`` per token: (L·H + H)·2 (L = 0 for eagle1)."""
+    """bf16 bytes of ``taps`` + ``last`` per token: (L·H + H)·2 (L = 0 for eagle1)."""
     return (num_taps * hidden_size + hidden_size) * 2
 
 
 def resolve_taps(target, kind: str, layer_ids) -> tuple[int, ...]:
-    if kind not in (EAGLE1, EAGLE3):
-        raise ValueError(f"kind must be {EAGLE1!r} or {EAGLE3!r}, got {kind!r}")
-    return tuple(layer_ids or target.aux_layer_ids) if kind == EAGLE3 else ()
+    """The layers whose inputs a head of ``kind`` reads (its class says: heads.tap_layers)."""
+    return tap_layers(kind, target, layer_ids)
 
 
 def dist_info() -> tuple[int, int]:
@@ -86,7 +90,7 @@ def compute_features(
     batch_tokens: int = 8192,
     dtype=FEATURE_DTYPE,
 ) -> list[dict]:
-    """Item dicts (``input_ids``, ``loss_mask``, ``hidden`` (eagle3), ``last``) for ``samples``, in order.
+    """Item dicts (``input_ids``, ``loss_mask``, ``taps`` (eagle3), ``last``) for ``samples``, in order.
 
     Samples are batched by length (right-padded, ≤ ``batch_tokens`` padded tokens per forward); padding
     sits after each sample's tokens, so a causal model's features for them are unaffected.
@@ -100,13 +104,13 @@ def compute_features(
         while stop < len(order) and len(samples[order[stop]]["input_ids"]) * (stop + 1 - pos) <= batch_tokens:
             stop += 1
         batch = [samples[i] for i in order[pos:stop]]
-        for i, item in zip(order[pos:stop], _forward_batch(target, batch, kind, taps, dtype)):
+        for i, item in zip(order[pos:stop], _forward_batch(target, batch, taps, dtype)):
             out[i] = item
         pos = stop
     return out
 
 
-def _forward_batch(target, batch, kind, taps, dtype):
+def _forward_batch(target, batch, taps, dtype):
     width = max(len(s["input_ids"]) for s in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     att = torch.zeros(len(batch), width, dtype=torch.long)
@@ -114,9 +118,9 @@ def _forward_batch(target, batch, kind, taps, dtype):
         n = len(s["input_ids"])
         ids[b, :n] = torch.as_tensor(s["input_ids"])
         att[b, :n] = 1
-    out = target.features(ids.to(target.device), att.to(target.device), kind=kind, layer_ids=taps or None)
+    out = target.features(ids.to(target.device), att.to(target.device), layer_ids=taps)
     # cast on the device, then one copy to host: half the bytes over PCIe for a GPU target
-    hidden = out.aux.to(dtype).cpu() if kind == EAGLE3 else None
+    tapped = out.taps.to(dtype).cpu() if taps else None
     last = out.last.to(dtype).cpu()
     items = []
     for b, s in enumerate(batch):
@@ -125,8 +129,8 @@ def _forward_batch(target, batch, kind, taps, dtype):
             "input_ids": torch.as_tensor(s["input_ids"]).long(),
             "loss_mask": torch.as_tensor(s["loss_mask"]).long(),
         }
-        if kind == EAGLE3:
-            item["hidden"] = hidden[b, :n].clone()  # own storage: no padded batch kept alive
+        if tapped is not None:
+            item["taps"] = tapped[b, :n].clone()  # own storage: no padded batch kept alive
         item["last"] = last[b, :n].clone()
         items.append(item)
     return items
@@ -140,8 +144,8 @@ def shard_tensors(items: list[dict]) -> dict[str, torch.Tensor]:
         "loss_mask": torch.cat([it["loss_mask"] for it in items]).to(torch.uint8),
         "offsets": torch.cumsum(lengths, 0),
     }
-    if "hidden" in items[0]:
-        t["hidden"] = torch.cat([it["hidden"] for it in items]).contiguous()
+    if "taps" in items[0]:
+        t["taps"] = torch.cat([it["taps"] for it in items]).contiguous()
     t["last"] = torch.cat([it["last"] for it in items]).contiguous()
     return t
 
@@ -168,8 +172,6 @@ def build_manifest(
     (``{"file", "sha256", "size"}``, see ``vocab.vocab_record``), which the trainer checks."""
     lengths = [len(s["input_ids"]) for s in samples]
     plan = plan_shards(lengths, shard_tokens)
-    from eaglekit.data_prep.template import template_hash
-
     tgt = {
         "name": target.name,
         "fingerprint": target.fingerprint(),

@@ -1,7 +1,8 @@
 """Feature sources for the trainer: ``FeatureDataset`` (offline shards) and ``OnlineFeatures`` (live target).
 
 Both give ``len(ds)``, ``ds.lengths`` and ``ds[i]`` → ``{"input_ids": LongTensor[T], "loss_mask":
-LongTensor[T], "hidden": bf16 [T, L*H] (eagle3 only), "last": bf16 [T, H]}``.
+LongTensor[T], "taps": bf16 [T, L*H] (eagle3 only), "last": bf16 [T, H]}``. Shards written before
+capture format 3 store the taps as ``hidden``; they are read under the one name ``taps``.
 
 ``FeatureDataset`` opens the shard that holds sample i with ``safe_open`` for each item and reads only
 that sample's slices, then lets the file go: nothing of the data stays mapped between items, so memory
@@ -21,12 +22,14 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from eaglekit.data_prep.capture import MANIFEST, compute_features, file_sha256, resolve_taps
 from eaglekit.data_prep.vocab import VOCAB_FILE, load_draft_vocab, vocab_hash
-from eaglekit.target import EAGLE3
+from eaglekit.heads import EAGLE3
 
-FEATURE_KEYS = ("hidden", "last")  # the float tensors, checked finite
+TAPS, OLD_TAPS = "taps", "hidden"  # the taps tensor's name in shards (before capture format 3: "hidden")
+FEATURE_KEYS = (TAPS, "last")  # the float tensors, checked finite
 SCAN_BYTES = 64 * 2**20  # verify() reads features in pieces of this size
 
 
@@ -124,11 +127,7 @@ class FeatureDataset(torch.utils.data.Dataset):
         return shard, i - shard["first_sample"]
 
     def __getitem__(self, i: int) -> dict:
-        keys = (
-            ("input_ids", "loss_mask", "hidden", "last")
-            if self.kind == EAGLE3
-            else ("input_ids", "loss_mask", "last")
-        )
+        keys = ("input_ids", "loss_mask", TAPS, "last") if self.layer_ids else ("input_ids", "loss_mask", "last")
         return {**self._read(i, keys), "origin": self.origin(i)}
 
     def tokens(self, i: int) -> dict:
@@ -136,8 +135,6 @@ class FeatureDataset(torch.utils.data.Dataset):
         return self._read(i, ("input_ids", "loss_mask"))
 
     def _read(self, i: int, keys) -> dict:
-        from safetensors import safe_open
-
         shard, k = self.locate(i)
         path = self.dir / shard["file"]
         if shard["file"] not in self._checked:
@@ -145,7 +142,7 @@ class FeatureDataset(torch.utils.data.Dataset):
         try:
             with safe_open(str(path), framework="pt") as f:
                 lo, hi = (int(x) for x in f.get_slice("offsets")[k : k + 2])
-                item = {key: f.get_slice(key)[lo:hi] for key in keys}
+                item = {key: f.get_slice(stored_name(f, key))[lo:hi] for key in keys}
         except Exception as e:  # safetensors raises its own error types for bad headers / short files
             raise FeatureError(f"{path}: corrupt or truncated shard (reading sample {k}): {e}") from e
         if hi - lo != self.lengths[i]:
@@ -181,14 +178,12 @@ class FeatureDataset(torch.utils.data.Dataset):
     def verify(self) -> None:
         """Check every shard: checksum, shapes, capture identity against the manifest, and every feature
         finite (names the shard, and the sample of a non-finite value)."""
-        from safetensors import safe_open
-
         width = len(self.layer_ids) * self.manifest["hidden_size"]
         for s in self.manifest["shards"]:
             path = self.dir / s["file"]
             try:
                 with safe_open(str(path), framework="pt") as f:
-                    shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+                    shapes = {TAPS if k == OLD_TAPS else k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
                     meta = json.loads((f.metadata() or {}).get("eaglekit", "{}"))
             except Exception as e:
                 raise FeatureError(f"{path}: corrupt or truncated shard: {e}") from e
@@ -198,8 +193,8 @@ class FeatureDataset(torch.utils.data.Dataset):
                 "offsets": (s["num_samples"] + 1,),
                 "last": (s["num_tokens"], self.manifest["hidden_size"]),
             }
-            if self.kind == EAGLE3:
-                want["hidden"] = (s["num_tokens"], width)
+            if self.layer_ids:
+                want[TAPS] = (s["num_tokens"], width)
             if shapes != want:
                 raise FeatureError(f"{path}: tensor shapes {shapes} do not match the manifest {want}")
             if meta.get("plan_hash") != self.manifest.get("plan_hash"):
@@ -212,12 +207,10 @@ class FeatureDataset(torch.utils.data.Dataset):
 
     def _scan_finite(self, path: Path) -> None:
         """Read each feature tensor of a shard in ~SCAN_BYTES pieces; name the first non-finite sample."""
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             offsets = f.get_tensor("offsets")
-            for key in (k for k in FEATURE_KEYS if k in f.keys()):  # noqa: SIM118 (safe_open is not a dict)
-                rows = f.get_slice(key)
+            for key in (k for k in FEATURE_KEYS if stored_name(f, k) in f.keys()):  # noqa: SIM118 (safe_open is not a dict)
+                rows = f.get_slice(stored_name(f, key))
                 total, width = rows.get_shape()
                 step = max(1, SCAN_BYTES // (2 * max(1, width)))
                 for lo in range(0, total, step):
@@ -228,6 +221,11 @@ class FeatureDataset(torch.utils.data.Dataset):
                         raise FeatureError(
                             f"{path}: sample {k} has non-finite values (NaN/Inf) in {key!r}: corrupt shard"
                         )
+
+
+def stored_name(shard, key: str) -> str:
+    """The name ``key`` has in an open shard: ``taps`` is ``hidden`` in shards of capture format < 3."""
+    return OLD_TAPS if key == TAPS and TAPS not in shard.keys() else key  # noqa: SIM118 (safe_open is not a dict)
 
 
 class OnlineFeatures(torch.utils.data.Dataset):

@@ -2,16 +2,33 @@
 
     cfg = HeadConfig.from_target(target, kind="eagle3")
     head = build_head(cfg, target)
-    hidden, logits = head.step(input_ids, head.fuse_output(target_out), position_ids, cache=HeadCache())
+    out = target.forward(ids, layer_ids=head.taps)
+    hidden, logits = head.step(input_ids, head.fuse_output(out), position_ids, cache=HeadCache())
+
+Modules, each importing only modules on the lines below it (tests/test_architecture.py checks):
+
+    export_cli, push_cli    eaglekit export / eaglekit push
+    hub                     model card, stage, push_head (DraftHead.push_to_hub)
+    export                  write the engine layouts; load_head (native or any layout)
+    layouts                 the layouts' key sets and renames, what each engine holds; validate_export
+    io                      the native format: save_head (DraftHead.save_pretrained), load_native
+    registry                HEADS by kind, head_class, build_head, tap_layers
+    eagle1, eagle3          the two heads: what each reads, fuses, predicts over and trains with
+    base                    DraftHead: borrowed target modules, draft vocabulary, step checks
+    layers, cache           Llama-style layers; HeadCache, masks, shift_left
+    config                  HeadConfig, EAGLE1/EAGLE3, check_target
+    engines, verifier       data: how each engine reads an export; the verifier id
 """
 from eaglekit.heads.cache import HeadCache, causal_mask, ttt_mask
-from eaglekit.heads.config import HeadConfig
+from eaglekit.heads.config import EAGLE1, EAGLE3, KINDS, HeadConfig, check_target
 from eaglekit.heads.eagle1 import Eagle1Head
 from eaglekit.heads.eagle3 import Eagle3Head
-from eaglekit.heads.export import LAYOUTS, export_head, load_export, validate_export
-from eaglekit.heads.hub import model_card, push_to_hub
-from eaglekit.heads.io import build_head, check_target, load_head, save_head
+from eaglekit.heads.export import export_head, load_export, load_head
+from eaglekit.heads.hub import model_card, push_head, push_to_hub
+from eaglekit.heads.io import save_head
+from eaglekit.heads.layouts import LAYOUTS, validate_export
+from eaglekit.heads.registry import HEADS, build_head, head_class, tap_layers
 
-__all__ = ["HeadConfig", "Eagle1Head", "Eagle3Head", "HeadCache", "build_head", "load_head", "save_head",
-           "check_target", "causal_mask", "ttt_mask", "export_head", "load_export", "validate_export", "LAYOUTS",
-           "push_to_hub", "model_card"]
+__all__ = ["EAGLE1", "EAGLE3", "HEADS", "KINDS", "LAYOUTS", "Eagle1Head", "Eagle3Head", "HeadCache", "HeadConfig",
+           "build_head", "causal_mask", "check_target", "export_head", "head_class", "load_export", "load_head",
+           "model_card", "push_head", "push_to_hub", "save_head", "tap_layers", "ttt_mask", "validate_export"]

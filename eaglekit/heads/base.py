@@ -1,10 +1,15 @@
-"""What both heads share: borrowing the target's frozen modules, the draft-vocabulary maps, save."""
+"""What both heads share: borrowing the target's frozen modules, the draft-vocabulary maps, the step
+checks; and the hooks through which each head says how it differs (see ``DraftHead``).
+
+Saving and the Hub live above this module (heads.io, heads.hub), which give ``DraftHead`` its
+``save_pretrained`` / ``push_to_hub`` methods; nothing here imports them.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from eaglekit.heads.config import HeadConfig
+from eaglekit.heads.config import HeadConfig, check_target
 from eaglekit.heads.layers import Rotary
 
 
@@ -13,7 +18,16 @@ class DraftHead(nn.Module):
 
     The target's ``embed_tokens`` (and EAGLE-1's ``lm_head``) are *borrowed*: kept outside the module
     tree, so they are neither trained, saved, nor moved by ``head.to``; ``bind`` sets them again.
+
+    What differs between the kinds is answered by the head class, never by ``if kind == ...`` elsewhere:
+    ``tap_layers`` (which target layers it reads), ``reads`` (which target feature ``fuse`` takes:
+    ``"taps"`` or ``"last"``), ``fuse``, ``has_draft_vocab``, ``training_features`` (its input noise)
+    and ``step_loss`` (its extra loss terms), ``init_from_target`` (its warm start).
     """
+
+    kind: str = ""  # the registry key (HeadConfig.kind)
+    reads: str = "taps"  # the TargetOutput field / batch key that fuse() takes
+    has_draft_vocab: bool = True  # False: predicts over the whole target vocabulary
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -22,9 +36,7 @@ class DraftHead(nn.Module):
         self.__dict__["_borrowed"] = {}
 
     # ---- borrowed target modules -------------------------------------------------------------
-    def bind(self, target) -> "DraftHead":
-        from eaglekit.heads.io import check_target
-
+    def bind(self, target) -> DraftHead:
         check_target(self.config, target, where=f"{type(self).__name__}.bind")
         self._borrowed["embed_tokens"] = target.embed_tokens
         self._borrowed["lm_head"] = target.lm_head
@@ -75,10 +87,45 @@ class DraftHead(nn.Module):
             torch.arange(self.d2t.numel(), device=self.d2t.device)
         return inverse.to(target_ids.device)[target_ids]
 
-    # ---- features and steps ----------------------------------------------------------------------
+    # ---- what the head reads from the target -----------------------------------------------------
+    @classmethod
+    def tap_layers(cls, target, layer_ids=None) -> tuple[int, ...]:
+        """The target layers whose inputs a head of this kind reads: ``layer_ids`` or the target's
+        default taps (EAGLE-1 reads none)."""
+        return tuple(layer_ids or target.default_taps)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The layers this head reads (pass as ``target.forward(..., layer_ids=head.taps)``)."""
+        return tuple(self.config.aux_layer_ids)
+
+    def fuse(self, feature: torch.Tensor) -> torch.Tensor:
+        """The target feature named by ``reads`` → the head's input feature g [.., H]."""
+        raise NotImplementedError
+
     def fuse_output(self, target_output) -> torch.Tensor:
         """Fuse what the target returned (``TargetOutput``) into the head's input feature g."""
-        raise NotImplementedError
+        feature = getattr(target_output, self.reads, None)
+        if feature is None:
+            raise ValueError(f"{type(self).__name__}.fuse_output: the target output has no {self.reads!r} "
+                             "(run the target with layer_ids=head.taps)")
+        return self.fuse(feature)
+
+    # ---- training --------------------------------------------------------------------------------
+    def training_features(self, batch: dict, noise: float = 0.0) -> torch.Tensor:
+        """g for a training-time-test unroll over ``batch`` (its ``reads`` tensor, fused); ``noise`` is
+        EAGLE-1's feature noise (ignored by heads that do not use it)."""
+        return self.fuse(batch[self.reads])
+
+    def step_loss(self, ce: torch.Tensor, hidden: torch.Tensor, batch: dict, step: int, valid: torch.Tensor,
+                  loss) -> torch.Tensor:
+        """TTT step ``step``'s loss from its soft cross-entropy ``ce`` (already weighted by
+        ``loss.step_decay ** step``): ``hidden`` is the head's output, ``valid`` the supervised positions,
+        ``loss`` the loss settings. The base is the CE alone; EAGLE-1 adds its feature regression."""
+        return ce
+
+    def init_from_target(self, target) -> None:
+        """Warm start from the target's own modules before training (``head.init_from_target``)."""
 
     def _check_step(self, input_ids, g, position_ids, cache, attn_mask):
         if position_ids is None:
@@ -99,14 +146,3 @@ class DraftHead(nn.Module):
     def forward(self, input_ids, g, position_ids, cache=None, attn_mask=None):
         """Same as ``step`` (so DDP/FSDP wrappers can call the head)."""
         return self.step(input_ids, g, position_ids, cache=cache, attn_mask=attn_mask)
-
-    def save_pretrained(self, path, **kw):
-        from eaglekit.heads.io import save_head
-
-        return save_head(self, path, **kw)
-
-    def push_to_hub(self, repo_id: str, private: bool = False, token: str | None = None, **kw) -> dict:
-        """Upload this head (``layout="native"`` or an export layout) with a model card; see heads.hub."""
-        from eaglekit.heads.hub import push_to_hub
-
-        return push_to_hub(self, repo_id, private=private, token=token, **kw)

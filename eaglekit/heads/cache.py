@@ -1,4 +1,5 @@
-"""The head's own KV cache and the attention masks its step takes.
+"""The head's own KV cache, the attention masks its step takes, and the shift that aligns a sequence
+with training-time-test step k.
 
 Masks are additive floats ``[B or 1, 1, S, T_cache_before + S]``: 0 = attend, ``finfo.min`` = blocked
 (finfo.min rather than -inf so a row that a caller blocks entirely gives zeros, not NaN).
@@ -37,14 +38,14 @@ class HeadCache:
         self.keys = [None if k is None else fn(k) for k in self.keys]
         self.values = [None if v is None else fn(v) for v in self.values]
 
-    def crop(self, n_keep: int) -> "HeadCache":
+    def crop(self, n_keep: int) -> HeadCache:
         """Keep the first ``n_keep`` positions (rollback is truncation)."""
         if n_keep < 0:
             raise ValueError(f"HeadCache.crop: n_keep must be >= 0, got {n_keep}")
         self._map(lambda t: t[:, :, :n_keep])
         return self
 
-    def keep(self, indices) -> "HeadCache":
+    def keep(self, indices) -> HeadCache:
         """Keep the given positions along T, in the given order.
 
         ``indices``: 1-D (same for every row) or ``[B, n]`` (one list per batch row).
@@ -59,7 +60,7 @@ class HeadCache:
             self._map(gather)
         return self
 
-    def clone(self) -> "HeadCache":
+    def clone(self) -> HeadCache:
         out = HeadCache()
         out.keys = [None if k is None else k.clone() for k in self.keys]
         out.values = [None if v is None else v.clone() for v in self.values]
@@ -89,3 +90,12 @@ def ttt_mask(seq_len: int, step: int, dtype=torch.float32, device=None) -> torch
     own = torch.full((seq_len, seq_len), blocked(dtype), dtype=dtype, device=device)
     own.fill_diagonal_(0.0)
     return torch.cat([m] + [own] * step, dim=1)[None, None]
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """``out[:, t] = x[:, t + n]`` along dim 1, padded with ``fill`` past the end (TTT step k reads
+    token, position and teacher ``1 + k`` ahead of element t)."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)

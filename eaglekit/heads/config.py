@@ -1,16 +1,20 @@
-"""The head's config: what it is, its shape, and which target it was trained for (JSON-serialisable)."""
+"""The head's config: what it is, its shape, and which target it was trained for (JSON-serialisable);
+the two head kinds, and the check that a target is the one a head was built for."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from transformers import LlamaConfig
+
+from eaglekit import __version__
+
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
+KINDS = (EAGLE1, EAGLE3)  # the head classes of heads.registry, by kind
 DEFAULT_DRAFT_VOCAB = 32000
 
 
 def _version() -> str:
-    from eaglekit import __version__
-
     return __version__
 
 
@@ -50,7 +54,7 @@ class HeadConfig:
     eaglekit_version: str = field(default_factory=_version)
 
     def __post_init__(self):
-        if self.kind not in (EAGLE1, EAGLE3):
+        if self.kind not in KINDS:
             raise ValueError(f"HeadConfig.kind must be 'eagle1' or 'eagle3', got {self.kind!r}")
         if self.num_layers < 1:
             raise ValueError(f"HeadConfig.num_layers must be >= 1, got {self.num_layers}")
@@ -61,26 +65,26 @@ class HeadConfig:
 
     @classmethod
     def from_target(cls, target, kind: str = EAGLE3, num_layers: int = 1, draft_vocab_size: int | None = None,
-                    aux_layer_ids=None, **overrides) -> "HeadConfig":
+                    aux_layer_ids=None, **overrides) -> HeadConfig:
         """A head shaped like one of the target's decoder layers (heads, kv heads, head_dim, MLP, RoPE)."""
         tc = target.config
         heads = tc.num_attention_heads
         theta, scaling = target_rope(tc)
         vocab = target.vocab_size
         if kind == EAGLE3:
-            aux = list(aux_layer_ids if aux_layer_ids is not None else target.aux_layer_ids)
+            aux = list(aux_layer_ids if aux_layer_ids is not None else target.default_taps)
             dv = draft_vocab_size if draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, vocab)
         else:
             aux, dv = [], vocab
-        cfg = dict(
-            kind=kind, num_layers=num_layers, hidden_size=target.hidden_size, target_vocab_size=vocab,
-            draft_vocab_size=dv, target_num_layers=target.num_layers, aux_layer_ids=aux,
-            num_attention_heads=heads, num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
-            intermediate_size=tc.intermediate_size, rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-            rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
-            target_name=getattr(target, "name", ""), target_fingerprint=target.fingerprint())
+        cfg = {
+            "kind": kind, "num_layers": num_layers, "hidden_size": target.hidden_size, "target_vocab_size": vocab,
+            "draft_vocab_size": dv, "target_num_layers": target.num_layers, "aux_layer_ids": aux,
+            "num_attention_heads": heads, "num_key_value_heads": getattr(tc, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(tc, "head_dim", None) or target.hidden_size // heads,
+            "intermediate_size": tc.intermediate_size, "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
+            "rope_theta": theta, "rope_scaling": scaling,
+            "max_position_embeddings": getattr(tc, "max_position_embeddings", 2048),
+            "target_name": getattr(target, "name", ""), "target_fingerprint": target.fingerprint()}
         cfg.update(overrides)
         return cls(**cfg)
 
@@ -97,7 +101,7 @@ class HeadConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict, where: str = "config") -> "HeadConfig":
+    def from_dict(cls, data: dict, where: str = "config") -> HeadConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -109,11 +113,26 @@ class HeadConfig:
 
     def llama_config(self, **extra):
         """The head's decoder shape as a transformers LlamaConfig (RoPE init, export configs)."""
-        from transformers import LlamaConfig
-
         return LlamaConfig(
             hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim, intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings, vocab_size=self.target_vocab_size,
             rope_parameters=self.rope_parameters(), tie_word_embeddings=False, **extra)
+
+
+def check_target(config: HeadConfig, target, where: str = "head") -> None:
+    """Raise ValueError naming every way ``target`` differs from the one the head was built for."""
+    diffs = []
+    if config.hidden_size != target.hidden_size:
+        diffs.append(f"hidden size: head {config.hidden_size} vs target {target.hidden_size}")
+    if config.target_vocab_size != target.vocab_size:
+        diffs.append(f"vocab size: head {config.target_vocab_size} vs target {target.vocab_size}")
+    if config.target_num_layers != target.num_layers:
+        diffs.append(f"layer count: head {config.target_num_layers} vs target {target.num_layers}")
+    if config.target_fingerprint and config.target_fingerprint != target.fingerprint():
+        diffs.append(f"fingerprint (config + tokenizer): head {config.target_fingerprint} "
+                     f"(trained for {config.target_name or '?'}) vs target {target.fingerprint()} "
+                     f"({getattr(target, 'name', '?')})")
+    if diffs:
+        raise ValueError(f"{where}: this head was not trained for this target — " + "; ".join(diffs))

@@ -1,16 +1,26 @@
-"""EAGLE-1 head (Li et al. 2024): predicts the target's next last-layer feature; the target's lm_head reads it."""
+"""EAGLE-1 head (Li et al. 2024): predicts the target's next last-layer feature; the target's lm_head reads it.
+
+What makes it EAGLE-1, all here: it reads the target's ``last`` feature (no taps), predicts over the
+whole target vocabulary, and trains with feature noise plus a SmoothL1 regression onto the next feature
+beside the (down-weighted) token loss.
+"""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.cache import HeadCache
+from eaglekit.heads.cache import HeadCache, shift_left
 from eaglekit.heads.config import EAGLE1, HeadConfig
 from eaglekit.heads.layers import DecoderLayer
 
 
 class Eagle1Head(DraftHead):
+    kind = EAGLE1
+    reads = "last"
+    has_draft_vocab = False
+
     def __init__(self, config: HeadConfig):
         if config.kind != EAGLE1:
             raise ValueError(f"Eagle1Head needs kind='eagle1', got {config.kind!r}")
@@ -23,15 +33,29 @@ class Eagle1Head(DraftHead):
         self.register_buffer("d2t", torch.zeros(config.target_vocab_size, dtype=torch.long), persistent=False)
         self.register_buffer("t2d", torch.ones(config.target_vocab_size, dtype=torch.bool), persistent=False)
 
+    @classmethod
+    def tap_layers(cls, target, layer_ids=None) -> tuple[int, ...]:
+        return ()  # EAGLE-1 reads the last hidden state only
+
     def fuse(self, last: torch.Tensor) -> torch.Tensor:
         """EAGLE-1 reads the target's last hidden state (after its final norm) as is."""
         return last.to(self.dtype)
 
-    def fuse_output(self, target_output) -> torch.Tensor:
-        return self.fuse(target_output.last)
-
     def set_draft_vocab(self, d2t, t2d) -> None:
         raise ValueError("Eagle1Head predicts over the full target vocabulary; it has no draft vocabulary")
+
+    def training_features(self, batch: dict, noise: float = 0.0) -> torch.Tensor:
+        """``last`` plus EAGLE-1's uniform feature noise U(-noise, noise) (scaled like EAGLE's)."""
+        last = batch["last"]
+        if noise > 0:
+            last = last + (torch.rand_like(last, dtype=torch.float32) * 2 - 1).to(last.dtype) * noise
+        return self.fuse(last)
+
+    def step_loss(self, ce, hidden, batch, step, valid, loss) -> torch.Tensor:
+        """``token_weight`` x CE plus ``feature_weight`` x SmoothL1 onto the next feature f_{t+1+step}."""
+        next_feature = shift_left(batch["last"], 1 + step)
+        l1 = F.smooth_l1_loss(hidden.float(), next_feature.float(), reduction="none").mean(-1)
+        return ce * loss.token_weight + loss.feature_weight * (loss.step_decay ** step) * (l1 * valid.float()).sum()
 
     def step(self, input_ids, g, position_ids, cache: HeadCache | None = None, attn_mask=None):
         """→ (predicted next feature f̂ [B,S,H], logits over the target vocab [B,S,V] via target.lm_head)."""

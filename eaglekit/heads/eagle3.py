@@ -1,4 +1,9 @@
-"""EAGLE-3 head (Li et al. 2025): fused low/mid/high taps, one wide decoder layer, its own draft lm_head."""
+"""EAGLE-3 head (Li et al. 2025): fused low/mid/high taps, one wide decoder layer, its own draft lm_head.
+
+What makes it EAGLE-3, all here: it reads the concatenated inputs of its tap layers (the target's
+default taps unless given), fuses them with ``fc``, predicts over a draft vocabulary (``d2t``/``t2d``)
+and trains on the soft cross-entropy alone; it can start its lm_head and norm from the target's.
+"""
 from __future__ import annotations
 
 import torch
@@ -35,6 +40,10 @@ class Eagle3FirstLayer(nn.Module):
 
 
 class Eagle3Head(DraftHead):
+    kind = EAGLE3
+    reads = "taps"
+    has_draft_vocab = True
+
     def __init__(self, config: HeadConfig):
         if config.kind != EAGLE3:
             raise ValueError(f"Eagle3Head needs kind='eagle3', got {config.kind!r}")
@@ -52,14 +61,9 @@ class Eagle3Head(DraftHead):
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
 
-    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """[.., taps*H] concatenated layer inputs → g [.., H]."""
-        return self.fc(aux.to(self.fc.weight.dtype))
-
-    def fuse_output(self, target_output) -> torch.Tensor:
-        if target_output.aux is None:
-            raise ValueError("Eagle3Head.fuse_output: the target output has no aux taps (use kind='eagle3')")
-        return self.fuse(target_output.aux)
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """[.., len(taps)*H] concatenated layer inputs → g [.., H]."""
+        return self.fc(taps.to(self.fc.weight.dtype))
 
     def step(self, input_ids, g, position_ids, cache: HeadCache | None = None, attn_mask=None):
         """One head pass over S (feature, next token) pairs → (hidden before norm [B,S,H], logits [B,S,Vd])."""
@@ -71,6 +75,16 @@ class Eagle3Head(DraftHead):
         for layer in self.layers[1:]:
             x = layer(x, cos, sin, cache, mask)
         return x, self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def init_from_target(self, target) -> None:
+        """Warm start: lm_head = the target's rows for the draft vocabulary, norm = the target's final norm.
+        The head then only has to learn to produce the target's pre-norm last hidden state, which
+        shortens training a lot when data or compute is small (CPU)."""
+        self.init_lm_head_from_target()
+        norm_w = getattr(target.norm, "weight", None)
+        if norm_w is not None and norm_w.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(norm_w.to(self.norm.weight))
 
     def init_lm_head_from_target(self) -> None:
         """Start the draft lm_head from the target's rows for the draft vocabulary (optional warm start)."""

@@ -1,188 +1,68 @@
-"""Write a head in the layouts serving engines load, and read them back (docs/exports.md).
+"""Write a head in the layouts serving engines load, and read any head folder back (docs/exports.md).
 
-- ``vllm``: vLLM's EAGLE-3 layout — ``architectures: ["LlamaForCausalLMEagle3"]``, ``midlayer.*`` keys,
-  ``d2t``/``t2d``; tap ids (layer inputs) at the top level and in ``eagle_config``.
-- ``sglang``: the same weights; tap ids only in ``eagle_config``, in SGLang's meaning (layer outputs =
-  eaglekit's id - 1). SGLang has no ``norm_before_residual``, so such heads are refused.
-- ``speculators``: vllm-project/speculators' format (``layers.N.*`` keys, the target's
-  ``embed_tokens.weight``, the verifier's Hub id), read by speculators and by vLLM.
-- ``eagle1``: SafeAILab/EAGLE's EAGLE-1 draft (``fc`` with bias, ``layers.N.*``, no input norm on
-  layer 0, the target's ``embed_tokens.weight``).
-
-Where each engine reads what is data in ``heads.engines``; the config writer and the checks below
-follow it. Engines skip weight names they do not know, so every export is checked against the exact
-expected key set, shapes and dtypes (from the config alone) before and after writing, and refused if
-any weight is non-finite. Each config also carries an ``eaglekit`` block (the HeadConfig) so
-``load_head`` can check the target when the folder is loaded back.
+The layouts themselves (key sets, renames, what each engine can hold, reading a folder's config) are
+heads.layouts; this module writes them (``export_head``: checked against the exact expected key set,
+shapes and dtypes before and after writing, refused if any weight is non-finite) and loads them
+(``load_head``: a native folder, an export, or a head another trainer wrote in an engine's layout).
+Each config also carries an ``eaglekit`` block (the HeadConfig) so ``load_head`` can check the target
+when the folder is loaded back.
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from eaglekit.heads.config import EAGLE1, EAGLE3, HeadConfig, target_rope
-from eaglekit.heads.engines import (
-    ENGINES,
-    LAYOUT_ENGINES,
-    TAP_KEY,
-    get_path,
-    read_flag,
-    read_tap_count,
-    read_taps,
-    set_path,
-)
+from eaglekit.fileio import write_json, write_safetensors
+from eaglekit.heads.base import DraftHead
+from eaglekit.heads.config import EAGLE3, HeadConfig, check_target
+from eaglekit.heads.engines import ENGINES, LAYOUT_ENGINES, TAP_KEY, get_path, set_path
 from eaglekit.heads.io import (
     CONFIG,
     WEIGHTS,
     check_finite,
-    check_target,
+    instantiate,
+    is_native,
+    load_native,
     read_config,
-    write_json,
-    write_safetensors,
+    read_weights,
+    resolve_dir,
+    saved_dtype,
+)
+from eaglekit.heads.layouts import (
+    EXPORT_BLOCK,
+    LAYOUTS,
+    ExportError,
+    check_weights,
+    eagle3_fields,
+    engine_head_config,
+    full_vocab,
+    layout_engines,
+    need,
+    rename,
+    tensor_kind,
+    validate_export,
 )
 from eaglekit.heads.verifier import resolve_verifier
 
-LAYOUTS = ("sglang", "vllm", "speculators", "eagle1")
-ENGINE_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+__all__ = ["EXPORT_BLOCK", "LAYOUTS", "ExportError", "export_config", "export_head", "export_to", "layout_state",
+           "load_export", "load_head", "validate_export"]  # the first three and the last also live in heads.layouts
 SPECULATORS_VERSION = "0.9.0"  # the speculators release these configs were checked against
-EXPORT_BLOCK = "eaglekit_export"  # {"layout", "verifier", "engines"}: what eaglekit wrote, for reading back
 
 
-class ExportError(ValueError):
-    """An export (or a folder read as one) whose keys, shapes or config do not match its layout."""
-
-
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ExportError(msg)
-
-
-def _engines(layout: str):
-    if layout not in LAYOUT_ENGINES:
-        raise ExportError(f"unknown export layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    return [ENGINES[n] for n in LAYOUT_ENGINES[layout]]
-
-
-def _full_vocab(cfg: HeadConfig) -> bool:
-    return cfg.draft_vocab_size == cfg.target_vocab_size
-
-
-# ---- the golden key lists ------------------------------------------------------------------------
-def _layer_keys(cfg: HeadConfig, prefix: str, first_eagle3: bool, input_norm: bool) -> dict:
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    width = 2 * H if first_eagle3 else H
-    keys = {
-        f"{prefix}self_attn.q_proj.weight": [q, width], f"{prefix}self_attn.k_proj.weight": [kv, width],
-        f"{prefix}self_attn.v_proj.weight": [kv, width], f"{prefix}self_attn.o_proj.weight": [H, q],
-        f"{prefix}mlp.gate_proj.weight": [I, H], f"{prefix}mlp.up_proj.weight": [I, H],
-        f"{prefix}mlp.down_proj.weight": [H, I], f"{prefix}post_attention_layernorm.weight": [H],
-    }
-    if input_norm:
-        keys[f"{prefix}input_layernorm.weight"] = [H]
-    if first_eagle3:
-        keys[f"{prefix}hidden_norm.weight"] = [H]
-    return keys
-
-
-def expected_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int], str]]:
-    """{name: (shape, dtype kind)} with kind "float", "int64" or "bool" — exactly what ``layout`` holds."""
-    H, V, Vd = cfg.hidden_size, cfg.target_vocab_size, cfg.draft_vocab_size
-    _engines(layout)
-    if layout == "eagle1":
-        _need(cfg.kind == EAGLE1, "the eagle1 layout holds EAGLE-1 heads; use sglang/vllm/speculators for EAGLE-3")
-        keys = {"fc.weight": [H, 2 * H], "fc.bias": [H], "embed_tokens.weight": [V, H]}
-        for i in range(cfg.num_layers):
-            keys.update(_layer_keys(cfg, f"layers.{i}.", False, input_norm=i > 0))
-        return {k: (s, "float") for k, s in keys.items()}
-    _need(cfg.kind == EAGLE3, f"the {layout} layout holds EAGLE-3 heads; export EAGLE-1 heads with --to eagle1")
-    if layout in ("sglang", "vllm"):
-        _need(cfg.num_layers == 1, f"the {layout} layout has a single midlayer; this head has {cfg.num_layers} "
-              "layers (export it with --to speculators)")
-        names = ["midlayer."]
-    else:
-        names = [f"layers.{i}." for i in range(cfg.num_layers)]
-    keys = {"fc.weight": [H, len(cfg.aux_layer_ids) * H], "norm.weight": [H], "lm_head.weight": [Vd, H]}
-    for i, prefix in enumerate(names):
-        keys.update(_layer_keys(cfg, prefix, first_eagle3=i == 0, input_norm=True))
-    if layout == "speculators":
-        keys["embed_tokens.weight"] = [V, H]
-    out = {k: (s, "float") for k, s in keys.items()}
-    if not _full_vocab(cfg):  # vLLM has no draft_id_to_target_id (and rejects d2t) when Vd == V
-        out.update({"d2t": ([Vd], "int64"), "t2d": ([V], "bool")})
-    return out
-
-
-def _kind(t) -> str:
-    return {torch.int64: "int64", torch.bool: "bool"}.get(t.dtype, "float" if t.dtype.is_floating_point else str(t.dtype))
-
-
-def check_weights(layout: str, cfg: HeadConfig, shapes: dict[str, tuple[list[int], str]], where: str,
-                  optional=()) -> None:
-    """Refuse unless ``shapes`` ({name: (shape, kind)}) is exactly the expected key set for ``layout``
-    (names in ``optional`` may be present or absent)."""
-    want = {k: v for k, v in expected_weights(layout, cfg).items() if k not in optional}
-    shapes = {k: v for k, v in shapes.items() if k not in optional}
-    missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
-    wrong = [f"{k}: {list(shapes[k][0])} {shapes[k][1]} (expected {want[k][0]} {want[k][1]})"
-             for k in want if k in shapes and (list(shapes[k][0]) != want[k][0] or shapes[k][1] != want[k][1])]
-    if missing or extra or wrong:
-        raise ExportError(f"{where}: not a valid {layout} layout — missing {missing}, unexpected {extra}, "
-                          f"wrong {wrong}")
-
-
-# ---- what the engines can hold ----------------------------------------------------------------------
-def engine_head_config(cfg: HeadConfig, layout: str) -> tuple[HeadConfig, list[int]]:
-    """(the HeadConfig as written, the column-block order of ``fc``) for ``layout``'s engines.
-
-    vLLM and SGLang capture each tapped layer once, in layer order, whatever order the ids are given
-    in: taps are written sorted and ``fc``'s column blocks permuted to match (the same function);
-    a repeated tap cannot be captured twice and is refused. Flags an engine does not implement are
-    refused too.
-    """
-    order = list(range(len(cfg.aux_layer_ids)))
-    for engine in _engines(layout):
-        for flag, only in engine.fixed.items():
-            value = getattr(cfg, flag)
-            _need(value == only, f"the {layout} layout cannot hold this head: {engine.version} does not read "
-                  f"{flag} (it always runs {flag}={only}) and this head was trained with {flag}={value}; "
-                  "export it with --to vllm or --to speculators")
-        if cfg.kind != EAGLE3 or not engine.taps_sorted_unique:
-            continue
-        taps = cfg.aux_layer_ids
-        dup = sorted({t for t in taps if taps.count(t) > 1})
-        _need(not dup, f"the {layout} layout cannot hold this head: its taps {taps} repeat layer(s) {dup}, and "
-              f"{engine.version} reads each tapped layer once")
-        order = sorted(order, key=lambda i: taps[i])
-    if order != sorted(order):
-        cfg = dataclasses.replace(cfg, aux_layer_ids=[cfg.aux_layer_ids[i] for i in order])
-    return cfg, order
-
-
-def check_finite_head(head, where: str) -> None:
+def check_finite_head(head: DraftHead, where: str) -> None:
     check_finite(dict(head.state_dict()), where)
 
 
-# ---- native <-> layout key names ----------------------------------------------------------------
-def _rename(name: str, layout: str, to_layout: bool) -> str:
-    if layout in ("sglang", "vllm"):
-        a, b = ("layers.0.", "midlayer.") if to_layout else ("midlayer.", "layers.0.")
-        return b + name[len(a):] if name.startswith(a) else name
-    return name  # speculators and eagle1 use eaglekit's own names
-
-
 def layout_state(head, layout: str, dtype=None, order=None) -> dict[str, torch.Tensor]:
-    state = {_rename(k, layout, True): v for k, v in head.state_dict().items()}
+    state = {rename(k, layout, True): v for k, v in head.state_dict().items()}
     if order is not None and order != sorted(order):  # fc column blocks in the engines' tap order
         H = head.config.hidden_size
         state["fc.weight"] = torch.cat([state["fc.weight"][:, i * H:(i + 1) * H] for i in order], dim=1)
     if layout in ("speculators", "eagle1"):
         state["embed_tokens.weight"] = head._target_module("embed_tokens").weight
-    if head.config.kind == EAGLE3 and _full_vocab(head.config):
-        _need(not bool(state["d2t"].any()), "a full-vocabulary head must map draft id i to target id i (d2t = 0)")
+    if head.config.kind == EAGLE3 and full_vocab(head.config):
+        need(not bool(state["d2t"].any()), "a full-vocabulary head must map draft id i to target id i (d2t = 0)")
         state.pop("d2t"), state.pop("t2d")
     return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu()
             for k, v in state.items()}
@@ -201,14 +81,9 @@ def _llama_fields(cfg: HeadConfig, dtype: str) -> dict:
     }
 
 
-def _eagle3_fields(cfg: HeadConfig) -> dict:
-    return {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.hidden_size,
-            "norm_before_residual": cfg.norm_before_residual}
-
-
 def _write_taps(config: dict, cfg: HeadConfig, layout: str) -> None:
     """Tap ids wherever each of the layout's engines reads them, in that engine's meaning."""
-    for engine in _engines(layout):
+    for engine in layout_engines(layout):
         ids = [t + engine.tap_offset for t in cfg.aux_layer_ids]
         for path in engine.tap_ids_at + tuple(p for p in engine.tap_count_at if p.endswith(TAP_KEY)):
             have = get_path(config, path)
@@ -228,9 +103,9 @@ def export_config(cfg: HeadConfig, layout: str, dtype: str, verifier: str | None
     if layout == "eagle1":  # SafeAILab's EConfig reads `bias` for fc (default true)
         return {"architectures": ["LlamaForCausalLM"], **_llama_fields(cfg, dtype), "bias": True, **native}
     if layout in ("sglang", "vllm"):
-        config = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **_eagle3_fields(cfg)}
+        config = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **eagle3_fields(cfg)}
     else:
-        _need(bool(verifier), "the speculators layout names its verifier; none given")
+        need(bool(verifier), "the speculators layout names its verifier; none given")
         config = {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "speculators_version": SPECULATORS_VERSION,
@@ -241,13 +116,13 @@ def export_config(cfg: HeadConfig, layout: str, dtype: str, verifier: str | None
                 "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
             },
             "transformer_layer_config": _llama_fields(cfg, dtype),
-            **_eagle3_fields(cfg), "torch_dtype": dtype,
+            **eagle3_fields(cfg), "torch_dtype": dtype,
         }
     _write_taps(config, cfg, layout)
     return {**config, **native}
 
 
-# ---- export / validate / load back -----------------------------------------------------------------
+# ---- export and load back -------------------------------------------------------------------
 def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int = 3, overwrite: bool = False,
                 verifier_architectures=None, verifier: str | None = None) -> Path:
     """Write ``head`` as ``layout`` into ``out_dir`` (config.json + model.safetensors), validated.
@@ -255,7 +130,7 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
     ``verifier``: the target's id written where engines read it (default: from the head's target
     name, see heads.verifier); required by the speculators layout.
     """
-    _engines(layout)
+    layout_engines(layout)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
@@ -264,7 +139,7 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
     check_finite_head(head, where=f"export {layout}")
     state = layout_state(head, layout, dtype, order)
     check_finite(state, where=f"export {layout} ({dtype or head.dtype})")  # e.g. overflow in a cast to fp16
-    check_weights(layout, written, {k: (list(v.shape), _kind(v)) for k, v in state.items()}, where=f"export {layout}")
+    check_weights(layout, written, {k: (list(v.shape), tensor_kind(v)) for k, v in state.items()}, where=f"export {layout}")
     dtype_name = str(dtype or head.dtype).removeprefix("torch.")
     config = export_config(written, layout, dtype_name, verifier, verifier_architectures, speculative_tokens)
     out.mkdir(parents=True, exist_ok=True)
@@ -274,110 +149,12 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
     return out
 
 
-def detect_layout(config: dict, where: str = "config.json") -> str:
-    archs = config.get("architectures") or []
-    written = (config.get(EXPORT_BLOCK) or {}).get("layout")
-    if written in LAYOUTS:
-        return written
-    if config.get("speculators_model_type") == "eagle3" or "Eagle3Speculator" in archs:
-        return "speculators"
-    if any(a in ENGINE_ARCHS for a in archs):  # tap ids only in eagle_config: SpecForge / SGLang's meaning
-        return "vllm" if config.get(TAP_KEY) else "sglang"
-    if "LlamaForCausalLM" in archs and config.get("eaglekit", {}).get("kind", EAGLE1) == EAGLE1:
-        return "eagle1"
-    raise ExportError(f"{where}: not an eaglekit head nor a known export layout (architectures={archs})")
-
-
-def head_config_of(config: dict, layout: str, target=None, where: str = "config.json") -> HeadConfig:
-    """The HeadConfig an export describes: its ``eaglekit`` block, else rebuilt from the engine fields
-    (a head trained elsewhere, e.g. by SpecForge; then the target fingerprint cannot be checked)."""
-    if "eaglekit" in config:
-        return HeadConfig.from_dict(config["eaglekit"], where=f"{where}:eaglekit")
-    llama = config.get("transformer_layer_config", config)
-    theta, scaling = target_rope(_Obj(llama))
-    heads = llama["num_attention_heads"]
-    kind = EAGLE1 if layout == "eagle1" else EAGLE3
-    n_target = target.num_layers if target is not None else 0
-    aux = None if kind == EAGLE1 else read_taps(config, _engines(layout)[0])
-    aux = aux or ([2, n_target // 2, n_target - 3] if n_target else [])
-    return HeadConfig(
-        kind=kind, num_layers=llama.get("num_hidden_layers", 1), hidden_size=llama["hidden_size"],
-        target_vocab_size=llama["vocab_size"], draft_vocab_size=config.get("draft_vocab_size") or llama["vocab_size"],
-        target_num_layers=n_target, aux_layer_ids=aux, num_attention_heads=heads,
-        num_key_value_heads=llama.get("num_key_value_heads") or heads,
-        head_dim=llama.get("head_dim") or llama["hidden_size"] // heads, intermediate_size=llama["intermediate_size"],
-        rms_norm_eps=llama.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=llama.get("max_position_embeddings", 2048),
-        norm_before_residual=bool(config.get("norm_before_residual", False)),
-        target_name=config.get("speculators_config", {}).get("verifier", {}).get("name_or_path", ""))
-
-
-class _Obj:
-    def __init__(self, d: dict):
-        self.__dict__.update(d)
-
-
-def check_engine_fields(config: dict, cfg: HeadConfig, layout: str, where) -> None:
-    """Each engine of ``layout`` reads back the head's taps, fc width and flags from ``config``."""
-    for engine in _engines(layout):
-        if cfg.kind == EAGLE3:
-            taps = read_taps(config, engine)
-            _need(taps == list(cfg.aux_layer_ids), f"{where}: {engine.name} would read taps {taps} "
-                  f"(layer inputs) but the head uses {cfg.aux_layer_ids}")
-            n = read_tap_count(config, engine)
-            _need(n == len(cfg.aux_layer_ids), f"{where}: {engine.name} would size fc for {n} taps, "
-                  f"the head has {len(cfg.aux_layer_ids)}")
-            _need("norm_before_residual" in config, f"{where}: missing explicit 'norm_before_residual'")
-        for flag in ("norm_before_residual",):
-            got = read_flag(config, engine, flag)
-            if got is not None and cfg.kind == EAGLE3:
-                _need(got == getattr(cfg, flag), f"{where}: {engine.name} would run {flag}={got}, the head "
-                      f"was trained with {getattr(cfg, flag)}")
-
-
-def validate_export(path, layout: str | None = None, target=None, optional=()) -> tuple[str, HeadConfig]:
-    """Check a written export folder: its config and the exact key set/shapes/dtypes of its weights.
-
-    ``optional``: extra weight names tolerated (and ignored) — loading accepts a foreign head's
-    ``embed_tokens.weight``; writing tolerates nothing.
-    """
-    path = Path(path)
-    config = read_config(path)
-    found = detect_layout(config, where=str(path / CONFIG))
-    if layout is not None and layout != found and not ({layout, found} <= {"sglang", "vllm"}
-                                                       and EXPORT_BLOCK not in config):
-        raise ExportError(f"{path}: expected a {layout} export, found a {found} layout")
-    layout = found
-    cfg = head_config_of(config, layout, target, where=str(path / CONFIG))
-    if "eaglekit" in config and EXPORT_BLOCK in config:  # ours: every engine must read back what the head is
-        check_engine_fields(config, cfg, layout, path / CONFIG)
-    elif "eaglekit" in config and cfg.kind == EAGLE3:  # an older eaglekit export: top-level fields only
-        for key, want in {**_eagle3_fields(cfg), TAP_KEY: list(cfg.aux_layer_ids)}.items():
-            _need(config.get(key) == want, f"{path / CONFIG}: {key}={config.get(key)!r} disagrees with the "
-                  f"head ({want!r})")
-    f = path / WEIGHTS
-    if not f.is_file():
-        raise FileNotFoundError(f"{f}: missing weights")
-    with safe_open(str(f), framework="pt") as st:
-        shapes = {k: (list(st.get_slice(k).get_shape()), _dtype_kind(st.get_slice(k).get_dtype())) for k in st.keys()}  # noqa: SIM118 (safe_open is not iterable)
-    if cfg.kind == EAGLE3 and _full_vocab(cfg):  # other trainers may save identity maps; ours omit them
-        optional = (*optional, "d2t", "t2d")
-    check_weights(layout, cfg, shapes, where=str(f), optional=optional)
-    return layout, cfg
-
-
-def _dtype_kind(name: str) -> str:
-    return {"I64": "int64", "BOOL": "bool"}.get(name, "float" if name in ("F32", "F16", "BF16", "F64") else name)
-
-
 def load_export(path, target, dtype=None, device=None):
     """Load an export folder back into an eaglekit head bound to ``target`` (checked against it)."""
-    from eaglekit.heads.io import _instantiate, _read_weights, _saved_dtype
-
     path = Path(path)
     layout, cfg = validate_export(path, target=target, optional=("embed_tokens.weight",))
     check_target(cfg, target, where=str(path))
-    state = {_rename(k, layout, False): v for k, v in _read_weights(path / WEIGHTS).items()}
+    state = {rename(k, layout, False): v for k, v in read_weights(path / WEIGHTS).items()}
     state.pop("embed_tokens.weight", None)  # speculators / eagle1 (and some trainers) save the target's embedding
     if cfg.kind == EAGLE3 and ("d2t" in state) != ("t2d" in state):
         raise ExportError(f"{path / WEIGHTS}: holds only one of d2t / t2d")
@@ -386,14 +163,20 @@ def load_export(path, target, dtype=None, device=None):
         state["t2d"] = torch.ones(cfg.target_vocab_size, dtype=torch.bool)
     config = read_config(path)
     saved = config.get("transformer_layer_config", config)
-    return _instantiate(cfg, state, target, dtype or _saved_dtype(saved, target), device, path / WEIGHTS)
+    return instantiate(cfg, state, target, dtype or saved_dtype(saved, target), device, path / WEIGHTS)
+
+
+def load_head(path_or_id, target, dtype=None, device=None, token=None) -> DraftHead:
+    """Load a saved head (native folder, Hub id, or an ``eaglekit export`` folder) bound to ``target``."""
+    path = resolve_dir(path_or_id, token=token)
+    if is_native(read_config(path)):
+        return load_native(path, target, dtype=dtype, device=device)
+    return load_export(path, target, dtype=dtype, device=device)
 
 
 def export_to(src, dst, layout: str, target, dtype=None, overwrite: bool = False, verifier: str | None = None,
               **kw) -> Path:
     """Load the head in ``src`` (checked against ``target``) and export it to ``dst``."""
-    from eaglekit.heads.io import load_head
-
     head = load_head(src, target)
     archs = list(getattr(target.config, "architectures", None) or [])
     return export_head(head, dst, layout, dtype=dtype, overwrite=overwrite, verifier_architectures=archs,

@@ -4,6 +4,8 @@ Nothing goes over the network until the head is read back from the staged files,
 finite and it matches its target (fingerprint), and a token is known. The token is handed to
 huggingface_hub only (argument, ``HF_TOKEN`` or its saved login); nothing here prints or logs it.
 ``HF_ENDPOINT`` is read at call time, so a local mirror (or a test server) works.
+
+``push_head`` (also ``push_to_hub``, and the method ``DraftHead.push_to_hub``, given to the class here).
 """
 from __future__ import annotations
 
@@ -15,9 +17,14 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from huggingface_hub import HfApi, constants, get_token
 
-from eaglekit.heads.config import EAGLE1, HeadConfig
+from eaglekit.heads.base import DraftHead
+from eaglekit.heads.config import EAGLE1, HeadConfig, check_target
+from eaglekit.heads.export import check_finite_head, export_head, load_head
+from eaglekit.heads.io import CONFIG, WEIGHTS, save_head, target_name_of
 from eaglekit.heads.verifier import default_verifier, resolve_verifier
+from eaglekit.target import load_target
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +180,6 @@ def stage(head_or_dir, out_dir, layout: str = "native", target=None, repo_id: st
           datasets=(), base_model: str | None = None, verifier: str | None = None) -> list[str]:
     """Write the files to upload into ``out_dir`` (layout + README.md), read back and checked; returns
     their names. A folder is checked against ``target`` (default: the target its config names)."""
-    from eaglekit.heads.export import check_finite_head, export_head
-    from eaglekit.heads.io import CONFIG, WEIGHTS, check_target, load_head
-
     if layout not in LAYOUT_CHOICES:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
     out, src = Path(out_dir), None
@@ -196,7 +200,7 @@ def stage(head_or_dir, out_dir, layout: str = "native", target=None, repo_id: st
         if target is not None:  # a module was checked when bound; check again against the target given
             check_target(config, target, where="push")
         if layout == "native":
-            head.save_pretrained(out)
+            save_head(head, out)
     base = resolve_verifier(verifier or base_model, config.target_name, hub_only=True)
     if layout != "native":
         archs = list(getattr(getattr(target, "config", None), "architectures", None) or [])
@@ -208,8 +212,6 @@ def stage(head_or_dir, out_dir, layout: str = "native", target=None, repo_id: st
 
 def _load_staged(staged: Path, src: Path, target):
     """load_head on the staged copy; its errors name the user's folder, not the temporary one."""
-    from eaglekit.heads.io import load_head
-
     try:
         return load_head(staged, target)
     except (ValueError, OSError) as e:
@@ -221,15 +223,15 @@ def _load_staged(staged: Path, src: Path, target):
 
 
 def _target_of(head_dir: Path):
-    from eaglekit.heads.export_cli import load_target_for
-
-    return load_target_for(str(head_dir), "")
+    """The target a saved head names, loaded."""
+    name = target_name_of(head_dir)
+    if not name:
+        raise ValueError(f"{head_dir}: the head names no target; pass target= (CLI: --target)")
+    return load_target(name)
 
 
 def hub_token(token: str | None = None) -> str:
     """The token to upload with: the argument, else HF_TOKEN / the saved `hf auth login`."""
-    from huggingface_hub import get_token
-
     token = token or get_token()
     if not token:
         raise PushError(NO_TOKEN)
@@ -242,7 +244,7 @@ def _is_connection_error(e: BaseException) -> bool:
                                                            "NetworkError", "TransportError"})
 
 
-def push_to_hub(head_or_dir, repo_id: str, private: bool = False, token: str | None = None, layout: str = "native",
+def push_head(head_or_dir, repo_id: str, private: bool = False, token: str | None = None, layout: str = "native",
                 target=None, datasets=(), base_model: str | None = None, dry_run: bool = False,
                 commit_message: str = "Upload EAGLE draft head (eaglekit)", endpoint: str | None = None,
                 verifier: str | None = None) -> dict:
@@ -259,8 +261,6 @@ def push_to_hub(head_or_dir, repo_id: str, private: bool = False, token: str | N
         card = (Path(tmp) / "README.md").read_text()
         if dry_run:
             return {"repo_id": repo_id, "files": files, "card": card, "url": None}
-        from huggingface_hub import HfApi, constants
-
         url = endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
         api = HfApi(endpoint=url)
         try:
@@ -274,3 +274,15 @@ def push_to_hub(head_or_dir, repo_id: str, private: bool = False, token: str | N
                                 "mirror)") from e
             raise
         return {"repo_id": repo_id, "files": files, "card": card, "url": str(getattr(commit, "commit_url", repo))}
+
+
+push_to_hub = push_head  # the older name
+
+
+def _push_to_hub(self: DraftHead, repo_id: str, private: bool = False, token: str | None = None, **kw) -> dict:
+    """``head.push_to_hub(repo_id)``: upload this head (``layout="native"`` or an export layout) with a
+    model card; see ``heads.hub.push_head``."""
+    return push_head(self, repo_id, private=private, token=token, **kw)
+
+
+DraftHead.push_to_hub = _push_to_hub

@@ -1,64 +1,46 @@
-"""Build, save and load heads: ``config.json`` + ``model.safetensors`` (head weights only).
+"""eaglekit's native head format: ``config.json`` (HeadConfig) + ``model.safetensors`` (head weights only).
 
 The target's embedding / lm_head are borrowed, never saved. Loading checks the head against the target
-it is bound to and refuses a mismatch with a message naming what differs.
+it is bound to and refuses a mismatch with a message naming what differs. The helpers below that read
+files (``read_config``, ``read_weights``, ``instantiate``...) are public: heads.export reads its layouts
+with them. Folders in an engine's layout are read by ``heads.export.load_head``.
+
+``DraftHead.save_pretrained(path)`` is ``save_head``: given to the class here, where saving lives.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import huggingface_hub
 import torch
 from safetensors.torch import load_file
 
-from eaglekit.fileio import atomic_write, write_json, write_safetensors  # noqa: F401 (re-exported)
-from eaglekit.heads.config import EAGLE1, EAGLE3, HeadConfig
+from eaglekit.fileio import write_json, write_safetensors
+from eaglekit.heads.base import DraftHead
+from eaglekit.heads.config import HeadConfig, check_target
+from eaglekit.heads.registry import head_class
 
 NATIVE_FORMAT = "eaglekit-head"
-ARCHITECTURES = {EAGLE1: "Eagle1Head", EAGLE3: "Eagle3Head"}
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
-
-def head_class(kind: str):
-    from eaglekit.heads.eagle1 import Eagle1Head
-    from eaglekit.heads.eagle3 import Eagle3Head
-
-    return {EAGLE1: Eagle1Head, EAGLE3: Eagle3Head}[kind]
-
-
-def build_head(config: HeadConfig, target, dtype=None, device=None):
-    """A fresh head for ``config``, on the target's device/dtype unless given, bound to ``target``."""
-    head = head_class(config.kind)(config)
-    head.to(device=device or target.device, dtype=dtype or target.dtype)
-    return head.bind(target)
-
-
-def check_target(config: HeadConfig, target, where: str = "head") -> None:
-    """Raise ValueError naming every way ``target`` differs from the one the head was built for."""
-    diffs = []
-    if config.hidden_size != target.hidden_size:
-        diffs.append(f"hidden size: head {config.hidden_size} vs target {target.hidden_size}")
-    if config.target_vocab_size != target.vocab_size:
-        diffs.append(f"vocab size: head {config.target_vocab_size} vs target {target.vocab_size}")
-    if config.target_num_layers != target.num_layers:
-        diffs.append(f"layer count: head {config.target_num_layers} vs target {target.num_layers}")
-    if config.target_fingerprint and config.target_fingerprint != target.fingerprint():
-        diffs.append(f"fingerprint (config + tokenizer): head {config.target_fingerprint} "
-                     f"(trained for {config.target_name or '?'}) vs target {target.fingerprint()} "
-                     f"({getattr(target, 'name', '?')})")
-    if diffs:
-        raise ValueError(f"{where}: this head was not trained for this target — " + "; ".join(diffs))
-
-
-def save_head(head, path, extra: dict | None = None) -> Path:
+def save_head(head: DraftHead, path, extra: dict | None = None) -> Path:
     """Write ``config.json`` (HeadConfig fields + architectures) and ``model.safetensors``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": [ARCHITECTURES[head.config.kind]], "format": NATIVE_FORMAT,
+    cfg = {"architectures": [type(head).__name__], "format": NATIVE_FORMAT,
            **head.config.to_dict(), "torch_dtype": str(head.dtype).removeprefix("torch."), **(extra or {})}
     write_safetensors(path / WEIGHTS, head.state_dict())
     write_json(path / CONFIG, cfg)
     return path
+
+
+def _save_pretrained(self: DraftHead, path, **kw) -> Path:
+    """``head.save_pretrained(path)``: the native folder, see ``heads.io.save_head``."""
+    return save_head(self, path, **kw)
+
+
+DraftHead.save_pretrained = _save_pretrained
 
 
 def resolve_dir(path_or_id, token=None) -> Path:
@@ -68,9 +50,7 @@ def resolve_dir(path_or_id, token=None) -> Path:
         return p
     if str(path_or_id).count("/") != 1:
         raise FileNotFoundError(f"head folder not found: {p}")
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(str(path_or_id), token=token))
+    return Path(huggingface_hub.snapshot_download(str(path_or_id), token=token))
 
 
 def read_config(path: Path) -> dict:
@@ -83,26 +63,32 @@ def read_config(path: Path) -> dict:
         raise ValueError(f"{f}: not valid JSON ({e})") from e
 
 
+def is_native(config: dict) -> bool:
+    return config.get("format") == NATIVE_FORMAT
+
+
+def target_name_of(head_dir) -> str:
+    """The target a saved head (native or export folder) names, "" if none."""
+    cfg = read_config(resolve_dir(head_dir))
+    return (cfg.get("eaglekit") or cfg).get("target_name", "")
+
+
 def native_config(data: dict, where: str) -> HeadConfig:
     data = {k: v for k, v in data.items() if k not in ("architectures", "format", "torch_dtype")}
     return HeadConfig.from_dict(data, where=where)
 
 
-def load_head(path_or_id, target, dtype=None, device=None, token=None):
-    """Load a saved head (native folder, Hub id, or an ``eaglekit export`` folder) bound to ``target``."""
-    path = resolve_dir(path_or_id, token=token)
+def load_native(path: Path, target, dtype=None, device=None) -> DraftHead:
+    """Load a native head folder bound to ``target`` (checked against it)."""
     data = read_config(path)
-    if data.get("format") != NATIVE_FORMAT:
-        from eaglekit.heads.export import load_export
-
-        return load_export(path, target, dtype=dtype, device=device)
     config = native_config(data, where=str(path / CONFIG))
     check_target(config, target, where=str(path))
-    state = _read_weights(path / WEIGHTS)
-    return _instantiate(config, state, target, dtype or _saved_dtype(data, target), device, path / WEIGHTS)
+    state = read_weights(path / WEIGHTS)
+    return instantiate(config, state, target, dtype or saved_dtype(data, target), device, path / WEIGHTS)
 
 
-def _saved_dtype(data: dict, target):
+def saved_dtype(data: dict, target) -> torch.dtype:
+    """The dtype a config.json records (``torch_dtype`` or ``dtype``), else the target's."""
     name = data.get("torch_dtype") or data.get("dtype")
     return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else target.dtype
 
@@ -116,7 +102,8 @@ def check_finite(tensors: dict, where) -> None:
                              "refusing a corrupt or diverged head")
 
 
-def _read_weights(f: Path) -> dict:
+def read_weights(f: Path) -> dict:
+    """A head's safetensors file, every tensor checked finite."""
     if not f.is_file():
         raise FileNotFoundError(f"{f}: missing head weights")
     try:
@@ -127,7 +114,8 @@ def _read_weights(f: Path) -> dict:
     return state
 
 
-def _instantiate(config: HeadConfig, state: dict, target, dtype, device, where):
+def instantiate(config: HeadConfig, state: dict, target, dtype, device, where) -> DraftHead:
+    """A head of ``config`` holding exactly ``state`` (names and shapes checked), bound to ``target``."""
     head = head_class(config.kind)(config)
     expected = head.state_dict()
     missing = sorted(set(expected) - set(state))

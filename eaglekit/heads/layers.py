@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eaglekit.heads.cache import HeadCache, causal_mask
 from eaglekit.heads.config import HeadConfig
@@ -33,8 +34,6 @@ class Rotary(nn.Module):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         if cfg.rope_scaling:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
             kind = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
             inv_freq, self.scale = ROPE_INIT_FUNCTIONS[kind](cfg.llama_config(), None)
         else:

@@ -64,7 +64,7 @@ class Schedule:
 def collate(items: list[dict], kind: str) -> dict:
     """Right-pad item dicts into a batch: input_ids, loss_mask (0 on padding), last, feats (and top).
 
-    ``feats`` is what the head's ``fuse`` reads: the EAGLE-3 taps (``hidden``) or, for EAGLE-1, ``last``.
+    ``feats`` is what the head's ``fuse`` reads: the EAGLE-3 ``taps`` or, for EAGLE-1, ``last``.
     Right padding under a causal mask leaves every real position's result unchanged. ``origin`` (when
     every item has one) lists, row by row, where each sequence came from (a list of str, not a tensor).
     """
@@ -72,7 +72,7 @@ def collate(items: list[dict], kind: str) -> dict:
     B = len(items)
     ids = torch.zeros(B, width, dtype=torch.long)
     mask = torch.zeros(B, width, dtype=torch.long)
-    key = "hidden" if kind == "eagle3" else "last"
+    key = "taps" if kind == "eagle3" else "last"
     feats = items[0][key].new_zeros(B, width, items[0][key].shape[-1])
     last = items[0]["last"].new_zeros(B, width, items[0]["last"].shape[-1])
     top = torch.full((B, width), -1, dtype=torch.long) if all("top" in it for it in items) else None

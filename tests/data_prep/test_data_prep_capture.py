@@ -47,7 +47,7 @@ def samples(target):
 def test_shards_follow_the_design_layout(tmp_path, target, samples):
     m = capture_features(target, samples, tmp_path, shard_tokens=150, batch_tokens=96, progress=False)
     assert m["complete"] and len(m["shards"]) > 2
-    assert m["layer_ids"] == list(target.aux_layer_ids) and m["dtype"] == "bfloat16"
+    assert m["layer_ids"] == list(target.default_taps) and m["dtype"] == "bfloat16"
     assert json.loads((tmp_path / "manifest.json").read_text()) == m
     L, H = 3, target.hidden_size
     for s in m["shards"]:
@@ -58,7 +58,7 @@ def test_shards_follow_the_design_layout(tmp_path, target, samples):
             "input_ids": (torch.int32, (T,)),
             "loss_mask": (torch.uint8, (T,)),
             "offsets": (torch.int64, (s["num_samples"] + 1,)),
-            "hidden": (torch.bfloat16, (T, L * H)),
+            "taps": (torch.bfloat16, (T, L * H)),
             "last": (torch.bfloat16, (T, H)),
         }
         assert t["offsets"][0] == 0 and t["offsets"][-1] == T
@@ -77,14 +77,14 @@ def test_shards_follow_the_design_layout(tmp_path, target, samples):
             "input_ids": True,
             "loss_mask": True,
         }
-        for k in ("hidden", "last"):  # offline == online; and both equal an unbatched target forward
+        for k in ("taps", "last"):  # offline == online; and both equal an unbatched target forward
             assert torch.equal(got[k], want[k])
         ref = target.features(samples[i]["input_ids"][None])
-        assert torch.allclose(got["hidden"].float(), ref.aux[0].bfloat16().float(), atol=1e-2, rtol=1e-2)
+        assert torch.allclose(got["taps"].float(), ref.taps[0].bfloat16().float(), atol=1e-2, rtol=1e-2)
         assert torch.allclose(got["last"].float(), ref.last[0].bfloat16().float(), atol=1e-2, rtol=1e-2)
 
 
-def test_eagle1_capture_has_no_hidden(tmp_path, target, samples):
+def test_eagle1_capture_has_no_taps(tmp_path, target, samples):
     capture_features(target, samples[:5], tmp_path, kind="eagle1", progress=False)
     item = FeatureDataset(tmp_path)[2]
     assert set(item) == {"input_ids", "loss_mask", "last", "origin"}

@@ -62,7 +62,7 @@ def test_random_bytes_in_a_shards_tensor_data_are_refused_naming_the_shard(tmp_p
     raw[at : at + 64] = bytes(rng.randrange(256) for _ in range(64))
     path.write_bytes(bytes(raw))
     with safe_open(str(path), framework="pt") as f:  # the header is intact: safetensors reads it happily
-        assert set(f.keys()) == {"input_ids", "loss_mask", "offsets", "hidden", "last"}
+        assert set(f.keys()) == {"input_ids", "loss_mask", "offsets", "taps", "last"}
     ds = FeatureDataset(tmp_path)
     assert torch.equal(ds[0]["input_ids"], samples[0]["input_ids"])  # other shards still read
     with pytest.raises(FeatureError, match=rf"^{path}: corrupt or truncated shard: its sha256"):
@@ -94,7 +94,7 @@ def plant(path, key: str, row: int, value: float) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
-@pytest.mark.parametrize(("key", "value"), [("last", float("nan")), ("hidden", float("inf"))])
+@pytest.mark.parametrize(("key", "value"), [("last", float("nan")), ("taps", float("inf"))])
 def test_a_non_finite_feature_with_a_matching_checksum_names_shard_and_sample(tmp_path, target, samples, key, value):
     m = capture(target, samples, tmp_path)
     j, k = 2, 1  # sample 1 of shard 2
@@ -176,3 +176,28 @@ def test_items_name_their_origin(tmp_path, target, samples):
 def test_stale_temp_pattern():
     names = ["shard-00001.safetensors.tmp-99", ".shard-00002.safetensors.ab_c.tmp", "shard-00003.safetensors"]
     assert [bool(capture_mod._STALE.match(n)) for n in names] == [True, True, False]
+
+
+def test_shards_of_an_older_capture_name_the_taps_hidden_and_still_read(tmp_path, target, samples):
+    """Before capture format 3 the taps tensor was stored as ``hidden``: read (and verified) as ``taps``."""
+    m = capture(target, samples, tmp_path)
+    want = [FeatureDataset(tmp_path)[i] for i in range(len(samples))]
+    for sh in m["shards"]:
+        path = tmp_path / sh["file"]
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {("hidden" if k == "taps" else k): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            meta = f.metadata()
+        save_file(tensors, str(path), metadata=meta)
+        sh["sha256"] = file_sha256(path)
+    (tmp_path / "manifest.json").write_text(json.dumps({**m, "format_version": 2}))
+    ds = FeatureDataset(tmp_path)
+    ds.verify()
+    for i, item in enumerate(want):
+        got = ds[i]
+        assert set(got) == set(item) and "taps" in got
+        assert all(torch.equal(got[k], item[k]) for k in item if k != "origin")
+    plant(tmp_path / m["shards"][0]["file"], "hidden", 0, float("nan"))
+    m["shards"][0]["sha256"] = file_sha256(tmp_path / m["shards"][0]["file"])
+    (tmp_path / "manifest.json").write_text(json.dumps({**m, "format_version": 2}))
+    with pytest.raises(FeatureError, match="sample 0 has non-finite values \\(NaN/Inf\\) in 'taps'"):
+        FeatureDataset(tmp_path).verify()

@@ -239,7 +239,7 @@ def test_two_process_capture_gives_the_same_samples_as_one(tmp_path, tiny_dir):
     for i in range(len(one)):
         a, b = one[i], two[i]
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-        for k in ("hidden", "last"):
+        for k in ("taps", "last"):
             assert torch.allclose(a[k].float(), b[k].float(), atol=1e-2, rtol=1e-2)
     # same thread count, same shard plan, same batches → each rank's shards are byte-equal to one process's
     for s in one.manifest["shards"]:

@@ -26,7 +26,7 @@ def make_head(target, kind, layers, seed=0, **kw):
 
 
 def features(target, head, ids):
-    out = target.forward(ids, kind=head.config.kind)
+    out = target.forward(ids, layer_ids=head.taps)  # the head names its taps (none for EAGLE-1)
     return head.fuse_output(out)
 
 

@@ -53,7 +53,7 @@ def make(target, taps=None, seed=0, draft_vocab=VD, **kw):
 
 def eaglekit_logits(target, head, ids):
     """Target-vocabulary logits of eaglekit's head (-inf outside the draft vocabulary)."""
-    g = head.fuse(target.forward(ids, kind="eagle3", layer_ids=head.config.aux_layer_ids).aux)
+    g = head.fuse(target.forward(ids, layer_ids=head.taps).taps)
     logits = head.step(ids, g, torch.arange(ids.shape[1])[None])[1]
     out = torch.full((*logits.shape[:-1], V), float("-inf"))
     out[..., torch.arange(logits.shape[-1]) + head.d2t] = logits

@@ -63,7 +63,7 @@ def make(target, kind, layers, seed=0):
 
 
 def logits(target, head, ids):
-    g = head.fuse_output(target.forward(ids, kind=head.config.kind))
+    g = head.fuse_output(target.forward(ids, layer_ids=head.taps))
     return head.step(ids, g, torch.arange(ids.shape[1])[None])[1]
 
 

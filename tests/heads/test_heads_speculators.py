@@ -96,7 +96,7 @@ def test_heads_speculators_loads_our_export(speculators_eagle3, tiny, tmp_path, 
     hidden = target.model(ids, output_hidden_states=True).hidden_states  # [k] = input of layer k
     aux = torch.cat([hidden[k] for k in model.config.eagle_aux_hidden_state_layer_ids], dim=-1)
     theirs = speculators_logits(model, aux, ids)
-    ours = eaglekit_logits(head, target.forward(ids, layer_ids=head.config.aux_layer_ids).aux, ids)
+    ours = eaglekit_logits(head, target.forward(ids, layer_ids=head.taps).taps, ids)
     assert len(theirs) == len(ours) == STEPS
     diffs = [float((a - b).abs().max()) for a, b in zip(theirs, ours)]
     print(f"speculators vs eaglekit, max |logit diff| per TTT step: {diffs}")

@@ -47,7 +47,7 @@ def _cfg(*extra):
 
 def test_collate_and_to_device_carry_origin_untouched():
     items = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.long),
-              "hidden": torch.zeros(n, 6), "last": torch.zeros(n, 2), "origin": f"f/shard-00000.safetensors sample {n}"}
+              "taps": torch.zeros(n, 6), "last": torch.zeros(n, 2), "origin": f"f/shard-00000.safetensors sample {n}"}
              for n in (3, 5)]
     batch = collate(items, "eagle3")
     assert batch["origin"] == ["f/shard-00000.safetensors sample 3", "f/shard-00000.safetensors sample 5"]

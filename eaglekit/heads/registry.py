@@ -1,0 +1,29 @@
+"""One registry of head classes, by kind, and what is asked of a kind before a head exists."""
+from __future__ import annotations
+
+from eaglekit.heads.base import DraftHead
+from eaglekit.heads.config import KINDS, HeadConfig
+from eaglekit.heads.eagle1 import Eagle1Head
+from eaglekit.heads.eagle3 import Eagle3Head
+
+HEADS: dict[str, type[DraftHead]] = {cls.kind: cls for cls in (Eagle1Head, Eagle3Head)}
+assert tuple(HEADS) == KINDS, "every kind of HeadConfig has one head class"
+
+
+def head_class(kind: str) -> type[DraftHead]:
+    """The head class of ``kind`` ("eagle1", "eagle3")."""
+    if kind not in HEADS:
+        raise ValueError(f"unknown head kind {kind!r}; choose one of {', '.join(HEADS)}")
+    return HEADS[kind]
+
+
+def tap_layers(kind: str, target, layer_ids=None) -> tuple[int, ...]:
+    """The target layers a head of ``kind`` reads (``layer_ids`` or the target's defaults; none for EAGLE-1)."""
+    return head_class(kind).tap_layers(target, layer_ids)
+
+
+def build_head(config: HeadConfig, target, dtype=None, device=None) -> DraftHead:
+    """A fresh head for ``config``, on the target's device/dtype unless given, bound to ``target``."""
+    head = head_class(config.kind)(config)
+    head.to(device=device or target.device, dtype=dtype or target.dtype)
+    return head.bind(target)
