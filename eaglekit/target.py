@@ -13,13 +13,16 @@ import functools
 import hashlib
 import inspect
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglekit import assets
+from eaglekit.config import TargetSpec, parse_dtype
 
 
 @functools.cache
@@ -192,25 +195,41 @@ def resolve(name_or_path: str | Path) -> tuple[str, dict]:
     return s, {}  # a Hub id: transformers resolves it (offline from its cache when HF_HUB_OFFLINE=1)
 
 
-def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype=torch.float32, device="cpu",
-                adapter: str | Path | None = None, merge_adapter: bool = False,
+def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32,
+                device="cpu", adapter: str | Path | None = None, merge_adapter: bool = False,
                 trust_remote_code: bool = False, attn_implementation: str = "sdpa",
                 revision: str | None = None) -> Target:
     """Load a target: embedded name, local HF folder, Hub id or .gguf file, plus an optional LoRA.
 
     ``adapter`` is a PEFT adapter folder, kept live (``merge_adapter=False``) or merged into the weights.
+    ``dtype``: a torch dtype or its name (``"bfloat16"``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path, _ = resolve(name_or_path)
     kw = {"trust_remote_code": trust_remote_code, "revision": revision}
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                 **kw).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype),
+                                                 attn_implementation=attn_implementation, **kw).to(device)
     if adapter is not None:
-        from peft import PeftModel
+        from peft import PeftModel  # an optional dependency, needed only with an adapter
 
         model = PeftModel.from_pretrained(model, str(adapter)).to(device)
         if merge_adapter:
             model = model.merge_and_unload()
     return Target(model, tokenizer, name=str(name_or_path))
+
+
+def job_device(device: str | None, default: str = "cpu") -> str:
+    """A job's device: ``device`` or ``default``; ``"cuda"`` under a launcher is this process's GPU."""
+    device = device or default
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        return f"cuda:{os.environ['LOCAL_RANK']}"
+    return device
+
+
+def load_target_from(spec: TargetSpec | str, device=None) -> Target:
+    """The target a config's ``target:`` section describes (a plain name works); ``device`` (e.g. a
+    trainer's accelerator device) wins over the section's, which defaults to the CPU."""
+    spec = TargetSpec(name=spec) if isinstance(spec, str) else spec
+    return load_target(spec.name, dtype=spec.dtype, device=device or job_device(spec.device),
+                       adapter=spec.adapter, merge_adapter=spec.merge_adapter,
+                       trust_remote_code=spec.trust_remote_code, revision=spec.revision)

@@ -65,11 +65,15 @@ def test_cli_help_lists_subcommands():
 
 @pytest.mark.real
 def test_sharegpt_recovery():
-    convs = assets.load_sharegpt()
-    assert len(convs) == 17671
+    from eaglekit.data_prep import load_sharegpt
+
+    assert len(assets.sharegpt_items()) == 17671  # every whole object of the truncated file
+    convs = load_sharegpt()
+    assert len(convs) == 17293 and len(convs.skipped) == 378  # validated as README says
     roles = {m["role"] for c in convs for m in c["messages"]}
     assert roles <= {"user", "assistant", "system"}
     assert convs[0]["messages"][0]["role"] == "user"
+    assert load_sharegpt(limit=5)[4] == convs[4]
 
 
 @pytest.mark.real

@@ -89,8 +89,8 @@ def test_yaml_values_are_checked_naming_file_and_key(tmp_path):
 
 def test_every_config_dataclass_is_checked():
     """Each CLI's config refuses a bad value naming the key (the types alone, no hand-written check)."""
-    from eaglekit.data_prep.prepare import PrepareConfig
     from eaglekit.bench.cli import BenchConfig
+    from eaglekit.data_prep.prepare import PrepareConfig
     from eaglekit.decode.cli import GenerateConfig
     from eaglekit.heads.export_cli import ExportOptions
     from eaglekit.heads.push_cli import PushOptions
@@ -120,3 +120,54 @@ def test_text_fields_keep_override_text_as_given():
     assert (cfg.prompt, cfg.system, cfg.head, cfg.draft) == ("yes", "Rule #1: be brief", None, "quoted: text")
     assert cfg.max_new_tokens == 3
     assert load_config(Outer, None, ["name=2024"]).name == "2024"
+
+
+# ---- the shared target section ---------------------------------------------------------------------------
+def test_target_section_nested_or_as_a_name_and_older_flat_keys(tmp_path):
+    """``target:`` is a section (name, dtype, device...); a plain name and the older flat keys still load."""
+    from eaglekit.assets import DEFAULT_TARGET
+    from eaglekit.config import TargetSpec
+    from eaglekit.train.config import load_train_config
+
+    nested, flat = tmp_path / "nested.yaml", tmp_path / "flat.yaml"
+    nested.write_text("target:\n  name: some/model\n  dtype: bfloat16\ndata:\n  conversations: x\n")
+    flat.write_text("target: some/model\ntarget_dtype: bfloat16\ndata:\n  conversations: x\n")
+    want = TargetSpec(name="some/model", dtype="bfloat16")
+    assert load_train_config(nested).target == load_train_config(flat).target == want
+    assert load_train_config(None, ["data.conversations=x"]).target == TargetSpec(name=DEFAULT_TARGET)
+    # an override of the name keeps the rest of the section; the older key as an override too
+    cfg = load_train_config(nested, ["target=other", "target_dtype=float16"])
+    assert cfg.target == TargetSpec(name="other", dtype="float16")
+    assert load_train_config(nested, ["target.name=third"]).target.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"override: target_dtype \(now target.dtype\) must be one of 'float32', "
+                                          r"'bfloat16', 'float16', got 'float64'"):
+        load_train_config(nested, ["target_dtype=float64"])
+    both = tmp_path / "both.yaml"
+    both.write_text("target:\n  name: m\n  dtype: float16\ntarget_dtype: bfloat16\ndata:\n  conversations: x\n")
+    with pytest.raises(ConfigError, match=rf"^{both}: target_dtype and target.dtype are the same setting"):
+        load_train_config(both)
+    with pytest.raises(ConfigError, match=r"target: unknown key\(s\) \['dtyp'\]"):
+        load_train_config(None, ["data.conversations=x", "target.dtyp=float16"])
+    with pytest.raises(ConfigError, match="leave target.device unset"):
+        load_train_config(None, ["data.conversations=x", "target.device=cuda"])
+
+
+def test_prepare_reads_the_older_dtype_and_device_keys(tmp_path):
+    from eaglekit.config import TargetSpec
+    from eaglekit.data_prep.prepare import PrepareConfig
+
+    flat = tmp_path / "prep.yaml"
+    flat.write_text("target: m\ndtype: bfloat16\ndevice: cuda\n")
+    assert load_config(PrepareConfig, flat).target == TargetSpec(name="m", dtype="bfloat16", device="cuda")
+    assert load_config(PrepareConfig, None, ["device=cpu", "dtype=float16"]).target.dtype == "float16"
+
+
+def test_parse_dtype_is_the_one_reader_of_dtype_names():
+    import torch
+
+    from eaglekit.config import parse_dtype
+
+    assert parse_dtype("bfloat16") is torch.bfloat16 and parse_dtype(torch.float16) is torch.float16
+    for bad in ("float8", "int64", "cuda"):
+        with pytest.raises(ValueError, match=f"dtype '{bad}' is not a floating-point torch dtype"):
+            parse_dtype(bad)

@@ -10,6 +10,7 @@ from eaglekit.data_prep.capture import capture_features, compute_features, featu
 from eaglekit.data_prep.conversations import (
     ConversationError,
     Conversations,
+    load_sharegpt,
     normalise_messages,
     read_conversations,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "compute_features",
     "feature_bytes_per_token",
     "load_draft_vocab",
+    "load_sharegpt",
     "normalise_messages",
     "read_conversations",
     "save_draft_vocab",

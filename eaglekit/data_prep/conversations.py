@@ -21,6 +21,8 @@ import json
 import logging
 from pathlib import Path
 
+from eaglekit import assets
+
 log = logging.getLogger(__name__)
 
 ROLE_ALIASES = {
@@ -177,6 +179,22 @@ def _dataset_items(path: Path, split: str | None):
         ds = ds[name]
     for i in range(len(ds)):
         yield f"{path}[{i}]: ", ds[i]
+
+
+def load_sharegpt(strict: bool = False, limit: int | None = None) -> Conversations:
+    """The embedded ShareGPT (``assets.sharegpt_items``), each item validated like a file's: a malformed one
+    is named and skipped (``.skipped``), or with ``strict`` stops the read; ``limit`` good items at most."""
+    good, skipped = [], []
+    for i, item in enumerate(assets.sharegpt_items()):
+        try:
+            good.append({"id": str(item.get("id")), "messages": item_messages(item, f"sharegpt[{i}]: ")})
+        except ConversationError as e:
+            if strict:
+                raise
+            skipped.append(str(e))
+        if limit and len(good) >= limit:
+            break
+    return Conversations(good, skipped)
 
 
 def read_conversations(

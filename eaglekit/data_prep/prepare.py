@@ -15,14 +15,11 @@ batches (merged into one ``regenerated.jsonl`` when all are done) and writes its
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from eaglekit.config import NonNegInt, PosFloat, PosInt, load_config
+from eaglekit.config import NonNegInt, PosFloat, PosInt, TargetSpec, load_config
 from eaglekit.data_prep.capture import (
     MANIFEST,
     build_manifest,
@@ -33,10 +30,12 @@ from eaglekit.data_prep.capture import (
     feature_bytes_per_token,
     resolve_taps,
 )
-from eaglekit.data_prep.conversations import Conversations, item_messages, read_conversations
+from eaglekit.data_prep.conversations import Conversations, load_sharegpt, read_conversations
 from eaglekit.data_prep.regenerate import RegenerateConfig, regenerate
 from eaglekit.data_prep.template import tokenize_conversations
 from eaglekit.data_prep.vocab import build_draft_vocab, save_draft_vocab, vocab_record
+from eaglekit.heads import KINDS
+from eaglekit.target import load_target_from
 
 log = logging.getLogger(__name__)
 REGENERATED = "regenerated.jsonl"
@@ -44,9 +43,7 @@ REGENERATED = "regenerated.jsonl"
 
 @dataclass
 class PrepareConfig:
-    target: str = "smollm2-135m-instruct"  # embedded name, model folder, Hub id or .gguf
-    dtype: str = "float32"  # the target's compute dtype; features are stored in bf16 whatever this is
-    device: str = "cpu"  # "cuda" picks cuda:LOCAL_RANK under a launcher
+    target: TargetSpec = field(default_factory=TargetSpec)  # device: cpu unless given ("cuda": cuda:LOCAL_RANK)
     data: str = "sharegpt"  # the embedded ShareGPT, or a .json/.jsonl file, folder or saved dataset
     split: str | None = None  # for a saved DatasetDict
     num_conversations: NonNegInt = 0  # 0 = all
@@ -57,11 +54,13 @@ class PrepareConfig:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     draft_vocab_size: PosInt = 32000  # clipped to the target vocab
     capture: bool = True  # False: stop after the vocab (online training needs no shards)
-    kind: str = "eagle3"  # eagle3 (3 taps + last) or eagle1 (last only)
+    kind: str = "eagle3"  # the head the features are for: eagle3 (its taps + last) or eagle1 (last only)
     layer_ids: list[NonNegInt] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
     shard_mb: PosFloat = 1024  # feature bytes per shard, MiB
     batch_tokens: PosInt = 8192  # padded tokens per capture forward
     progress: bool = True
+
+    legacy = (("dtype", "target.dtype"), ("device", "target.device"))  # (not a field) older flat keys
 
 
 def first_turns(messages: list[dict], n: int) -> list[dict]:
@@ -81,28 +80,9 @@ def load_conversations(cfg: PrepareConfig) -> Conversations:
 
 def _read(cfg: PrepareConfig) -> Conversations:
     limit = cfg.num_conversations or None
-    if cfg.data != "sharegpt":
-        return read_conversations(cfg.data, strict=cfg.strict, split=cfg.split, limit=limit)
-    from eaglekit.assets import load_sharegpt
-    from eaglekit.data_prep.conversations import ConversationError
-
-    good, skipped = [], []
-    for i, c in enumerate(load_sharegpt()):
-        try:
-            good.append({"id": str(c["id"]), "messages": item_messages(c, f"sharegpt[{i}]: ")})
-        except ConversationError as e:
-            if cfg.strict:
-                raise
-            skipped.append(str(e))
-        if limit and len(good) >= limit:
-            break
-    return Conversations(good, skipped)
-
-
-def _device(cfg: PrepareConfig) -> str:
-    if cfg.device == "cuda" and "LOCAL_RANK" in os.environ:
-        return f"cuda:{os.environ['LOCAL_RANK']}"
-    return cfg.device
+    if cfg.data == "sharegpt":
+        return load_sharegpt(strict=cfg.strict, limit=limit)
+    return read_conversations(cfg.data, strict=cfg.strict, split=cfg.split, limit=limit)
 
 
 def disk_report(out: Path, tokens: int, bytes_per_token: int) -> str:
@@ -124,12 +104,12 @@ def _size(n: float) -> str:
 
 
 def run_prepare(cfg: PrepareConfig) -> dict:
-    from eaglekit.target import load_target
-
+    if cfg.kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
     rank, world = dist_info()
     say = print if rank == 0 else (lambda *a, **k: None)
     out = Path(cfg.output_dir)
-    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=_device(cfg))
+    target = load_target_from(cfg.target)
     # every check comes before the first write (regenerated.jsonl, the vocabulary, the shards)
     taps = resolve_taps(target, cfg.kind, cfg.layer_ids)
     bpt = feature_bytes_per_token(target.hidden_size, len(taps))

@@ -19,6 +19,7 @@ Modules, each importing only modules on the lines below it (tests/test_architect
     config                  HeadConfig, EAGLE1/EAGLE3, check_target
     engines, verifier       data: how each engine reads an export; the verifier id
 """
+from eaglekit.heads.base import DraftHead
 from eaglekit.heads.cache import HeadCache, causal_mask, ttt_mask
 from eaglekit.heads.config import EAGLE1, EAGLE3, KINDS, HeadConfig, check_target
 from eaglekit.heads.eagle1 import Eagle1Head
@@ -29,6 +30,6 @@ from eaglekit.heads.io import save_head
 from eaglekit.heads.layouts import LAYOUTS, validate_export
 from eaglekit.heads.registry import HEADS, build_head, head_class, tap_layers
 
-__all__ = ["EAGLE1", "EAGLE3", "HEADS", "KINDS", "LAYOUTS", "Eagle1Head", "Eagle3Head", "HeadCache", "HeadConfig",
+__all__ = ["EAGLE1", "EAGLE3", "HEADS", "KINDS", "LAYOUTS", "DraftHead", "Eagle1Head", "Eagle3Head", "HeadCache", "HeadConfig",
            "build_head", "causal_mask", "check_target", "export_head", "head_class", "load_export", "load_head",
            "model_card", "push_head", "push_to_hub", "save_head", "tap_layers", "ttt_mask", "validate_export"]

@@ -1,9 +1,15 @@
 """``eaglekit export``: write a trained head in a serving engine's layout (validated key set)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from eaglekit.config import PosInt, load_config
+from eaglekit.config import PosInt, TargetSpec, load_config, parse_dtype
+from eaglekit.heads.export import export_to
+from eaglekit.heads.hub import load_head_target
+from eaglekit.heads.io import read_config
+from eaglekit.heads.layouts import EXPORT_BLOCK
+from eaglekit.target import Target, load_target_from
 
 
 @dataclass
@@ -11,7 +17,7 @@ class ExportOptions:
     head: str = ""  # a saved head folder (or Hub id)
     out: str = ""  # the folder to write
     to: str = "sglang"  # sglang | vllm | speculators | eagle1
-    target: str = ""  # default: the target named in the head's config
+    target: TargetSpec | None = None  # default: the target named in the head's config
     verifier: str = ""  # target id written for engines (ORG/NAME or a local model folder); default: derived
     dtype: str = ""  # e.g. bfloat16; default: the head's own dtype
     speculative_tokens: PosInt = 3  # speculators config: proposal length
@@ -30,37 +36,23 @@ def add_arguments(p) -> None:
 
 
 def options(args, cls=ExportOptions):
-    flags = {k: v for k, v in vars(args).items() if k in cls.__dataclass_fields__ and v is not None}
-    opts = load_config(cls, args.config, args.overrides)
-    for k, v in flags.items():
-        setattr(opts, k, v)
-    return opts
+    """The command's config: ``--config`` file, then ``key=value`` overrides, then the ``--flags`` (each flag
+    is the key of the same name: ``--repo-id X`` is ``repo_id=X``)."""
+    flags = [f"{k}={json.dumps(v)}" for k, v in vars(args).items() if k in cls.__dataclass_fields__ and v is not None]
+    return load_config(cls, args.config, [*args.overrides, *flags])
 
 
-def load_target_for(head_dir: str, target: str):
-    """The target to bind: ``target`` if given, else the name stored in the head's config."""
-    from eaglekit.heads.io import read_config, resolve_dir
-    from eaglekit.target import load_target
-
-    if not target:
-        cfg = read_config(resolve_dir(head_dir))
-        target = (cfg.get("eaglekit") or cfg).get("target_name", "")
-        if not target:
-            raise SystemExit(f"{head_dir}: the head names no target; pass --target")
-    return load_target(target)
+def load_target_for(head_dir: str, target: TargetSpec | str | None) -> Target:
+    """The target to bind: ``target`` if given, else the one named in the head's config."""
+    return load_target_from(target) if target else load_head_target(head_dir)
 
 
 def run(args) -> int:
-    import torch
-
-    from eaglekit.heads.export import EXPORT_BLOCK, export_to
-    from eaglekit.heads.io import read_config
-
     opts = options(args)
     if not opts.head or not opts.out:
         raise SystemExit("eaglekit export: --head and --out are required")
     target = load_target_for(opts.head, opts.target)
-    dtype = getattr(torch, opts.dtype) if opts.dtype else None
+    dtype = parse_dtype(opts.dtype) if opts.dtype else None
     out = export_to(opts.head, opts.out, opts.to, target, dtype=dtype, overwrite=opts.overwrite,
                     speculative_tokens=opts.speculative_tokens, verifier=opts.verifier or None)
     written = read_config(out).get(EXPORT_BLOCK, {})

@@ -24,7 +24,7 @@ from eaglekit.heads.config import EAGLE1, HeadConfig, check_target
 from eaglekit.heads.export import check_finite_head, export_head, load_head
 from eaglekit.heads.io import CONFIG, WEIGHTS, save_head, target_name_of
 from eaglekit.heads.verifier import default_verifier, resolve_verifier
-from eaglekit.target import load_target
+from eaglekit.target import Target, load_target
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def stage(head_or_dir, out_dir, layout: str = "native", target=None, repo_id: st
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(head_or_dir, (str, Path)):
         src = Path(head_or_dir)
-        target = target if target is not None else _target_of(src)
+        target = target if target is not None else load_head_target(src)
         if layout == "native":  # the bytes uploaded are the bytes checked: copy first, then load the copy
             for name in (CONFIG, WEIGHTS):
                 shutil.copyfile(src / name, out / name)
@@ -222,11 +222,11 @@ def _load_staged(staged: Path, src: Path, target):
         raise renamed from e
 
 
-def _target_of(head_dir: Path):
-    """The target a saved head names, loaded."""
+def load_head_target(head_dir) -> Target:
+    """The target a saved head (native or export folder) names, loaded."""
     name = target_name_of(head_dir)
     if not name:
-        raise ValueError(f"{head_dir}: the head names no target; pass target= (CLI: --target)")
+        raise ValueError(f"{head_dir}: the head names no target; pass --target (Python: target=)")
     return load_target(name)
 
 

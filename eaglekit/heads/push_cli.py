@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from eaglekit.config import TargetSpec
 from eaglekit.heads.export_cli import load_target_for, options
+from eaglekit.heads.hub import hub_token, push_head
 
 
 @dataclass
@@ -15,7 +17,7 @@ class PushOptions:
     datasets: list[str] = field(default_factory=list)  # Hub ids of the training data (model card)
     base_model: str = ""  # same as verifier (kept for older configs)
     verifier: str = ""  # the target's Hub id (model card base_model, speculators verifier); default: derived
-    target: str = ""  # the head is checked against it before upload (default: the head's own target)
+    target: TargetSpec | None = None  # the head is checked against it before upload (default: the head's own)
     dry_run: bool = False
 
 
@@ -33,14 +35,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from eaglekit.heads.hub import hub_token, push_to_hub
-
     opts = options(args, PushOptions)
     if not opts.head or not opts.repo_id:
         raise SystemExit("eaglekit push: --head and --repo-id are required")
     token = None if opts.dry_run else hub_token()  # before loading anything
     target = load_target_for(opts.head, opts.target)  # every layout: the head is checked against it
-    res = push_to_hub(opts.head, opts.repo_id, private=opts.private, layout=opts.layout, target=target,
+    res = push_head(opts.head, opts.repo_id, private=opts.private, layout=opts.layout, target=target,
                       token=token, datasets=opts.datasets, verifier=opts.verifier or opts.base_model or None,
                       dry_run=opts.dry_run)
     print(("would upload" if opts.dry_run else "uploaded") + f" to {res['repo_id']}: " + ", ".join(res["files"]))

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eaglekit.fileio import write_json, write_safetensors, write_text
+from eaglekit.fileio import publish_dir, write_json, write_safetensors, write_text
 from eaglekit.train.runguard import TrainError
 from eaglekit.train.statefile import from_json, load_tree, rng_state, save_tree, to_json
 
@@ -95,10 +94,7 @@ def save_checkpoint(acc, output_dir: str | Path, step: int, keep_last: int,
     acc.wait_for_everyone()
     if acc.is_main_process:
         write_manifest(tmp, step, acc.num_processes)
-        _fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        publish_dir(tmp, final)
         for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()
@@ -133,14 +129,6 @@ def _sha256(path: Path) -> str:
         while chunk := fh.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- checking and choosing -----------------------------------------------------------------------

@@ -1,15 +1,17 @@
-"""``eaglekit train --config X.yaml key=value``: the same run as ``accelerate launch train_head.py``."""
+"""``eaglekit train --config X.yaml key=value``: the same run as ``accelerate launch train_head.py``
+(``eval_only=true``: score ``head.init_from`` instead, ``evaluate.evaluate_only``)."""
 from __future__ import annotations
 
 import os
 import sys
 
+from eaglekit.cli import EXIT_ERROR, error_line
+from eaglekit.train.runguard import TrainError, exit_with_launcher
+
 
 def run(args) -> int:
-    from eaglekit.cli import EXIT_ERROR, error_line
-    from eaglekit.train.runguard import TrainError, exit_with_launcher
-
     exit_with_launcher()  # first thing: a launcher killed while this worker still imports takes it along
+    # imported only now, after the line above: torch, accelerate and the model code take seconds to import
     from eaglekit.train.config import load_train_config
     from eaglekit.train.trainer import train
 
@@ -26,7 +28,7 @@ def run(args) -> int:
 def finish(code: int = 0) -> int:
     """End a distributed run cleanly: gloo sometimes aborts at interpreter exit, so leave explicitly.
     Every rank gets here together (a TrainError is raised on all ranks at the same point)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # already imported by the run; kept out of this module's import for the above
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

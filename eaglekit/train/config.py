@@ -1,6 +1,8 @@
 """Typed training config: YAML + ``key=value`` overrides through ``eaglekit.config.load_config``.
 
-Every key a run may set lives here; an unknown key is a ConfigError (no silent no-ops).
+Every key a run may set lives here; an unknown key is a ConfigError (no silent no-ops). The ``target:``
+section is the one every job shares (``eaglekit.config.TargetSpec``; a plain name works, and the older
+flat ``target_dtype`` is ``target.dtype``).
 """
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ from eaglekit.config import (
     NonNegInt,
     PosFloat,
     PosInt,
+    TargetSpec,
     load_config,
 )
-
-KINDS = ("eagle1", "eagle3")
+from eaglekit.heads import KINDS
 
 
 @dataclass
@@ -40,8 +42,8 @@ class HeadSpec:
     kind: str = "eagle3"
     num_layers: PosInt = 1
     draft_vocab_size: PosInt = 32000  # EAGLE-3 only; clipped to the target vocab
-    aux_layer_ids: list[NonNegInt] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
-    init_from_target: bool = False  # EAGLE-3: start lm_head (draft rows) and final norm from the target's
+    aux_layer_ids: list[NonNegInt] | None = None  # EAGLE-3 taps; default: the target's (2, N//2, N-3)
+    init_from_target: bool = False  # head.init_from_target (EAGLE-3: lm_head draft rows and final norm)
     init_from: str | None = None  # a saved head (folder or export): start from its weights and draft vocab
 
 
@@ -75,8 +77,7 @@ class LossConfig:
 
 @dataclass
 class TrainConfig:
-    target: str = "smollm2-135m-instruct"  # load_target name/path (its embedding, lm_head; online taps)
-    target_dtype: str = "float32"
+    target: TargetSpec = field(default_factory=TargetSpec)  # its embedding, lm_head; online taps
     output_dir: str = "runs/head"
     data: DataConfig = field(default_factory=DataConfig)
     head: HeadSpec = field(default_factory=HeadSpec)
@@ -93,6 +94,8 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True  # tqdm bar on the main process
     eval_only: bool = False  # evaluate head.init_from on the held-out split, write metrics.json, no training
+
+    legacy = (("target_dtype", "target.dtype"),)  # (not a field) older flat keys, accepted where they live today
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> TrainConfig:
@@ -117,5 +120,6 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
             raise ConfigError(f"{where}: {name} must be >= 1, got {value}")
     if cfg.eval_only and not h.init_from:
         raise ConfigError(f"{where}: eval_only=true needs head.init_from=<saved head> to evaluate")
-    if cfg.target_dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"{where}: target_dtype must be float32, bfloat16 or float16")
+    if cfg.target.device is not None:
+        raise ConfigError(f"{where}: target.device={cfg.target.device!r}: training puts the target on each "
+                          "process's accelerator device (accelerate launch / --cpu); leave target.device unset")

@@ -61,10 +61,27 @@ class Schedule:
         return self.global_step(step)[self.rank::self.world]
 
 
-def collate(items: list[dict], kind: str) -> dict:
-    """Right-pad item dicts into a batch: input_ids, loss_mask (0 on padding), last, feats (and top).
+def epoch_schedule(cfg, lengths: list[int], world: int, rank: int, epoch: int) -> Schedule:
+    """This rank's micro-batches per optimizer step of ``epoch`` (``cfg``: a TrainConfig)."""
+    d = cfg.data
+    plan = plan_micro_batches(lengths, d.batch_size, d.max_tokens, d.bucket_pool, cfg.seed, epoch)
+    return Schedule(plan, world, rank, cfg.optim.grad_accum)
 
-    ``feats`` is what the head's ``fuse`` reads: the EAGLE-3 ``taps`` or, for EAGLE-1, ``last``.
+
+def plan_steps(cfg, lengths: list[int], world: int, where: str) -> tuple[int, list[int]]:
+    """(optimizer steps of the run, steps per epoch); refuses data that makes no whole step."""
+    o = cfg.optim
+    per_epoch = [epoch_schedule(cfg, lengths, world, 0, e).steps for e in range(max(1, o.epochs))]
+    if per_epoch[0] == 0:
+        raise ValueError(f"{where}: {len(lengths)} training samples make no whole optimizer step (batch "
+                         f"{cfg.data.batch_size} x grad_accum {o.grad_accum} x {world} processes)")
+    return o.max_steps or sum(per_epoch), per_epoch
+
+
+def collate(items: list[dict], reads: str = "taps") -> dict:
+    """Right-pad item dicts into a batch: input_ids, loss_mask (0 on padding), last, the tensor the head
+    reads (``head.reads``: ``taps`` or ``last`` itself) and, when every item has it, top.
+
     Right padding under a causal mask leaves every real position's result unchanged. ``origin`` (when
     every item has one) lists, row by row, where each sequence came from (a list of str, not a tensor).
     """
@@ -72,24 +89,38 @@ def collate(items: list[dict], kind: str) -> dict:
     B = len(items)
     ids = torch.zeros(B, width, dtype=torch.long)
     mask = torch.zeros(B, width, dtype=torch.long)
-    key = "taps" if kind == "eagle3" else "last"
-    feats = items[0][key].new_zeros(B, width, items[0][key].shape[-1])
-    last = items[0]["last"].new_zeros(B, width, items[0]["last"].shape[-1])
+    features = {key: items[0][key].new_zeros(B, width, items[0][key].shape[-1]) for key in dict.fromkeys(("last", reads))}
     top = torch.full((B, width), -1, dtype=torch.long) if all("top" in it for it in items) else None
     for b, it in enumerate(items):
         n = len(it["input_ids"])
         ids[b, :n] = torch.as_tensor(it["input_ids"]).long()
         mask[b, :n] = torch.as_tensor(it["loss_mask"]).long()
-        feats[b, :n] = it[key]
-        last[b, :n] = it["last"]
+        for key, padded in features.items():
+            padded[b, :n] = it[key]
         if top is not None:
             top[b, :n] = it["top"]
-    out = {"input_ids": ids, "loss_mask": mask, "feats": feats, "last": last}
+    out = {"input_ids": ids, "loss_mask": mask, **features}
     if top is not None:
         out["top"] = top
     if all("origin" in it for it in items):
         out["origin"] = [str(it["origin"]) for it in items]
     return out
+
+
+def fetch_with_top(source, indices, teacher, chunk: int, device) -> list[dict]:
+    """Items at ``indices`` with the teacher's full-vocab argmax memoised in each (``top``: kept when the
+    source caches its items, so later epochs skip it)."""
+    items = fetch(source, indices)
+    for it in items:
+        if "top" not in it:
+            last = it["last"].to(device)
+            it["top"] = teacher.targets(last[None], chunk)[0].cpu()
+    return items
+
+
+def tensors_to(batch: dict, device) -> dict:
+    """The batch's tensors on ``device`` (``origin``, a list of names, stays behind)."""
+    return to_device({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, device)
 
 
 def to_device(batch: dict, device, dtype=None) -> dict:

@@ -1,4 +1,5 @@
-"""Training losses: EAGLE-3 training-time test (soft CE over K steps) and EAGLE-1 (SmoothL1 + soft CE).
+"""The training-time-test loss: K head steps, each scored by a soft CE against the target; a head adds its
+own terms (EAGLE-1: feature noise and a SmoothL1 regression, see ``DraftHead.step_loss``).
 
 The teacher is the target's own distribution, recomputed from the stored ``last`` hidden state (already
 the final-norm output, the tensor ``lm_head`` reads) through the frozen ``lm_head`` rows of the draft
@@ -18,15 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
+from eaglekit.heads import HeadCache, ttt_mask
+from eaglekit.heads.cache import shift_left
 
-def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """``out[:, t] = x[:, t + n]`` along dim 1, padded with ``fill`` past the end."""
-    if n == 0:
-        return x
-    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
-    return torch.cat([x[:, n:], pad], dim=1)
+__all__ = ["SoftCrossEntropy", "StepStats", "TTTModel", "Teacher", "shift_left", "soft_cross_entropy",
+           "supervised_count", "teacher_argmax", "teacher_probs", "ttt_loss", "ttt_unroll"]
 
 
 @torch.no_grad()
@@ -97,13 +96,6 @@ def teacher_probs(last: torch.Tensor, weight: torch.Tensor, chunk: int = 512) ->
     return out.view(*last.shape[:-1], weight.shape[0])
 
 
-def naive_soft_cross_entropy(student, hidden, weight, row_weight) -> torch.Tensor:
-    """The reference: full teacher logits materialised at once (what the chunked version avoids)."""
-    p = torch.softmax((hidden.to(weight.dtype) @ weight.T).float(), dim=-1)
-    logq = torch.log_softmax(student.float(), dim=-1)
-    return -(row_weight[..., None].float() * p * logq).sum()
-
-
 @dataclass
 class Teacher:
     """The frozen pieces of the target the loss reads: full lm_head (argmax) and its draft-vocab rows."""
@@ -143,57 +135,53 @@ def supervised_count(loss_mask: torch.Tensor) -> int:
     return int(shift_left(loss_mask, 2).sum())
 
 
-def ttt_unroll(head, input_ids: torch.Tensor, g: torch.Tensor, steps: int, mask_fn, cache_cls):
+def ttt_unroll(head, input_ids: torch.Tensor, g: torch.Tensor, steps: int):
     """Yield ``(k, hidden, logits)`` for TTT steps k = 0..steps-1 over a whole (right-padded) batch.
 
     Step k: element t takes x_{t+1+k}, position t+k, and (k > 0) the head's step-(k-1) hidden as g;
-    one HeadCache carries every step's keys so ``mask_fn(S, k)`` can expose step-0 keys <= t and the
+    one HeadCache carries every step's keys so ``ttt_mask(S, k)`` can expose step-0 keys <= t and the
     step-j keys at index t — exactly what chain drafting from prefix t sees at depth k.
     """
     B, S = input_ids.shape
-    cache = cache_cls()
+    cache = HeadCache()
     pos0 = torch.arange(S, device=input_ids.device).expand(B, S)
     for k in range(steps):
-        mask = None if k == 0 else mask_fn(S, k, g.dtype, input_ids.device)
+        mask = None if k == 0 else ttt_mask(S, k, g.dtype, input_ids.device)
         hidden, logits = head.step(shift_left(input_ids, 1 + k), g, pos0 + k, cache=cache, attn_mask=mask)
         yield k, hidden, logits
         g = hidden
 
 
-def ttt_loss(head, teacher: Teacher, batch: dict, *, steps: int, decay: float, chunk: int,
-             kind: str = "eagle3", feature_weight: float = 1.0, token_weight: float = 0.1,
-             noise: float = 0.0, mask_fn=None, cache_cls=None, cache_teacher_mb: float = 0.0):
-    """Unroll the head ``steps`` times over a padded batch; return (loss_sum, StepStats).
+def ttt_loss(head, teacher: Teacher, batch: dict, loss, *, steps: int | None = None, train: bool = True):
+    """Unroll the head ``steps`` times (default ``loss.ttt_steps``) over a padded batch; return
+    (loss_sum, StepStats).
 
-    ``batch``: input_ids [B,S], loss_mask [B,S] (0 on padding), last [B,S,H], feats [B,S,F] (the head's
-    ``fuse`` input: EAGLE-3 taps or EAGLE-1 ``last``), optionally top [B,S] (``Teacher.targets``, e.g.
-    memoised per sample by the trainer: the full-vocabulary argmax is the costliest part on a CPU). The caller divides ``loss_sum`` by the number of
-    supervised positions in its global batch. ``mask_fn(S, k, dtype, device)`` builds the step-k mask.
-    If the fp32 teacher over the draft vocab fits in ``cache_teacher_mb``, it is computed once per batch
-    and shifted per step; otherwise each step recomputes it chunk by chunk (never [B, S, V] at once).
+    ``batch``: input_ids [B,S], loss_mask [B,S] (0 on padding), last [B,S,H], the tensor the head reads
+    (``head.reads``: ``taps`` [B,S,L*H] or ``last``), optionally top [B,S] (``Teacher.targets``, e.g.
+    memoised per sample by the trainer: the full-vocabulary argmax is the costliest part on a CPU).
+    ``loss``: the loss settings (``LossConfig``: step_decay, chunk_tokens, cache_teacher_mb, and what a
+    head's own terms read — EAGLE-1's noise, token_weight, feature_weight); ``train=False`` (evaluation)
+    adds no noise. The caller divides ``loss_sum`` by the number of supervised positions in its global
+    batch. If the fp32 teacher over the draft vocab fits in ``loss.cache_teacher_mb``, it is computed once
+    per batch and shifted per step; otherwise each step recomputes it chunk by chunk (never [B, S, V]).
     """
+    steps, chunk, decay = steps or loss.ttt_steps, loss.chunk_tokens, loss.step_decay
     ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
-    feats = batch["feats"]
-    cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= cache_teacher_mb * 2**20
+    cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
     source, weight = (teacher_probs(last, teacher.draft_weight, chunk), None) if cached else (last, teacher.draft_weight)
-    if noise > 0:
-        feats = feats + (torch.rand_like(feats, dtype=torch.float32) * 2 - 1).to(feats.dtype) * noise
+    g = head.training_features(batch, loss.noise if train else 0.0)
     top = batch.get("top")  # [B, S] draft id of the teacher argmax, -1 outside the draft vocab
     if top is None:
         top = teacher.targets(last, chunk)
     total_loss = torch.zeros((), device=ids.device)
     stats = StepStats()
     all_right = torch.ones_like(ids, dtype=torch.bool)
-    for k, hidden, logits in ttt_unroll(head, ids, head.fuse(feats), steps, mask_fn, cache_cls):
+    for k, hidden, logits in ttt_unroll(head, ids, g, steps):
         valid = shift_left(loss_mask, 2 + k).bool()  # predicted token x_{t+2+k} is supervised (and exists)
         want = shift_left(top, 1 + k, fill=-1)  # teacher at position t+1+k
         row_w = (valid & (want >= 0)).float() * (decay ** k)
         ce = soft_cross_entropy(logits, shift_left(source, 1 + k), weight, row_w, chunk)
-        step_loss = ce * (token_weight if kind == "eagle1" else 1.0)
-        if kind == "eagle1":  # EAGLE-1 also regresses the next feature f_{t+1+k}
-            t_hidden = shift_left(last, 1 + k)
-            l1 = F.smooth_l1_loss(hidden.float(), t_hidden.float(), reduction="none").mean(-1)
-            step_loss = step_loss + feature_weight * (decay ** k) * (l1 * valid.float()).sum()
+        step_loss = head.step_loss(ce, hidden, batch, k, valid, loss)
         total_loss = total_loss + step_loss
         with torch.no_grad():
             pred = logits.argmax(-1)
@@ -204,3 +192,19 @@ def ttt_loss(head, teacher: Teacher, batch: dict, *, steps: int, decay: float, c
             stats.total.append(int(valid.sum()))
             stats.chain.append(int((all_right & valid).sum()))
     return total_loss, stats
+
+
+class TTTModel(nn.Module):
+    """The head plus its loss in one forward, so DDP / DeepSpeed see every use of the parameters."""
+
+    def __init__(self, head, teacher: Teacher, loss):
+        super().__init__()
+        self.head = head
+        self.__dict__["teacher"] = teacher  # frozen target tensors: not parameters, not saved
+        self.__dict__["loss"] = loss
+
+    def forward(self, input_ids, loss_mask, last, taps=None, top=None, *, steps: int, train: bool = True):
+        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "last": last, "top": top}
+        if taps is not None:
+            batch["taps"] = taps
+        return ttt_loss(self.head, self.teacher, batch, self.loss, steps=steps, train=train)

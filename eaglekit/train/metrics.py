@@ -13,7 +13,10 @@ prompts gave τ 1.65 against τ_sim 1.67 and τ_chain 1.82 — right answers clu
 """
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass, field
+
+import torch
 
 
 def tau_sim(acc: list[float]) -> float:
@@ -63,3 +66,14 @@ class Tally:
         if self.total and self.total[0]:
             out[f"{prefix}loss"] = sum(self.loss) / self.total[0]
         return out
+
+
+def peak_memory_mb(device) -> float:
+    """This process's peak memory: CUDA allocations on a GPU, else its peak resident set."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:  # VmHWM: this process's own peak RSS (ru_maxrss can carry a parent's peak across exec)
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

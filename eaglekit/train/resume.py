@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from eaglekit.config import to_dict
+from eaglekit.config import ConfigError, load_config, to_dict
 from eaglekit.train.checkpoint import (
     CheckpointError,
     checkpoint_root,
@@ -29,6 +29,7 @@ from eaglekit.train.checkpoint import (
     trim_log,
     write_rank_files,
 )
+from eaglekit.train.config import TrainConfig
 from eaglekit.train.runguard import TrainError
 from eaglekit.train.statefile import set_rng_state
 
@@ -63,7 +64,7 @@ def resume(tr) -> dict:
         if tr.acc.is_main_process:
             trim_log(tr.log_path, 0)  # a fresh start: an earlier run's records would repeat its steps
         return {}
-    changes = config_changes(read_config(path), to_dict(tr.cfg))
+    changes = config_changes(stored_config(path), to_dict(tr.cfg))
     if changes and not tr.cfg.resume_allow_changes:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes)
         raise TrainError(f"resume from {path}: the config differs from the one this checkpoint was written with "
@@ -78,6 +79,17 @@ def resume(tr) -> dict:
     tr.acc.print(f"[eaglekit.train] resumed from {path} at step {tr.state.step}"
                  + (f" (dropped {dropped} log.jsonl record(s) past it)" if dropped else ""))
     return {k: [old, new] for k, old, new in changes}
+
+
+def stored_config(path: Path) -> dict:
+    """The config checkpoint ``path`` was written with, in today's shape: older keys where they live now
+    (``target: NAME``, ``target_dtype``), fields added since at their defaults. A config that no longer
+    loads is compared as stored."""
+    saved = read_config(path)
+    try:
+        return to_dict(load_config(TrainConfig, None, saved))
+    except ConfigError:
+        return saved
 
 
 def _choose(tr) -> Path | None:

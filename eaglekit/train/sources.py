@@ -1,5 +1,5 @@
-"""Where training items come from: offline feature shards or the live target (online), plus the draft
-vocabulary and the checks that refuse a head that does not fit the features."""
+"""Where training items come from: offline feature shards or the live target (online), plus the data's
+draft vocabulary and the checks that refuse a head that does not fit the features."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +8,16 @@ from pathlib import Path
 import torch
 
 from eaglekit.config import ConfigError
+from eaglekit.data_prep import (
+    FeatureDataset,
+    OnlineFeatures,
+    build_draft_vocab,
+    load_draft_vocab,
+    load_sharegpt,
+    read_conversations,
+    tokenize_conversations,
+)
+from eaglekit.heads import head_class, tap_layers
 from eaglekit.train.config import TrainConfig
 from eaglekit.train.data import CachedItems, Subset, split_eval
 
@@ -16,40 +26,31 @@ from eaglekit.train.data import CachedItems, Subset, split_eval
 class Sources:
     train: Subset
     eval: Subset
-    d2t: torch.Tensor | None  # EAGLE-3 draft vocabulary (None for EAGLE-1)
+    d2t: torch.Tensor | None  # the data's draft vocabulary (None for a head without one: EAGLE-1)
     t2d: torch.Tensor | None
-    layer_ids: tuple[int, ...]  # taps the features carry (EAGLE-3)
+    layer_ids: tuple[int, ...]  # the taps the head reads and the features carry (none for EAGLE-1)
     where: str
+
+    @property
+    def vocab(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.d2t is None else (self.d2t, self.t2d)
 
 
 def load_conversations(spec: str, limit: int = 0) -> list[dict]:
-    """``sharegpt`` (the embedded asset) or a path understood by ``data_prep.read_conversations``."""
-    from eaglekit.data_prep import read_conversations
-
-    if spec == "sharegpt":  # validated like any other file: ShareGPT has empty and one-sided items
-        from eaglekit.assets import load_sharegpt
-        from eaglekit.data_prep.conversations import ConversationError, item_messages
-
-        convs = []
-        for item in load_sharegpt():
-            try:
-                convs.append({"id": item["id"], "messages": item_messages(item, f"sharegpt {item['id']}: ")})
-            except ConversationError:
-                continue
-            if limit and len(convs) >= limit:
-                break
-        return convs
-
+    """``sharegpt`` (the embedded asset, malformed items skipped) or a path ``read_conversations`` reads."""
+    if spec == "sharegpt":
+        return list(load_sharegpt(limit=limit or None))
     return list(read_conversations(spec, limit=limit or None))
 
 
 def check_features(kind: str, feature_kind: str, feature_layers, head_layers, hidden_size: int,
                    feature_hidden: int, where: str) -> None:
-    """Refuse features that cannot train this head, naming what differs."""
-    if kind == "eagle3" and feature_kind != "eagle3":
-        raise ConfigError(f"{where}: head.kind=eagle3 needs EAGLE-3 taps, but these features were captured "
-                          f"for {feature_kind} (no 'hidden'); recapture with kind=eagle3 or set head.kind={feature_kind}")
-    if kind == "eagle3" and list(feature_layers) != list(head_layers):
+    """Refuse features that cannot train this head (it reads taps they lack), naming what differs."""
+    if head_layers and not feature_layers:
+        raise ConfigError(f"{where}: head.kind={kind} reads taps {list(head_layers)}, but these features were "
+                          f"captured for {feature_kind} (no 'taps'); recapture with kind={kind} or set "
+                          f"head.kind={feature_kind}")
+    if head_layers and list(feature_layers) != list(head_layers):
         raise ConfigError(f"{where}: features tap layers {list(feature_layers)} but head.aux_layer_ids is "
                           f"{list(head_layers)}; they must match")
     if feature_hidden != hidden_size:
@@ -57,19 +58,16 @@ def check_features(kind: str, feature_kind: str, feature_layers, head_layers, hi
 
 
 def build_sources(cfg: TrainConfig, target) -> Sources:
+    """The training and held-out items for ``cfg`` (shards or the live target) and the data's draft vocabulary."""
     d, kind = cfg.data, cfg.head.kind
-    head_layers = tuple(cfg.head.aux_layer_ids or target.aux_layer_ids) if kind == "eagle3" else ()
+    head_layers = tap_layers(kind, target, cfg.head.aux_layer_ids)
     if d.features_dir:
-        from eaglekit.data_prep import FeatureDataset
-
         where = str(d.features_dir)
         source = FeatureDataset(d.features_dir, target)
         m = source.manifest
         check_features(kind, m["kind"], m["layer_ids"], head_layers, target.hidden_size, m["hidden_size"], where)
         lengths = list(source.lengths)
     else:
-        from eaglekit.data_prep import OnlineFeatures, tokenize_conversations
-
         where = str(d.conversations)
         convs = load_conversations(d.conversations, d.num_conversations)
         samples, _ = tokenize_conversations(target.tokenizer, convs, d.max_length)
@@ -81,7 +79,7 @@ def build_sources(cfg: TrainConfig, target) -> Sources:
         lengths = [len(s["input_ids"]) for s in samples]
     train, held = split_eval(source, lengths, d.eval_samples)
     d2t = t2d = None
-    if kind == "eagle3":
+    if head_class(kind).has_draft_vocab:
         d2t, t2d = draft_vocab(cfg, target, source, train, lengths)
     return Sources(train, held, d2t, t2d, head_layers, where)
 
@@ -93,8 +91,6 @@ def draft_vocab(cfg: TrainConfig, target, source, train: Subset, lengths) -> tup
     A vocabulary file used with shards must be the one their manifest records (prepare writes both):
     the one beside the shards is refused otherwise; an explicit ``data.draft_vocab`` is the user's
     choice, so a mismatch there is only warned about."""
-    from eaglekit.data_prep import build_draft_vocab, load_draft_vocab
-
     size = min(cfg.head.draft_vocab_size, target.vocab_size)
     beside = Path(cfg.data.features_dir or "") / "draft_vocab.safetensors"
     check = getattr(source, "vocab_mismatch", None)  # offline shards only

@@ -3,8 +3,16 @@ import pytest
 import torch
 from helpers import tiny_target
 
-from eaglekit.heads import (Eagle1Head, Eagle3Head, HeadCache, HeadConfig, build_head, causal_mask, load_head,
-                            ttt_mask)
+from eaglekit.heads import (
+    Eagle1Head,
+    Eagle3Head,
+    HeadCache,
+    HeadConfig,
+    build_head,
+    causal_mask,
+    load_head,
+    ttt_mask,
+)
 
 KINDS = [("eagle1", 1), ("eagle1", 2), ("eagle3", 1), ("eagle3", 2)]
 
@@ -183,14 +191,14 @@ def test_heads_save_load_bit_exact(target, kind, layers, tmp_path):
 
 
 @pytest.mark.parametrize("change,what", [
-    (dict(intermediate_size=48), "fingerprint"),
-    (dict(hidden=48), "hidden size"),
-    (dict(vocab_size=80), "vocab size"),
-    (dict(layers=8), "layer count"),
+    ({"intermediate_size": 48}, "fingerprint"),
+    ({"hidden": 48}, "hidden size"),
+    ({"vocab_size": 80}, "vocab size"),
+    ({"layers": 8}, "layer count"),
 ])
 def test_heads_load_refuses_other_target(target, tmp_path, change, what):
     make_head(target, "eagle3", 1).save_pretrained(tmp_path / "h")
-    other = tiny_target(**{**dict(layers=6, hidden=32, vocab_size=64), **change})
+    other = tiny_target(**{"layers": 6, "hidden": 32, "vocab_size": 64, **change})
     with pytest.raises(ValueError, match=what) as e:
         load_head(tmp_path / "h", other)
     assert str(tmp_path / "h") in str(e.value)

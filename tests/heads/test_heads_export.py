@@ -180,6 +180,11 @@ def test_heads_export_cli_bf16(tmp_path, capsys):
     # target taken from the head's config this time; the CLI prints one error line and returns 2
     assert main(["export", "--head", str(tmp_path / "head"), "--out", str(tmp_path / "out"), "--to", "sglang"]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+    # one option style: every flag is the config key of that name (key=value, nested target section)
+    rc = main(["export", f"head={tmp_path / 'head'}", f"out={tmp_path / 'kv'}", "to=sglang", f"target.name={tdir}",
+               "target.dtype=bfloat16", "dtype=bfloat16"])
+    assert rc == 0 and (tmp_path / "kv" / "model.safetensors").read_bytes() == \
+        (tmp_path / "out" / "model.safetensors").read_bytes()
 
 
 def test_heads_export_refuses_non_finite_weights(target, tmp_path):

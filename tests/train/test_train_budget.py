@@ -3,7 +3,6 @@ import json
 import math
 
 import pytest
-
 from helpers import save_tiny, tiny_conversations
 
 from eaglekit.heads import load_head
@@ -55,7 +54,7 @@ def test_train_init_from_a_saved_head_and_eval_only(tmp_path):
 
 
 def test_lr_lambda_anneals_by_steps_or_budget_whichever_is_further():
-    from eaglekit.train.trainer import lr_lambda
+    from eaglekit.train.build import lr_lambda
 
     spent = [0.0]
     f = lr_lambda(total=110, warmup=10, min_ratio=0.1, spent=lambda: spent[0])
@@ -80,11 +79,11 @@ class _FakeClock:
 
 
 def test_budget_stop_ends_annealed_and_a_resume_keeps_the_spent_time(tmp_path, monkeypatch):
-    import eaglekit.train.trainer as trainer_mod
+    import eaglekit.timing as timing_mod
 
     save_tiny(tmp_path / "tiny", vocab_size=64, hidden=32, layers=4)
     tiny_conversations(tmp_path / "convs.jsonl", n=24)
-    monkeypatch.setattr(trainer_mod, "time", _FakeClock(0.5))  # two calls a step: 1 s per step
+    monkeypatch.setattr(timing_mod, "time", _FakeClock(0.5))  # the loop's Stopwatch, two readings a step: 1 s
     budget = ["optim.max_minutes=0.1", "optim.lr=1e-2", "optim.min_lr_ratio=0.2", "optim.warmup_steps=1"]
     final = train(_cfg(tmp_path, *budget, "optim.epochs=4"))
     rows = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]

@@ -49,16 +49,16 @@ def test_collate_and_to_device_carry_origin_untouched():
     items = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.long),
               "taps": torch.zeros(n, 6), "last": torch.zeros(n, 2), "origin": f"f/shard-00000.safetensors sample {n}"}
              for n in (3, 5)]
-    batch = collate(items, "eagle3")
+    batch = collate(items, "taps")
     assert batch["origin"] == ["f/shard-00000.safetensors sample 3", "f/shard-00000.safetensors sample 5"]
     moved = to_device(batch, "cpu", torch.bfloat16)
-    assert moved["origin"] is batch["origin"] and moved["feats"].dtype == torch.bfloat16
-    assert "origin" not in collate([{k: v for k, v in it.items() if k != "origin"} for it in items], "eagle3")
+    assert moved["origin"] is batch["origin"] and moved["taps"].dtype == torch.bfloat16
+    assert "origin" not in collate([{k: v for k, v in it.items() if k != "origin"} for it in items], "taps")
 
 
 def test_offline_batches_name_shard_and_sample(capture, target):
     src = build_sources(_cfg(f"data.features_dir={capture / 'feats'}"), target)
-    batch = collate(src.train.batch([0, 4]), "eagle3")
+    batch = collate(src.train.batch([0, 4]), "taps")
     files = [s["file"] for s in src.train.source.manifest["shards"]]
     assert all(o.startswith(str(capture / "feats" / "shard-")) for o in batch["origin"])
     want = [src.train.source.origin(i) for i in (0, 4)]
@@ -68,7 +68,7 @@ def test_offline_batches_name_shard_and_sample(capture, target):
 def test_online_batches_name_the_conversations_file_and_item(capture, target):
     convs = capture / "convs.jsonl"
     src = build_sources(_cfg(f"data.conversations={convs}"), target)
-    batch = collate(src.train.batch([2, 0]), "eagle3")
+    batch = collate(src.train.batch([2, 0]), "taps")
     assert batch["origin"] == [f"{convs} item 2 (id 2)", f"{convs} item 0 (id 0)"]
 
 
@@ -93,3 +93,14 @@ def test_an_explicit_vocabulary_that_is_not_the_recorded_one_is_used_with_a_warn
     from eaglekit.data_prep import load_draft_vocab
 
     assert torch.equal(src.d2t, load_draft_vocab(other)[0])
+
+
+def test_collate_pads_only_what_the_head_reads():
+    """An EAGLE-1 head (reads ``last``) gets no taps in its batch, even from EAGLE-3 features."""
+    items = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.long),
+              "taps": torch.ones(n, 6), "last": torch.ones(n, 2), "top": torch.arange(n)} for n in (2, 4)]
+    eagle3, eagle1 = collate(items, "taps"), collate(items, "last")
+    assert set(eagle3) == {"input_ids", "loss_mask", "last", "taps", "top"}
+    assert set(eagle1) == {"input_ids", "loss_mask", "last", "top"}
+    assert eagle3["taps"].shape == (2, 4, 6) and eagle3["taps"][0, 2:].abs().sum() == 0  # right-padded
+    assert eagle1["top"][0].tolist() == [0, 1, -1, -1]

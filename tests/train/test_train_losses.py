@@ -4,11 +4,17 @@ import torch
 
 from eaglekit.train.losses import (
     Teacher,
-    naive_soft_cross_entropy,
     shift_left,
     soft_cross_entropy,
     teacher_argmax,
 )
+
+
+def naive_soft_cross_entropy(student, hidden, weight, row_weight) -> torch.Tensor:
+    """The reference: full teacher logits materialised at once (what the chunked version avoids)."""
+    p = torch.softmax((hidden.to(weight.dtype) @ weight.T).float(), dim=-1)
+    logq = torch.log_softmax(student.float(), dim=-1)
+    return -(row_weight[..., None].float() * p * logq).sum()
 
 
 def _inputs(seed=0, B=3, S=11, H=16, V=97, Vd=40):

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from eaglekit.train.config import load_train_config
-from eaglekit.train.trainer import Trainer
+from eaglekit.train.trainer import build_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # 2 OpenMP threads spin-wait on a busy 2-core box (~7x)
 
@@ -34,7 +34,7 @@ def test_train_real_smollm2_beats_frequency_baselines(tmp_path):
         "head.init_from_target=false", "loss.ttt_steps=1", "optim.lr=1e-3", "optim.warmup_steps=5",
         "optim.epochs=3", "eval_interval=0",
         "save_interval=0", "progress=false", "trackers=[]", f"output_dir={tmp_path}"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     final = trainer.fit()
     curve = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in curve if "final" not in r]

@@ -17,11 +17,12 @@ import torch
 from helpers import save_tiny, tiny_conversations, train_command
 from safetensors.torch import load_file
 
-import eaglekit.train.trainer as trainer_mod
+import eaglekit.train.data as data_mod
+from eaglekit.train.build import lr_lambda
 from eaglekit.train.checkpoint import PICKLE_SUFFIXES, CheckpointError, list_checkpoints, verify_checkpoint
 from eaglekit.train.config import load_train_config
 from eaglekit.train.runguard import LOCK_NAME, OutputDirLock, TrainError
-from eaglekit.train.trainer import Trainer, lr_lambda, train
+from eaglekit.train.trainer import build_trainer, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: one thread, see conftest
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,7 +154,7 @@ def test_changed_config_refused_then_applied_when_allowed(tiny, finished, tmp_pa
 # ---- item 1 (trainer): non-finite values stop the run, nothing bad is written ----------------------------
 def _poison_call(monkeypatch, n_train: int, at_call: int) -> list[int]:
     """Make the trainer's ``at_call``-th training fetch return NaN features; returns the poisoned indices."""
-    real, calls, poisoned = trainer_mod.fetch, [0], []
+    real, calls, poisoned = data_mod.fetch, [0], []
 
     def fetch(source, indices):
         items = real(source, indices)
@@ -166,7 +167,7 @@ def _poison_call(monkeypatch, n_train: int, at_call: int) -> list[int]:
         return [dict(it, last=torch.full_like(it["last"], float("nan")), origin=f"poisoned-{i}")
                 for i, it in zip(indices, items)]
 
-    monkeypatch.setattr(trainer_mod, "fetch", fetch)
+    monkeypatch.setattr(data_mod, "fetch", fetch)
     return poisoned
 
 
@@ -189,7 +190,7 @@ def test_nan_loss_stops_before_the_step_naming_step_and_origin(tiny, tmp_path, m
 
 def test_nan_gradient_stops_and_nan_weights_are_never_written(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    tr = Trainer(_cfg(tiny, out, "save_interval=1"))
+    tr = build_trainer(_cfg(tiny, out, "save_interval=1"))
     real, calls = tr.acc.clip_grad_norm_, [0]
 
     def clip(params, max_norm):
@@ -216,10 +217,10 @@ def test_second_writer_refused_naming_dir_and_pid(tiny, tmp_path):
     try:
         with pytest.raises(TrainError, match=rf"output_dir {out} is in use by another training run "
                                              rf"\(pid {os.getpid()} on "):
-            Trainer(_cfg(tiny, out))
+            build_trainer(_cfg(tiny, out))
     finally:
         held.release()
-    tr = Trainer(_cfg(tiny, out))  # free again: the lock is taken and held by the run
+    tr = build_trainer(_cfg(tiny, out))  # free again: the lock is taken and held by the run
     with pytest.raises(TrainError, match="in use"):
         OutputDirLock(out).acquire()
     tr.lock.release()

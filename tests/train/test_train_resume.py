@@ -61,3 +61,19 @@ def test_train_kill9_then_resume_auto_matches_uninterrupted(tmp_path):
         assert (a[k] == b[k]).all(), k
     kept = sorted(p.name for p in (cut / "checkpoints").iterdir())
     assert len([k for k in kept if k.startswith("step-")]) == 2 and not [k for k in kept if k.startswith(".tmp")]
+
+
+def test_a_checkpoint_config_in_the_older_flat_shape_is_compared_as_today(tmp_path):
+    """A checkpoint written before the ``target:`` section (``target: NAME``, ``target_dtype``) resumes
+    without a reported change; a real change in it is still reported under today's key."""
+    from eaglekit.config import to_dict
+    from eaglekit.train.checkpoint import config_changes
+    from eaglekit.train.config import load_train_config
+    from eaglekit.train.resume import stored_config
+
+    cfg = load_train_config(None, ["data.conversations=x", "target=some/model", "target.dtype=bfloat16"])
+    old = {k: v for k, v in to_dict(cfg).items() if k != "target"}
+    (tmp_path / "train_config.json").write_text(json.dumps({**old, "target": "some/model", "target_dtype": "bfloat16"}))
+    assert config_changes(stored_config(tmp_path), to_dict(cfg)) == []
+    (tmp_path / "train_config.json").write_text(json.dumps({**old, "target": "some/model", "target_dtype": "float32"}))
+    assert config_changes(stored_config(tmp_path), to_dict(cfg)) == [("target.dtype", "float32", "bfloat16")]

@@ -4,8 +4,12 @@ import pytest
 import torch
 from helpers import tiny_target
 
-from eaglekit.heads import HeadCache, HeadConfig, build_head, ttt_mask
+from eaglekit.heads import HeadCache, HeadConfig, build_head
+from eaglekit.train.config import LossConfig
 from eaglekit.train.losses import Teacher, shift_left, ttt_loss, ttt_unroll
+from eaglekit.train.metrics import Tally
+
+LOSS = LossConfig(ttt_steps=3, step_decay=0.8, chunk_tokens=5, cache_teacher_mb=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -17,16 +21,16 @@ def setup():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # break symmetric init so every step matters
     ids = torch.randint(7, 64, (2, 12), generator=torch.Generator().manual_seed(1))
-    out = target.features(ids, kind="eagle3")
+    out = target.features(ids, layer_ids=head.taps)
     return target, head, ids, out
 
 
 @torch.no_grad()
 def test_train_ttt_unroll_equals_sequential_chain_drafting(setup):
     _, head, ids, out = setup
-    g0 = head.fuse(out.aux)
+    g0 = head.fuse(out.taps)
     steps = 3
-    unrolled = {k: h for k, h, _ in ttt_unroll(head, ids, g0, steps, ttt_mask, HeadCache)}
+    unrolled = {k: h for k, h, _ in ttt_unroll(head, ids, g0, steps)}
     S = ids.shape[1]
     for b in range(2):
         for t in (0, 4, S - 5):  # prefix ending at element t, then draft a chain of depth steps-1
@@ -46,9 +50,9 @@ def test_train_ttt_loss_masks_supervision_and_draft_vocab(setup):
     loss_mask = torch.zeros_like(ids)
     loss_mask[0, 6:] = 1
     loss_mask[1, 3:9] = 1
-    batch = {"input_ids": ids, "loss_mask": loss_mask, "feats": out.aux, "last": out.last}
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "taps": out.taps, "last": out.last}
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
-    _, stats = ttt_loss(head, teacher, batch, steps=3, decay=0.8, chunk=5, mask_fn=ttt_mask, cache_cls=HeadCache)
+    _, stats = ttt_loss(head, teacher, batch, LOSS)
     # step k counts element t when loss_mask[t + 2 + k] == 1
     assert stats.total == [int(shift_left(loss_mask, 2 + k).sum()) for k in range(3)] == [12, 12, 11]
     # a draft vocabulary that excludes every teacher argmax leaves nothing to learn from: zero loss
@@ -59,20 +63,20 @@ def test_train_ttt_loss_masks_supervision_and_draft_vocab(setup):
     vd = int(t2d.sum())
     h2 = build_head(HeadConfig.from_target(target, kind="eagle3", draft_vocab_size=vd), target)
     h2.set_draft_vocab(t2d.nonzero().squeeze(1) - torch.arange(vd), t2d)
-    loss, stats = ttt_loss(h2, small, batch, steps=2, decay=0.8, chunk=5, mask_fn=ttt_mask, cache_cls=HeadCache)
+    loss, stats = ttt_loss(h2, small, batch, LOSS, steps=2)
     assert float(loss) == 0.0 and stats.correct == [0, 0] and stats.total[0] > 0
 
 
 def test_train_cached_teacher_equals_recomputed(setup):
     target, head, ids, out = setup
     loss_mask = torch.ones_like(ids)
-    batch = {"input_ids": ids, "loss_mask": loss_mask, "feats": out.aux, "last": out.last}
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "taps": out.taps, "last": out.last}
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
     results = []
     for mb in (0.0, 100.0):
         head.zero_grad()
-        loss, _ = ttt_loss(head, teacher, batch, steps=3, decay=0.8, chunk=7, mask_fn=ttt_mask,
-                           cache_cls=HeadCache, cache_teacher_mb=mb)
+        loss, _ = ttt_loss(head, teacher, batch, LossConfig(ttt_steps=3, step_decay=0.8, chunk_tokens=7,
+                                                            cache_teacher_mb=mb))
         loss.backward()
         results.append((loss.detach(), head.fc.weight.grad.clone()))
     (l0, g0), (l1, g1) = results
@@ -86,11 +90,11 @@ def test_train_chain_counts_positions_whose_steps_are_all_right(setup):
     target, head, ids, out = setup
     loss_mask = torch.ones_like(ids)
     loss_mask[1, :4] = 0
-    batch = {"input_ids": ids, "loss_mask": loss_mask, "feats": out.aux, "last": out.last}
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "taps": out.taps, "last": out.last}
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
-    _, stats = ttt_loss(head, teacher, batch, steps=3, decay=0.8, chunk=5, mask_fn=ttt_mask, cache_cls=HeadCache)
+    _, stats = ttt_loss(head, teacher, batch, LOSS)
     top = teacher.targets(out.last, 5)
-    preds = [logits.argmax(-1) for _, _, logits in ttt_unroll(head, ids, head.fuse(out.aux), 3, ttt_mask, HeadCache)]
+    preds = [logits.argmax(-1) for _, _, logits in ttt_unroll(head, ids, head.fuse(out.taps), 3)]
     B, S = ids.shape
     want = []
     for k in range(3):
@@ -106,8 +110,6 @@ def test_train_chain_counts_positions_whose_steps_are_all_right(setup):
 
 
 def test_train_tau_chain_and_tau_sim_from_a_tally():
-    from eaglekit.train.metrics import Tally
-
     t = Tally(loss=[1.0, 1.0], correct=[5.0, 4.0], total=[10.0, 8.0], chain=[5.0, 3.0])
     s = Tally.from_list(t.as_list()).summary("eval_")
     assert s["eval_tau_sim"] == pytest.approx(1 + 0.5 + 0.5 * 0.5)

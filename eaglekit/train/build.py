@@ -1,0 +1,175 @@
+"""A training run assembled from parts, each built by one function from the config (SpecForge-style):
+
+    acc = make_accelerator(cfg); lock = lock_output_dir(acc, cfg.output_dir)
+    target = build_target(cfg, acc.device)           # frozen, whole on every rank (ZeRO-3 included)
+    sources = build_sources(cfg, target)             # train / held-out items, the data's draft vocabulary
+    head = build_head(cfg, target, sources)          # shaped from both; head.init_from / init_from_target
+    optimizer, scheduler = build_optimizer(cfg.optim, head, total_steps, state)
+
+``assemble`` runs the first four (and the teacher) for both entry points, ``trainer.train`` and
+``evaluate.evaluate_only``; neither Trainer nor the evaluation builds anything.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, is_tensorboard_available, is_wandb_available, set_seed
+
+from eaglekit.heads import DraftHead, HeadConfig, load_head
+from eaglekit.heads import build_head as new_head
+from eaglekit.target import Target, load_target_from
+from eaglekit.train.config import TrainConfig
+from eaglekit.train.finite import reduce_sum
+from eaglekit.train.losses import Teacher
+from eaglekit.train.runguard import OutputDirLock, TrainError, exit_with_launcher
+from eaglekit.train.sources import Sources, build_sources
+
+
+@dataclass
+class Parts:
+    """What a run trains or evaluates, built from its config; ``lock`` holds ``output_dir`` until released."""
+    acc: Accelerator
+    lock: OutputDirLock
+    target: Target
+    sources: Sources
+    head: DraftHead
+    teacher: Teacher
+
+
+def assemble(cfg: TrainConfig) -> Parts:
+    """The accelerator, the locked output_dir, target, sources, head and teacher for ``cfg``; the lock is
+    released if a later part fails."""
+    exit_with_launcher()  # a worker of accelerate launch / torchrun dies with its launcher
+    acc = make_accelerator(cfg)
+    lock = lock_output_dir(acc, cfg.output_dir)
+    try:
+        set_seed(cfg.seed)
+        target = build_target(cfg, acc.device)
+        sources = build_sources(cfg, target)
+        head = build_head(cfg, target, sources)
+        teacher = Teacher.build(target.lm_head.weight, head.t2d)  # a head without draft vocab: all of it
+    except BaseException:
+        lock.release()
+        raise
+    return Parts(acc, lock, target, sources, head, teacher)
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    trackers = [t for t in cfg.trackers if _tracker_available(t)]
+    acc = Accelerator(gradient_accumulation_steps=cfg.optim.grad_accum,
+                      mixed_precision="bf16" if cfg.optim.bf16 else "no", log_with=trackers or None,
+                      project_dir=cfg.output_dir, kwargs_handlers=handlers, step_scheduler_with_optimizer=False)
+    if acc.state.deepspeed_plugin is not None:  # no dataloader goes through prepare: say the sizes here
+        ds = acc.state.deepspeed_plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
+        ds["train_batch_size"] = cfg.data.batch_size * cfg.optim.grad_accum * acc.num_processes
+        ds["gradient_accumulation_steps"] = cfg.optim.grad_accum
+        ds["gradient_clipping"] = cfg.optim.grad_clip
+    return acc
+
+
+def _tracker_available(name: str) -> bool:
+    ok = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}.get(name, lambda: True)()
+    if not ok:
+        print(f"[eaglekit.train] tracker {name!r} is not installed; logging to log.jsonl only")
+    return ok
+
+
+def lock_output_dir(acc: Accelerator, output_dir) -> OutputDirLock:
+    """The main process locks ``output_dir`` for the run; every rank learns whether it could."""
+    lock, error = OutputDirLock(output_dir), None
+    if acc.is_main_process:
+        try:
+            lock.acquire()
+        except TrainError as e:
+            error = e
+    if reduce_sum(acc, [float(error is not None)])[0]:
+        raise error or TrainError(f"output_dir {output_dir} is in use by another run", quiet=True)
+    return lock
+
+
+@contextlib.contextmanager
+def no_zero3_partitioning():
+    """Hide Accelerate's ZeRO-3 config from transformers while loading the target: otherwise
+    ``from_pretrained`` partitions the frozen weights (lm_head of shape [0]) whatever zero3_init_flag says."""
+    try:
+        import transformers.integrations.deepspeed as hf_ds  # only where the deepspeed integration imports
+    except ImportError:
+        yield
+        return
+    saved = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
+
+
+def build_target(cfg: TrainConfig, device) -> Target:
+    """The frozen target of ``cfg.target`` on ``device`` (this process's), whole on every rank."""
+    with no_zero3_partitioning():
+        return load_target_from(cfg.target, device=device)
+
+
+def build_head(cfg: TrainConfig, target: Target, sources: Sources) -> DraftHead:
+    """The fp32 head ``cfg.head`` describes, shaped like the target, with the taps and draft vocabulary of the
+    data; ``head.init_from`` starts it from a saved head (its weights and its draft vocabulary, which then
+    replaces the data's — ``sources`` stay as they are), else ``head.init_from_target`` from the target's
+    own modules (what that means is the head class's: EAGLE-3 copies lm_head rows and the final norm)."""
+    h = cfg.head
+    start = _start_head(h.init_from, target, cfg, sources) if h.init_from else None
+    vocab = (start.d2t.cpu(), start.t2d.cpu()) if start is not None and start.has_draft_vocab else sources.vocab
+    config = HeadConfig.from_target(target, kind=h.kind, num_layers=h.num_layers,
+                                    draft_vocab_size=vocab[0].numel() if vocab is not None else None,
+                                    aux_layer_ids=list(sources.layer_ids) or None)
+    head = new_head(config, target, dtype=torch.float32)
+    if vocab is not None:
+        head.set_draft_vocab(*vocab)
+    if start is not None:
+        head.load_state_dict(start.state_dict())
+    elif h.init_from_target:
+        head.init_from_target(target)
+    return head
+
+
+def _start_head(path: str, target: Target, cfg: TrainConfig, sources: Sources) -> DraftHead:
+    """A saved head to start from, refused unless it is the head this run would build (kind, layers, taps)."""
+    head = load_head(path, target, dtype=torch.float32, device="cpu")
+    c, h = head.config, cfg.head
+    theirs = {"kind": c.kind, "num_layers": c.num_layers, "aux_layer_ids": list(c.aux_layer_ids or [])}
+    ours = {"kind": h.kind, "num_layers": h.num_layers, "aux_layer_ids": list(sources.layer_ids)}
+    if theirs != ours:
+        raise ValueError(f"head.init_from={path}: the saved head has {theirs}, this run wants {ours}")
+    return head
+
+
+def lr_lambda(total: int, warmup: int, min_ratio: float, spent=None):
+    """Linear warmup to 1, then cosine to ``min_ratio`` at ``total`` steps.
+
+    ``spent()`` (the fraction of a wall-clock budget used, 0..1) moves the cosine along whichever is
+    further, steps or time, so a run that the budget stops early still ends annealed at ``min_ratio``."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        if spent is not None:
+            frac = max(frac, min(1.0, spent()))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+    return f
+
+
+def build_optimizer(optim, head: DraftHead, total_steps: int, state):
+    """AdamW over the head and its warmup + cosine schedule (``optim``: the config's ``optim`` section);
+    under ``optim.max_minutes`` the schedule also follows the time ``state.seconds`` says is spent."""
+    opt = torch.optim.AdamW(head.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    warmup = optim.warmup_steps or int(optim.warmup_ratio * total_steps)
+    spent = (lambda: state.seconds / (60 * optim.max_minutes)) if optim.max_minutes > 0 else None
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup, optim.min_lr_ratio, spent))
+    return opt, scheduler
