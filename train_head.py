@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eaglekit.cli import run_with_errors
+from eaglekit.train.cli import run  # light: the trainer (torch) is imported once the run starts
+
 
 def main(argv: list[str] | None = None) -> int:
-    from eaglekit.train.cli import run
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="YAML run config (configs/*.yaml)")
     p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. optim.lr=1e-4")
@@ -19,6 +20,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from eaglekit.cli import run_with_errors
-
     sys.exit(run_with_errors(main))  # an error is one line, ``eaglekit: error: ...`` (EAGLEKIT_DEBUG=1: traceback)

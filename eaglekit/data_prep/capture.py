@@ -35,6 +35,8 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from eaglekit import __version__
 from eaglekit.data_prep.template import template_hash
@@ -236,8 +238,6 @@ def capture_features(
     Resumable and multi-process safe (see the module docstring). ``on_shard(j)`` is called after each
     shard is written (progress hooks, tests). ``draft_vocab``: see ``build_manifest``.
     """
-    from tqdm.auto import tqdm
-
     env_rank, env_world = dist_info()
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size
@@ -283,8 +283,6 @@ def _remove_stale_temps(out: Path, todo: list[int]) -> None:
 def _write_shard(path: Path, tensors: dict, manifest: dict) -> None:
     """Write the shard atomically; its sha256 is computed from the written bytes and saved (in
     ``checksums/``) before the rename, so every shard that exists under its final name has a sum."""
-    from safetensors.torch import save_file
-
     # one metadata key: safetensors writes a multi-key map in hash order, which would break byte equality
     meta = json.dumps({"plan_hash": manifest["plan_hash"], "kind": manifest["kind"]}, sort_keys=True)
 

@@ -13,6 +13,7 @@ import hashlib
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from eaglekit.data_prep.capture import make_readable
 from eaglekit.fileio import atomic_write
@@ -51,8 +52,6 @@ def build_draft_vocab(samples, draft_vocab_size: int, vocab_size: int) -> tuple[
 
 def save_draft_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
     """Write ``d2t``/``t2d`` to ``path`` (a file, or a folder → folder/draft_vocab.safetensors) atomically"""
-    from safetensors.torch import save_file
-
     path = Path(path)
     if path.is_dir() or not path.suffix:
         path = path / VOCAB_FILE
@@ -81,8 +80,6 @@ def vocab_record(d2t: torch.Tensor, t2d: torch.Tensor) -> dict:
 
 def load_draft_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d2t, t2d)`` from a file written by ``save_draft_vocab`` (or the folder holding it)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     if path.is_dir():
         path = path / VOCAB_FILE
