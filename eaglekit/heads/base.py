@@ -42,14 +42,15 @@ class DraftHead(nn.Module):
         self._borrowed["lm_head"] = target.lm_head
         return self
 
-    def _target_module(self, name: str) -> nn.Module:
+    def target_module(self, name: str) -> nn.Module:
+        """The target's module ``name`` this head borrows (``embed_tokens``, ``lm_head``)."""
         if name not in self._borrowed:
             raise RuntimeError(f"{type(self).__name__} is not bound to a target: call head.bind(target) "
                                "(build_head and load_head do this)")
         return self._borrowed[name]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        emb = self._target_module("embed_tokens")
+        emb = self.target_module("embed_tokens")
         return emb(input_ids.to(emb.weight.device)).to(self.device, self.dtype)
 
     @property

@@ -66,5 +66,5 @@ class Eagle1Head(DraftHead):
         x = self.fc(torch.cat([self.embed(input_ids), g.to(dtype)], dim=-1))
         for layer in self.layers:
             x = layer(x, cos, sin, cache, mask)
-        lm_head = self._target_module("lm_head")
+        lm_head = self.target_module("lm_head")
         return x, lm_head(x.to(lm_head.weight.device, lm_head.weight.dtype))

@@ -88,7 +88,7 @@ class Eagle3Head(DraftHead):
 
     def init_lm_head_from_target(self) -> None:
         """Start the draft lm_head from the target's rows for the draft vocabulary (optional warm start)."""
-        w = self._target_module("lm_head").weight
+        w = self.target_module("lm_head").weight
         ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
         with torch.no_grad():
             self.lm_head.weight.copy_(w[ids.to(w.device)].to(self.lm_head.weight))

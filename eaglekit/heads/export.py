@@ -60,7 +60,7 @@ def layout_state(head, layout: str, dtype=None, order=None) -> dict[str, torch.T
         H = head.config.hidden_size
         state["fc.weight"] = torch.cat([state["fc.weight"][:, i * H:(i + 1) * H] for i in order], dim=1)
     if layout in ("speculators", "eagle1"):
-        state["embed_tokens.weight"] = head._target_module("embed_tokens").weight
+        state["embed_tokens.weight"] = head.target_module("embed_tokens").weight
     if head.config.kind == EAGLE3 and full_vocab(head.config):
         need(not bool(state["d2t"].any()), "a full-vocabulary head must map draft id i to target id i (d2t = 0)")
         state.pop("d2t"), state.pop("t2d")

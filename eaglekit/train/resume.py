@@ -30,6 +30,7 @@ from eaglekit.train.checkpoint import (
     write_rank_files,
 )
 from eaglekit.train.config import TrainConfig
+from eaglekit.train.finite import reduce_sum
 from eaglekit.train.runguard import TrainError
 from eaglekit.train.statefile import set_rng_state
 
@@ -101,7 +102,7 @@ def _choose(tr) -> Path | None:
             code = 0.0 if path is None else (-1.0 if tr.cfg.resume != "auto" else float(_step_of(path)) + 1)
         except CheckpointError as e:
             code, error = -2.0, e
-    code = tr._reduce([code])[0] if tr.acc.num_processes > 1 else code
+    code = reduce_sum(tr.acc, [code])[0] if tr.acc.num_processes > 1 else code
     if code == -2:
         raise error or TrainError("resume: the main process refused the checkpoint", quiet=True)
     if code == 0:
