@@ -4,6 +4,11 @@ Each subcommand lives beside the code it drives and exposes ``add_arguments(pars
 ``run(args) -> int``; it is imported only when chosen, so ``eaglekit --help`` stays fast. A command
 given as ``module:name`` is the object ``name`` of that module (with the same two functions).
 
+One option style: every subcommand reads its config from ``--config FILE`` plus ``key=value`` overrides
+(dotted for nested keys: ``target.dtype=bfloat16``); the target is the shared ``target:`` section
+(``eaglekit.config.TargetSpec``). The ``--flags`` some commands add (export, push) are the config keys
+of the same name (``--repo-id X`` is ``repo_id=X``).
+
 Errors: every failure prints one line, ``eaglekit: error: ...``, and exits 2 (as argparse does for a bad
 command line); ``EAGLEKIT_DEBUG=1`` prints the traceback before it. Errors of the input (a bad config or
 file, a refused value: ValueError, OSError and their kin) print their message; anything else is a bug

@@ -34,7 +34,7 @@ from eaglekit.data_prep.conversations import Conversations, load_sharegpt, read_
 from eaglekit.data_prep.regenerate import RegenerateConfig, regenerate
 from eaglekit.data_prep.template import tokenize_conversations
 from eaglekit.data_prep.vocab import build_draft_vocab, save_draft_vocab, vocab_record
-from eaglekit.heads import KINDS
+from eaglekit.heads import EAGLE3, KINDS
 from eaglekit.target import load_target_from
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class PrepareConfig:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     draft_vocab_size: PosInt = 32000  # clipped to the target vocab
     capture: bool = True  # False: stop after the vocab (online training needs no shards)
-    kind: str = "eagle3"  # the head the features are for: eagle3 (its taps + last) or eagle1 (last only)
+    kind: str = EAGLE3  # the head the features are for: eagle3 (its taps + last) or eagle1 (last only)
     layer_ids: list[NonNegInt] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
     shard_mb: PosFloat = 1024  # feature bytes per shard, MiB
     batch_tokens: PosInt = 8192  # padded tokens per capture forward

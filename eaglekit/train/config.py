@@ -20,7 +20,7 @@ from eaglekit.config import (
     TargetSpec,
     load_config,
 )
-from eaglekit.heads import KINDS
+from eaglekit.heads import EAGLE3, KINDS
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DataConfig:
 
 @dataclass
 class HeadSpec:
-    kind: str = "eagle3"
+    kind: str = EAGLE3
     num_layers: PosInt = 1
     draft_vocab_size: PosInt = 32000  # EAGLE-3 only; clipped to the target vocab
     aux_layer_ids: list[NonNegInt] | None = None  # EAGLE-3 taps; default: the target's (2, N//2, N-3)
