@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 import torch
@@ -28,6 +29,10 @@ class Drafter(Protocol):
     root, at most ``max_depth`` deep. ``commit(tree, path, next_token, out, rows)``: after acceptance, with
     the accepted node indices ``path``, the token sampled after them, and the verify forward's output,
     whose rows ``rows`` (root + accepted nodes) now sit in the target's cache.
+
+    A batch (``decode.generate`` with several prompts) drafts each row with its own drafter: optional
+    ``fork()`` returns a fresh drafter of the same kind and settings, sharing the models, for another
+    sequence (every drafter here has one; without it, pass a list of drafters, one per row).
     """
 
     kind: str | None
@@ -52,6 +57,9 @@ class PlainDrafter:
     def commit(self, tree, path, next_token, out, rows):
         pass
 
+    def fork(self) -> PlainDrafter:
+        return PlainDrafter()
+
 
 class ModelDrafter:
     """Classic speculative decoding: a chain of ``gamma`` tokens sampled from a small draft model."""
@@ -64,6 +72,10 @@ class ModelDrafter:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.draft_model, self.gamma, self.sampling, self.generator = draft, gamma, sampling, generator
         self.vocab = target.vocab_size
+
+    def fork(self) -> ModelDrafter:
+        """Another sequence's drafter: the state a copy shares is replaced at its ``prefill``."""
+        return copy.copy(self)
 
     def prefill(self, prompt, out, root):
         self.cache = kv.new_cache(self.draft_model.model)
@@ -120,6 +132,12 @@ class TreeDrafter:
     def __init__(self, proposer, spec: TreeSpec):
         self.proposer, self.spec = proposer, spec
         self.kind, self.layer_ids = proposer.kind, proposer.layer_ids
+
+    def fork(self) -> TreeDrafter:
+        """Another sequence's drafter (same spec, the proposer's model shared, its cache not)."""
+        new = copy.copy(self)
+        new.proposer = self.proposer.fork()
+        return new
 
     def prefill(self, prompt, out, root):
         self.proposer.start(prompt, out, root)

@@ -81,3 +81,36 @@ def crop(cache, length: int) -> None:
         k, v = get()
         if k is not None and k.shape[-2] > length:
             put(k[..., :length, :], v[..., :length, :])
+
+
+# ---- a batch: row b's valid slots are [start_b, length_b); every other slot is masked ----------------
+
+def keep_rows(cache, past_len: int, lengths: list[int], rows: list[torch.Tensor]) -> list[int]:
+    """After a batched verify forward appended its tokens at slots ``past_len``.., move row b's kept verify
+    rows ``rows[b]`` (0 = its root) to slots ``lengths[b]``.. and truncate the cache to the longest row.
+    Returns the new lengths. Slots past a row's length hold stale entries that its masks never read."""
+    width = max(len(r) for r in rows)
+    src = torch.stack([torch.cat([r, r[-1:].expand(width - len(r))]) for r in rows]) + past_len
+    dst = torch.stack([torch.arange(n, n + width) for n in lengths])  # a padded copy lands past the row's end
+    new = [n + len(r) for n, r in zip(lengths, rows)]
+    end = max(new)
+    for get, put in _slots(cache):
+        k, v = get()
+        if k is None:
+            continue
+        i_src, i_dst = (x.to(k.device)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3]) for x in (src, dst))
+        # dst <= src slot by slot and the gather copies first, so no row overwrites an entry it still reads
+        k.scatter_(2, i_dst, k.gather(2, i_src))
+        v.scatter_(2, i_dst, v.gather(2, i_src))
+        put(k[..., :end, :], v[..., :end, :])
+    return new
+
+
+def select_rows(cache, index: list[int], start: int, end: int) -> None:
+    """Keep batch rows ``index`` (in order) and slots [start, end) of every layer."""
+    for get, put in _slots(cache):
+        k, v = get()
+        if k is None:
+            continue
+        i = torch.tensor(index, device=k.device)
+        put(k.index_select(0, i)[..., start:end, :], v.index_select(0, i)[..., start:end, :])

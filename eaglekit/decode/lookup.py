@@ -135,6 +135,10 @@ class LookupDrafter:
         # match length n -> {k: steps whose accepted path began with k of the branch's tokens}, since construction
         self.accepted_by_match: dict[int, dict[int, int]] = {}
 
+    def fork(self) -> LookupDrafter:
+        """Another sequence's drafter: same branch lengths, the inner drafter forked, its own counters."""
+        return LookupDrafter(self.inner.fork(), self.lengths, self.max_ngram, self.min_ngram, self.inner_nodes)
+
     def prefill(self, prompt, out, root):
         self.context = NgramIndex(self.max_ngram, self.min_ngram)
         self.context.extend(prompt[0].tolist() + [root])

@@ -1,8 +1,8 @@
 """The decode loop: draft → verify in one target forward → accept → keep → commit. One loop for every drafter.
 
 ``run(target, drafter, prompt, ...)`` decodes with a ``drafters.Drafter``; ``decode.generate`` builds one
-from a head, a draft model or None (``plan.make_drafter``) and calls it. Batch size 1 (the tree differs
-per sequence; a batch is refused, loop over prompts instead). ``Decoder`` holds one sequence's state;
+from a head, a draft model or None (``plan.make_drafter``) and calls it. One sequence (a batch of
+prompts runs in ``batch.run_batch``, which reuses ``Step`` and ``finish``). ``Decoder`` holds its state;
 ``run`` adds what ends a generation (max tokens, EOS, stop strings), streaming and the stats.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from eaglekit.timing import Stopwatch
 
 @dataclass
 class GenerateOutput:
-    sequences: torch.Tensor  # [1, prompt + new]
+    sequences: torch.Tensor  # [1, prompt + new]; a batch: [B, T + max_new_tokens], padded after each row ends
     stats: DecodeStats
 
 
@@ -118,14 +118,19 @@ def check_inputs(target, input_ids: torch.Tensor, max_new_tokens: int) -> None:
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
     if input_ids.shape[0] != 1:
-        raise ValueError(f"decode.generate runs batch size 1 (got {input_ids.shape[0]}): loop over prompts")
+        raise ValueError(f"one sequence: input_ids must be [1, T], got {input_ids.shape[0]} rows (a batch runs "
+                         "in batch.run_batch; decode.generate dispatches it)")
     if input_ids.shape[1] == 0:
         raise ValueError("empty prompt: pass at least one token (e.g. the BOS token or a chat template)")
+    check_context(target, input_ids.shape[1], max_new_tokens)
+
+
+def check_context(target, prompt_len: int, max_new_tokens: int) -> None:
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     ctx = getattr(target.config, "max_position_embeddings", None)
-    if ctx and input_ids.shape[1] + max_new_tokens > ctx:
-        raise ValueError(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+    if ctx and prompt_len + max_new_tokens > ctx:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"the target's context of {ctx} tokens (max_position_embeddings)")
 
 

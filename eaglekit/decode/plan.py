@@ -80,6 +80,22 @@ def make_drafter(target, drafter, sampling: Sampling | None = None, generator: t
     return LookupDrafter(inner, prompt_lookup, inner_nodes=None if plan is None else plan.nodes_with_lookup)
 
 
+def make_row_drafters(target, drafter, rows: int, sampling: Sampling | None = None,
+                      generator: torch.Generator | None = None, tree=None, gamma: int = 4,
+                      prompt_lookup=0) -> list[Drafter]:
+    """One drafter per row of a batch of ``rows`` prompts: ``make_drafter``'s, then ``fork()`` copies of it
+    (one model, a state per row); ``drafter`` may also be a list with one drafter (or head, ...) per row."""
+    if isinstance(drafter, (list, tuple)):
+        if len(drafter) != rows:
+            raise ValueError(f"{len(drafter)} drafters for a batch of {rows} prompts: give one per prompt")
+        return [make_drafter(target, d, sampling, generator, tree, gamma, prompt_lookup) for d in drafter]
+    first = make_drafter(target, drafter, sampling, generator, tree, gamma, prompt_lookup)
+    if rows > 1 and not hasattr(first, "fork"):
+        raise TypeError(f"a batch drafts each row with its own drafter: give {type(first).__name__} a fork() "
+                        f"method, or pass a list of {rows} drafters, one per prompt")
+    return [first] + [first.fork() for _ in range(rows - 1)]
+
+
 def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, Plan | None]:
     if drafter is None:
         return PlainDrafter(), None

@@ -10,10 +10,12 @@ last accepted tokens, not yet run). ``TreeDrafter`` drives it:
   one's output (``hidden`` None for a proposer that feeds no feature to its children);
 * ``step(ids, feed, pos, mask)`` [1, S] tokens above the committed ones under a tree mask,
   ``to_target(ids)``, ``length`` and ``crop(n)``: what ``tree.expand`` calls;
-* ``kind``/``layer_ids``: which target taps the verify forward must return for ``accept``.
+* ``kind``/``layer_ids``: which target taps the verify forward must return for ``accept``;
+* ``fork()``: a proposer for another sequence, sharing the model (``start`` gives it its own cache).
 """
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import fields, replace
 
@@ -49,6 +51,9 @@ class HeadProposer:
 
     def _features(self, out, rows: torch.Tensor) -> torch.Tensor:
         return self.head.fuse_output(at_rows(out, rows, self.device))[0]
+
+    def fork(self) -> HeadProposer:
+        return copy.copy(self)  # start() replaces the per-sequence state a copy shares
 
     def start(self, prompt, out, root: int) -> None:
         self.cache = HeadCache()
@@ -110,6 +115,9 @@ class ModelProposer:
         check_same_tokenizer(target, draft)
         self.model, self.vocab = draft, target.vocab_size
         self.device, self.dtype = draft.device, draft.dtype
+
+    def fork(self) -> ModelProposer:
+        return copy.copy(self)  # start() replaces the per-sequence state a copy shares
 
     def start(self, prompt, out, root: int) -> None:
         self.cache = kv.new_cache(self.model.model)

@@ -60,3 +60,23 @@ class DecodeStats:
                 "tokens_per_s": self.tokens_per_s, "acceptance_per_depth": self.acceptance_per_depth,
                 "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
                 "total_s": self.total_s}
+
+
+@dataclass
+class BatchStats(DecodeStats):
+    """A batch's run: ``rows[b]`` is row b's own ``DecodeStats`` (its accept lengths, trees, new tokens);
+    the inherited lists pool every row's verify steps (so ``acceptance_per_depth`` counts them all),
+    ``new_tokens`` and the seconds are the whole batch's, ``forwards`` the batched verify forwards."""
+
+    rows: list[DecodeStats] = field(default_factory=list)
+    forwards: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean over rows of each row's accepted tokens per target forward while it was live (rows that
+        ended at the prefill have no forward and are left out)."""
+        taus = [r.tau for r in self.rows if r.accept_lengths]
+        return sum(taus) / len(taus) if taus else 0.0
+
+    def summary(self) -> dict:
+        return {**super().summary(), "forwards": self.forwards, "rows_tau": [r.tau for r in self.rows]}

@@ -10,7 +10,7 @@ import torch
 
 from eaglekit.decode import kv
 from eaglekit.decode.sampling import Sampling, rule_for, sample
-from eaglekit.decode.tree import Tree, verify_mask
+from eaglekit.decode.tree import Tree, additive, ancestors, verify_mask
 
 
 def verify(target, cache, root: int, tree: Tree, drafter):
@@ -23,6 +23,30 @@ def verify(target, cache, root: int, tree: Tree, drafter):
     mask = None if tree.is_chain else verify_mask(tree, past, target.dtype, dev)
     out = target.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, kind=drafter.kind,
                          layer_ids=drafter.layer_ids)
+    return out, past
+
+
+def verify_batch(target, cache, roots: list[int], trees: list[Tree], starts: list[int], lengths: list[int],
+                 drafter):
+    """One target forward over every row's root and tree; row b's cache slots [starts[b], lengths[b]) are its
+    text. Trees are padded to the largest with dummy nodes (the root's token, seeing the row's text and
+    themselves: finite, never accepted, their KV never kept). Row b's verify row i + 1 is its node i, at
+    position (its text length) + depth. Returns (the ``TargetOutput``, the cache length before it)."""
+    past, dev = kv.cache_length(cache), target.device
+    n = max(len(t) for t in trees)
+    ids = torch.tensor(roots)[:, None].repeat(1, 1 + n)
+    pos = torch.tensor([m - s for s, m in zip(starts, lengths)])[:, None].repeat(1, 1 + n)
+    allowed = torch.zeros(len(trees), 1 + n, past + 1 + n, dtype=torch.bool)
+    allowed[:, :, past:] = torch.eye(1 + n, dtype=torch.bool)
+    for b, tree in enumerate(trees):
+        k = len(tree)
+        ids[b, 1:1 + k] = tree.tokens.cpu()
+        pos[b, 1:1 + k] += tree.depths.cpu()
+        allowed[b, :, starts[b]:lengths[b]] = True
+        allowed[b, :1 + k, past:past + 1 + k] = ancestors(tree.parents.cpu())
+    mask = additive(allowed.to(dev), target.dtype)[:, None]
+    out = target.forward(ids.to(dev), attention_mask=mask, position_ids=pos.to(dev), past_key_values=cache,
+                         kind=drafter.kind, layer_ids=drafter.layer_ids)
     return out, past
 
 

@@ -96,3 +96,20 @@ def acceptance_rule(rule):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(verify, "rule_for", lambda tree: rule)
         yield
+
+
+def sample_counts_batch(target, drafter, cfg: dict, runs: int, seed: int, prompts: list[list[int]],
+                        new_tokens: int, counted: int = 3, **kw) -> tuple[list[dict[tuple, int]], list]:
+    """``sample_counts`` for a batch: each run decodes all ``prompts`` together (one generate call, one
+    generator seeded once); returns each row's counts of its first ``counted`` new tokens, and each run's
+    stats."""
+    gen = torch.Generator().manual_seed(seed)
+    counts, stats = [{} for _ in prompts], []
+    for _ in range(runs):
+        out = decode.generate(target, drafter, prompts, new_tokens, eos_token_id=False, generator=gen, **cfg, **kw)
+        width = out.sequences.shape[1] - new_tokens
+        for b, c in enumerate(counts):
+            key = tuple(out.sequences[b, width:width + counted].tolist())
+            c[key] = c.get(key, 0) + 1
+        stats.append(out.stats)
+    return counts, stats

@@ -12,7 +12,7 @@ LAYERS = [  # lowest first
     {"proposers", "verify"},
     {"drafters"},
     {"cost", "loop", "lookup"},
-    {"plan"},
+    {"plan", "batch"},
     {"generate"},
     {"cli"},
 ]
