@@ -2,10 +2,11 @@
 
 aten's CPU ``linear`` multiplies by the row-major weight on every call. For the few rows a decoder
 forward has (1 token in plain decoding, a 4–16-node tree in verification) that is far from the memory
-bound: on the 2-core development machine SmolLM2-135M took 57 ms for one token and 91 ms for 13. With
-each weight reordered once into oneDNN's blocked layout (the kernels torch.compile's CPU freezing pass
-emits) the same forwards take 41 and 61 ms, outputs equal to ~1e-6 relative. Plain decoding gets faster
-and a verify forward costs less relative to one token, which is what speculative decoding lives on.
+bound. With each weight reordered once into oneDNN's blocked layout (the kernels torch.compile's CPU
+freezing pass emits) these few-row forwards run faster, with outputs equal up to float rounding
+(benchmarks/bench_packed_linear.py; figures in benchmarks/RESULTS.md, "Where the time goes on the CPU").
+Plain decoding gets faster and a verify forward costs less relative to one token, which is what
+speculative decoding lives on.
 
 Decoding only: the packed copy is made once and does not follow later edits of the weight, and calls
 that need autograd (training) run aten's linear on the live weight. ``unpack_linears`` undoes it.

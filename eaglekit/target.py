@@ -104,8 +104,8 @@ class Target:
         keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
                 "num_attention_heads", "num_key_value_heads")
         shape = {k: getattr(self.config, k, None) for k in keys}
-        # hashing the vocabulary costs ~75 ms (49k entries), once per generate() call through the head's
-        # target check: memoised per (shape, vocabulary size), the things that change when either does
+        # hashing the whole vocabulary is slow next to a decode step and would run once per generate() call
+        # (the head's target check): memoised per (shape, vocabulary size), what changes when either does
         memo = (json.dumps(shape), len(self.tokenizer))
         if getattr(self, "_fingerprint", (None, None))[0] != memo:
             vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])

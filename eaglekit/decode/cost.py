@@ -18,7 +18,8 @@ from eaglekit.decode.proposers import HeadProposer
 from eaglekit.heads import HeadCache
 from eaglekit.timing import timed
 
-# dense up to 8: on a CPU the cost is lumpy there (SmolLM2, 2 cores: 2 rows cost ~20% more than 3 to 6)
+# dense up to 8: on a CPU the cost is lumpy there (not monotone in the rows; see benchmarks/RESULTS.md,
+# "Where the time goes on the CPU")
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 96)
 LEVEL_SIZES = (1, 2, 4, 6, 8, 10)
 

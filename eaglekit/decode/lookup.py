@@ -88,11 +88,10 @@ def graft_chain(tree: Tree, chain: list[int]) -> Tree:
                 q_token=torch.cat([tree.q_token, tree.q_token.new_ones(len(rest))]))
 
 
-# Branch length after a 1-, 2- and 3-gram match. Measured with an EAGLE-3 head on SmolLM2 (MT-bench, 16
-# questions, 2-core CPU, benchmarks/bench_lookup_lengths.py): a 3-gram's continuation was accepted whole
-# (8 tokens) in 34% of its steps, a 1-gram's first token in 24% and its third in 7%, while verifying more
-# than ~6 rows costs ~1.3 ms a row (of a 42 ms step). 2/5/10 ran 4-6% faster than 5/5/5; 3/8/16 and
-# 2/6/16 were within 1% of it.
+# Branch length after a 1-, 2- and 3-gram match: a longer match's continuation is accepted further, and
+# every verified row past a few costs time on a CPU, so short matches get short branches. Tuned on a 2-core
+# CPU with an EAGLE-3 head on SmolLM2 (benchmarks/bench_lookup_lengths.py; the figures are in
+# benchmarks/RESULTS.md, "Prompt lookup").
 BY_MATCH = (2, 5, 10)
 
 

@@ -8,8 +8,8 @@ accepted with probability acc_k given steps < k were (TTT feeds ground-truth tok
 That product treats the steps as independent (acc_k is measured over all positions, not only where steps
 < k were right). τ_chain counts the joint event instead: at each position, were steps 0..k all right?
 τ_chain = 1 + Σ_k P(steps 0..k right). Which one predicts decoding better is measured, not assumed
-(benchmarks/bench_tau_check.py): for the H200-trained SmolLM2 head, greedy chain decoding of 12 held-out
-prompts gave τ 1.65 against τ_sim 1.67 and τ_chain 1.82 — right answers cluster less than one would think.
+(benchmarks/bench_tau_check.py; the comparison for the H200-trained SmolLM2 head is in benchmarks/RESULTS.md,
+"Does τ_sim predict decoding?").
 """
 from __future__ import annotations
 
