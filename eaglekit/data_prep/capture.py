@@ -1,6 +1,6 @@
 """Offline capture: target forward over tokenized samples → feature shards + manifest.json.
 
-Layout (DESIGN.md "Feature shards")::
+Layout (docs/formats.md, "Feature shards")::
 
     features/manifest.json
     features/shard-00000.safetensors   input_ids [T] int32, loss_mask [T] uint8, offsets [N+1] int64,

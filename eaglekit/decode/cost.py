@@ -1,8 +1,9 @@
 """What drafting and verification cost on this device, measured: the input of ``tree="auto"`` (plan.py).
 
-Verifying m tokens costs the target c(m): one forward over m new tokens on a cached prefix. One draft level
-of k nodes costs the head d(k): one head step over k nodes with a tree mask, and the top-k that follows.
-Each is the median of a few runs, the sizes taken in turn on each repeat.
+Verifying m tokens costs the target c(m): one forward over m new tokens on a cached prefix; for a batch of
+B rows, one forward over B × m new tokens on B cached prefixes. One draft level of k nodes costs the head
+d(k): one head step over k nodes with a tree mask, and the top-k that follows (a batch drafts row by row:
+B × d(k)). Each is the median of a few runs, the sizes taken in turn on each repeat.
 """
 from __future__ import annotations
 
@@ -22,13 +23,16 @@ from eaglekit.timing import timed
 # "Where the time goes on the CPU")
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 96)
 LEVEL_SIZES = (1, 2, 4, 6, 8, 10)
+# a batch's verify sizes: up to this many tokens in one forward (B × m), and always m <= 4
+BATCH_TOKENS = {"cuda": 2048, "cpu": 256}
 
 
 @dataclass
 class Costs:
     device: str
-    verify_s: dict  # tokens verified (root included) -> seconds per target forward on a cached prefix
-    level_s: dict  # nodes per draft level -> seconds per head step
+    verify_s: dict  # tokens verified per row (root included) -> seconds per target forward on cached prefixes
+    level_s: dict  # nodes per draft level -> seconds per head step (one row)
+    batch_size: int = 1  # rows in each verify forward measured
 
     def verify(self, m: int) -> float:
         return _interp(self.verify_s, m)
@@ -69,13 +73,13 @@ def _medians(fns: dict, repeats: int) -> dict:
 @torch.no_grad()
 def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SIZES, kind=None,
                  layer_ids=None) -> dict:
-    """m -> median seconds of a target forward over m new tokens on the cached ``prefix`` [1, P]."""
-    dev, prefix_len = target.device, prefix.shape[1]
+    """m -> median seconds of a target forward over m new tokens per row on the cached ``prefix`` [B, P]."""
+    dev, (rows, prefix_len) = target.device, prefix.shape
     cache = kv.new_cache(target.model)
     target.forward(prefix.to(dev), past_key_values=cache, kind=None)
 
     def run(m):
-        ids = torch.randint(10, target.vocab_size - 1, (1, m), device=dev)
+        ids = torch.randint(10, target.vocab_size - 1, (rows, m), device=dev)
 
         def fn():
             target.forward(ids, past_key_values=cache, kind=kind, layer_ids=layer_ids)
@@ -84,14 +88,26 @@ def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SI
     return _medians({m: run(m) for m in sizes}, repeats)
 
 
+def batch_verify_sizes(device: torch.device, batch_size: int) -> tuple[int, ...]:
+    """The tokens per row a plan measures for ``batch_size`` rows: all of ``VERIFY_SIZES`` for one row,
+    else those whose B × m fits ``BATCH_TOKENS`` (a wide tree is not what a full batch wants)."""
+    if batch_size == 1:
+        return VERIFY_SIZES
+    cap = BATCH_TOKENS.get(device.type, BATCH_TOKENS["cpu"])
+    return tuple(m for m in VERIFY_SIZES if m <= 4 or batch_size * m <= cap)
+
+
 @torch.no_grad()
-def measure(target, head, prefix_len: int = 128, repeats: int = 5) -> Costs:
-    """Median wall time of a target forward over m new tokens on a cached prefix, and of a head step."""
-    prefix = torch.randint(10, target.vocab_size - 1, (1, prefix_len), device=target.device)
+def measure(target, head, prefix_len: int = 128, repeats: int = 5, batch_size: int = 1) -> Costs:
+    """Median wall time of a target forward over m new tokens on a cached prefix (per row of a batch of
+    ``batch_size``), and of a head step (one row)."""
+    prefix = torch.randint(10, target.vocab_size - 1, (batch_size, prefix_len), device=target.device)
     taps = HeadProposer(target, head)  # the verify forward returns what this head reads
-    verify_s = verify_costs(target, prefix, repeats, kind=taps.kind, layer_ids=taps.layer_ids)
+    verify_s = verify_costs(target, prefix, repeats, batch_verify_sizes(target.device, batch_size), kind=taps.kind,
+                            layer_ids=taps.layer_ids)
     hdev, H = head.device, head.config.hidden_size
     hcache = HeadCache()
+    prefix = prefix[:1]
     head.step(prefix[:, 1:].to(hdev), torch.randn(1, prefix_len - 1, H, device=hdev, dtype=head.dtype),
               torch.arange(prefix_len - 1, device=hdev)[None], cache=hcache)
 
@@ -108,4 +124,4 @@ def measure(target, head, prefix_len: int = 128, repeats: int = 5) -> Costs:
             hcache.crop(prefix_len - 1)
         return step
     level_s = _medians({k: level(k) for k in LEVEL_SIZES}, repeats)
-    return Costs(device_name(target.device), verify_s, level_s)
+    return Costs(device_name(target.device), verify_s, level_s, batch_size)

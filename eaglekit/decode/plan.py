@@ -13,6 +13,11 @@ run of the head on a real prompt. The spec maximising E[tokens] / (d(pending) + 
 c(total_tokens + 1)) wins: on a CPU, where c grows quickly, that is a small tree; on a GPU, where c stays
 nearly flat over dozens of tokens, a large one. Where no tree is expected to beat plain decoding, "auto"
 decodes without drafting.
+
+A batch of B rows is planned for B (``auto_plan(..., batch_size=B)``, cached per B): c is then measured
+for B × m tokens, drafting costs B × d (each row drafts alone), a step emits B × E[tokens]; plain decoding
+emits B tokens per forward. As B grows the forward stops being memory-bound, c(m) grows with m and the
+best tree shrinks until none pays: "auto" then decodes the batch without drafting.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ class Plan:
     plain_tokens_per_s: float  # one target forward per token
     nodes_with_lookup: int | None = None  # the head's nodes kept on a step that has a lookup branch
     costs: dict = field(default_factory=dict)  # the measured ``cost.Costs``, as JSON
+    batch_size: int = 1  # rows decoded together (the tokens per second are the batch's)
 
     @property
     def drafting_pays(self) -> bool:
@@ -89,6 +95,13 @@ def make_row_drafters(target, drafter, rows: int, sampling: Sampling | None = No
         if len(drafter) != rows:
             raise ValueError(f"{len(drafter)} drafters for a batch of {rows} prompts: give one per prompt")
         return [make_drafter(target, d, sampling, generator, tree, gamma, prompt_lookup) for d in drafter]
+    if tree == "auto" and _is_head(drafter) and rows > 1:  # planned for this batch size
+        tree = auto_plan(target, drafter, batch_size=rows)
+        if not tree.drafting_pays:
+            warnings.warn(f"tree='auto': for a batch of {rows} this head's best tree is expected at "
+                          f"{tree.expected_tokens_per_s:.1f} tokens/s, plain batched decoding at "
+                          f"{tree.plain_tokens_per_s:.1f} on this device: decoding without drafting", stacklevel=3)
+            drafter = None
     first = make_drafter(target, drafter, sampling, generator, tree, gamma, prompt_lookup)
     if rows > 1 and not hasattr(first, "fork"):
         raise TypeError(f"a batch drafts each row with its own drafter: give {type(first).__name__} a fork() "
@@ -101,7 +114,7 @@ def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, 
         return PlainDrafter(), None
     if hasattr(drafter, "fingerprint") and hasattr(drafter, "tokenizer"):  # another Target
         return ModelDrafter(target, drafter, gamma, sampling, generator), None
-    if hasattr(drafter, "step") and hasattr(drafter, "config"):  # an EAGLE head
+    if _is_head(drafter):
         plan = auto_plan(target, drafter) if tree == "auto" else tree if isinstance(tree, Plan) else None
         if tree == "auto" and not plan.drafting_pays:  # plain decoding where no tree is expected to pay
             warnings.warn(f"tree='auto': this head's best tree is expected at {plan.expected_tokens_per_s:.1f} "
@@ -115,6 +128,10 @@ def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, 
     if hasattr(drafter, "draft") and hasattr(drafter, "commit"):  # anything following the protocol
         return drafter, None
     raise TypeError(f"drafter must be None, a Target or an EAGLE head, got {type(drafter).__name__}")
+
+
+def _is_head(drafter) -> bool:
+    return hasattr(drafter, "step") and hasattr(drafter, "config")  # an EAGLE head
 
 
 @torch.no_grad()
@@ -150,7 +167,9 @@ def expected_tokens(pool, depth: int, n: int) -> float:
 
 
 def choose(costs: Costs, pools: dict, max_total: int = 96) -> tuple[TreeSpec, float]:
-    """The spec with the most expected tokens per second; returns (spec, expected tokens/s)."""
+    """The spec with the most expected tokens per second (the batch's, for ``costs.batch_size`` rows each
+    drafting alone and verified in one forward); returns (spec, expected tokens/s)."""
+    rows = costs.batch_size
     best, best_rate = TreeSpec(1, 1, 1), 0.0
     for k, pool in pools.items():
         k = int(k)
@@ -159,8 +178,8 @@ def choose(costs: Costs, pools: dict, max_total: int = 96) -> tuple[TreeSpec, fl
             for n in sorted({1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 80, 96}):
                 if n > min(size, max_total):
                     continue
-                step = costs.level(2) + (d - 1) * costs.level(k) + costs.verify(n + 1)
-                rate = expected_tokens(pool, d, n) / step
+                step = rows * (costs.level(2) + (d - 1) * costs.level(k)) + costs.verify(n + 1)
+                rate = rows * expected_tokens(pool, d, n) / step
                 if rate > best_rate * (1 + 1e-9):
                     best, best_rate = TreeSpec(d, k, n), rate
     return best, best_rate
@@ -171,8 +190,8 @@ def nodes_beside_branch(costs: Costs, pool, spec: TreeSpec, rows: int = BRANCH_R
     """How many of ``spec``'s best nodes to keep on a step that also verifies a branch of ``rows`` nodes
     worth ``tokens`` accepted tokens: the most expected tokens per second (ties: fewer nodes)."""
     def rate(n):
-        step = costs.level(2) + (spec.depth - 1) * costs.level(spec.top_k) + costs.verify(n + 1 + rows)
-        return (expected_tokens(pool, spec.depth, n) + tokens) / step
+        draft = costs.batch_size * (costs.level(2) + (spec.depth - 1) * costs.level(spec.top_k))
+        return (expected_tokens(pool, spec.depth, n) + tokens) / (draft + costs.verify(n + 1 + rows))
     return max(range(spec.total_tokens + 1), key=rate)
 
 
@@ -182,18 +201,21 @@ def calibration_ids(target, n_new: int = 48) -> torch.Tensor:
     return run(target, PlainDrafter(), target.chat_ids(q), n_new, Sampling()).sequences
 
 
-def _key(target, head) -> str:
+def _key(target, head, batch_size: int = 1) -> str:
     with torch.no_grad():
         w = float(sum(p.double().abs().sum() for p in head.parameters()))
     blob = json.dumps([device_name(target.device), str(target.dtype), target.fingerprint(),
                        head.config.kind, head.config.num_layers, head.config.draft_vocab_size, round(w, 3),
-                       __version__, packed_count(target.model), packed_count(head), VERIFY_SIZES, PLAN_FORMAT])
+                       __version__, packed_count(target.model), packed_count(head), VERIFY_SIZES, PLAN_FORMAT]
+                      + ([batch_size] if batch_size > 1 else []))  # one row: the key plans had before batches
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-# head -> (what the plan was made for, plan): generate(tree="auto") called per prompt would otherwise hash
-# the head's weights on every call. Parameters are compared by identity and in-place version.
+# head -> {batch size: (what the plan was made for, plan)}: generate(tree="auto") called per prompt would
+# otherwise hash the head's weights on every call. Parameters are compared by identity and in-place
+# version. _POOLS: head -> (made for, calibration pools), shared by the plans for every batch size.
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _made_for(target, head, cache_dir) -> tuple:
@@ -201,25 +223,35 @@ def _made_for(target, head, cache_dir) -> tuple:
             packed_count(target.model), packed_count(head), tuple((id(p), p._version) for p in head.parameters()))
 
 
-def auto_plan(target, head, cache_dir=None, refresh: bool = False) -> Plan:
-    """Measure (or read the cached) costs and calibration: the best tree for ``head`` on this device."""
+def auto_plan(target, head, cache_dir=None, refresh: bool = False, batch_size: int = 1) -> Plan:
+    """Measure (or read the cached) costs and calibration: the best tree for ``head`` on this device, for
+    ``batch_size`` rows decoded together."""
     made_for = _made_for(target, head, cache_dir)
-    if not refresh and head in _PLANS and _PLANS[head][0] == made_for:
-        return _PLANS[head][1]
-    plan = _load_or_measure(target, head, cache_dir, refresh)
-    _PLANS[head] = made_for, plan
+    plans = _PLANS.setdefault(head, {})
+    if not refresh and batch_size in plans and plans[batch_size][0] == made_for:
+        return plans[batch_size][1]
+    plan = _load_or_measure(target, head, cache_dir, refresh, batch_size)
+    plans[batch_size] = made_for, plan
     return plan
 
 
-def _load_or_measure(target, head, cache_dir, refresh: bool) -> Plan:
-    path = (cache_dir or assets.cache_dir() / "decode-costs") / f"{_key(target, head)}.json"
+def _pools(target, head):
+    made_for = _made_for(target, head, None)
+    if head not in _POOLS or _POOLS[head][0] != made_for:
+        _POOLS[head] = made_for, calibrate(target, head, calibration_ids(target))
+    return _POOLS[head][1]
+
+
+def _load_or_measure(target, head, cache_dir, refresh: bool, batch_size: int = 1) -> Plan:
+    path = (cache_dir or assets.cache_dir() / "decode-costs") / f"{_key(target, head, batch_size)}.json"
     if path.exists() and not refresh:
         return Plan.from_json(json.loads(path.read_text()))
-    costs = measure(target, head)
-    pools = calibrate(target, head, calibration_ids(target))
-    spec, rate = choose(costs, pools)
-    plan = Plan(spec, rate, plain_tokens_per_s=1 / costs.verify(1), costs=asdict(costs),
-                nodes_with_lookup=nodes_beside_branch(costs, pools[spec.top_k], spec))
+    costs = measure(target, head, batch_size=batch_size)
+    pools = _pools(target, head)
+    # a batch: no wider tree than measured (m × B past the measured sizes would be an extrapolation)
+    spec, rate = choose(costs, pools, max_total=96 if batch_size == 1 else max(map(int, costs.verify_s)) - 1)
+    plan = Plan(spec, rate, plain_tokens_per_s=batch_size / costs.verify(1), costs=asdict(costs),
+                nodes_with_lookup=nodes_beside_branch(costs, pools[spec.top_k], spec), batch_size=batch_size)
     text = json.dumps(plan.to_json(), indent=1)
     write_text(path, text)
     return Plan.from_json(json.loads(text))  # as a later read of the file gives it (costs keyed by strings)

@@ -147,3 +147,58 @@ def test_decode_plan_auto_falls_back_to_plain_when_no_tree_pays(tmp_path, monkey
         assert torch.equal(out.sequences, plain.sequences)
         assert (max(out.stats.tree_sizes) > 0) == drafts, "auto drafts exactly when a tree is expected to pay"
         assert any("decoding without drafting" in str(w.message) for w in seen) == (not drafts)
+
+
+def batch_costs(rows: int) -> cost.Costs:
+    """A CPU-like target: a forward costs 40 ms up to 8 tokens in all, then 1.3 ms per token (compute-bound);
+    a head level 2 ms per row."""
+    verify = {m: 0.040 + 0.0013 * max(rows * m - 8, 0) for m in (1, 2, 3, 4, 6, 8, 16)}
+    return cost.Costs("cpu", verify, {k: 0.002 for k in cost.LEVEL_SIZES}, batch_size=rows)
+
+
+def test_decode_plan_batch_trees_shrink_and_stop_paying():
+    """The same head planned for growing batches: the tree shrinks, then no tree pays (plain decoding)."""
+    pools = synthetic_pools(accept=0.6)
+    specs, pays = {}, {}
+    for rows in (1, 2, 4, 16, 64):
+        costs = batch_costs(rows)
+        spec, rate = plan.choose(costs, pools, max_total=15)
+        specs[rows], pays[rows] = spec, rate > rows / costs.verify(1)
+    assert pays[1] and pays[2] and not pays[64], pays
+    sizes = [specs[r].total_tokens for r in (1, 2, 4, 16)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1], specs
+    # one row: the batch-aware chooser is the one-row chooser (no batch_size given = 1)
+    one = cost.Costs("cpu", batch_costs(1).verify_s, batch_costs(1).level_s)
+    assert plan.choose(one, pools, max_total=15) == plan.choose(batch_costs(1), pools, max_total=15)
+
+
+def test_decode_plan_auto_per_batch_size(tmp_path, monkeypatch):
+    """auto_plan(batch_size=B) measures B × m verify forwards, caches one file per B (the one-row key is
+    the key plans had before batches), and generate(tree="auto") on a batch uses the plan for its size."""
+    from test_decode_core import tiny_head
+
+    t = tiny_target(vocab_size=64, layers=2)
+    head = tiny_head(t, "eagle3", 48)
+    ids = torch.randint(7, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(plan, "calibration_ids", lambda target: ids)
+    measured = []
+    real_measure = plan.measure
+    monkeypatch.setattr(plan, "measure", lambda target, head, **kw: measured.append(kw) or real_measure(
+        target, head, prefix_len=16, repeats=1, **kw))
+    two = plan.auto_plan(t, head, cache_dir=tmp_path, batch_size=2)
+    assert two.batch_size == 2 and two.costs["batch_size"] == 2 and measured == [{"batch_size": 2}]
+    assert set(map(int, two.costs["verify_s"])) == set(cost.batch_verify_sizes(t.device, 2))
+    assert max(map(int, plan.auto_plan(t, head, cache_dir=tmp_path, batch_size=64).costs["verify_s"])) == 4
+    assert plan._key(t, head) == plan._key(t, head, 1) != plan._key(t, head, 2)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    # generate on a batch asks for the plan of its size, and falls back to plain where it does not pay
+    asked = []
+    for expected, drafts in ((5.0, False), (30.0, True)):
+        made = plan.Plan(TreeSpec(depth=2, top_k=2, total_tokens=4), expected, 20.0, batch_size=3)
+        monkeypatch.setattr(plan, "auto_plan", lambda target, head, made=made, **kw: asked.append(kw) or made)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = decode.generate(t, head, [[2, 5, 6], [2, 7], [2, 8, 9, 10]], 6, eos_token_id=False, tree="auto")
+        assert (max(out.stats.tree_sizes) > 0) == drafts
+        assert any("for a batch of 3" in str(w.message) for w in seen) == (not drafts)
+    assert asked == [{"batch_size": 3}] * 2

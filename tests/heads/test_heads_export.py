@@ -1,4 +1,4 @@
-"""Exports: exact key sets/shapes of formats/EAGLE3.md, explicit config flags, refusals, identical reload."""
+"""Exports: exact key sets/shapes of the layouts in docs/exports.md, explicit config flags, refusals, identical reload."""
 import json
 
 import pytest
@@ -25,7 +25,7 @@ def layer(prefix, width, input_norm=True, hidden_norm=False):
     return keys
 
 
-# golden key sets written out from ../shared/formats/EAGLE3.md for the tiny shapes
+# golden key sets of the layouts (docs/exports.md) written out for the tiny shapes
 GOLDEN = {
     ("sglang", 1): {"fc.weight": [H, 3 * H], **layer("midlayer.", 2 * H, hidden_norm=True), "norm.weight": [H],
                     "lm_head.weight": [VD, H], "d2t": [VD], "t2d": [V]},
