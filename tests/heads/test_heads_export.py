@@ -1,4 +1,4 @@
-"""Exports: exact key sets/shapes of the layouts in docs/exports.md, explicit config flags, refusals, identical reload."""
+"""Exports: exact key sets/shapes of the layouts (docs/exports.md), explicit config flags, refusals, reload."""
 import json
 
 import pytest
