@@ -3,8 +3,9 @@
 for itself (chain; every draft is right, so tau must be maximal; and a draft-model tree on 5 prompts).
 
 Near-tie rule (docs/design.md, "Acceptance"): a verify pass does its matmuls in another shape than
-one-token decoding, so a genuine near-tie may flip. A divergence is accepted only if, at the first divergent position, the
-target's top-2 logit gap (fresh full forward over the common prefix) is below 1e-4; anything else fails.
+one-token decoding, so a genuine near-tie may flip. A divergence is accepted only if, at the first
+divergent position, the target's top-2 logit gap (fresh full forward over the common prefix) is below
+1e-4; anything else fails.
 
 Sizes are set by the test budget: SmolLM2 20 prompts x 24 tokens (EAGLE-3 head on all, EAGLE-1 on 3;
 prompt lookup alone and on a head's tree: 6 x 40),
