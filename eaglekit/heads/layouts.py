@@ -130,14 +130,14 @@ def engine_head_config(cfg: HeadConfig, layout: str) -> tuple[HeadConfig, list[i
         for flag, only in engine.fixed.items():
             value = getattr(cfg, flag)
             need(value == only, f"the {layout} layout cannot hold this head: {engine.version} does not read "
-                  f"{flag} (it always runs {flag}={only}) and this head was trained with {flag}={value}; "
-                  "export it with --to vllm or --to speculators")
+                 f"{flag} (it always runs {flag}={only}) and this head was trained with {flag}={value}; "
+                 "export it with --to vllm or --to speculators")
         if cfg.kind != EAGLE3 or not engine.taps_sorted_unique:
             continue
         taps = cfg.aux_layer_ids
         dup = sorted({t for t in taps if taps.count(t) > 1})
         need(not dup, f"the {layout} layout cannot hold this head: its taps {taps} repeat layer(s) {dup}, and "
-              f"{engine.version} reads each tapped layer once")
+             f"{engine.version} reads each tapped layer once")
         order = sorted(order, key=lambda i: taps[i])
     if order != sorted(order):
         cfg = dataclasses.replace(cfg, aux_layer_ids=[cfg.aux_layer_ids[i] for i in order])
@@ -206,16 +206,16 @@ def check_engine_fields(config: dict, cfg: HeadConfig, layout: str, where) -> No
         if cfg.kind == EAGLE3:
             taps = read_taps(config, engine)
             need(taps == list(cfg.aux_layer_ids), f"{where}: {engine.name} would read taps {taps} "
-                  f"(layer inputs) but the head uses {cfg.aux_layer_ids}")
+                 f"(layer inputs) but the head uses {cfg.aux_layer_ids}")
             n = read_tap_count(config, engine)
             need(n == len(cfg.aux_layer_ids), f"{where}: {engine.name} would size fc for {n} taps, "
-                  f"the head has {len(cfg.aux_layer_ids)}")
+                 f"the head has {len(cfg.aux_layer_ids)}")
             need("norm_before_residual" in config, f"{where}: missing explicit 'norm_before_residual'")
         for flag in ("norm_before_residual",):
             got = read_flag(config, engine, flag)
             if got is not None and cfg.kind == EAGLE3:
                 need(got == getattr(cfg, flag), f"{where}: {engine.name} would run {flag}={got}, the head "
-                      f"was trained with {getattr(cfg, flag)}")
+                     f"was trained with {getattr(cfg, flag)}")
 
 
 def validate_export(path, layout: str | None = None, target=None, optional=()) -> tuple[str, HeadConfig]:
@@ -237,7 +237,7 @@ def validate_export(path, layout: str | None = None, target=None, optional=()) -
     elif "eaglekit" in config and cfg.kind == EAGLE3:  # an older eaglekit export: top-level fields only
         for key, want in {**eagle3_fields(cfg), TAP_KEY: list(cfg.aux_layer_ids)}.items():
             need(config.get(key) == want, f"{path / CONFIG}: {key}={config.get(key)!r} disagrees with the "
-                  f"head ({want!r})")
+                 f"head ({want!r})")
     f = path / WEIGHTS
     if not f.is_file():
         raise FileNotFoundError(f"{f}: missing weights")

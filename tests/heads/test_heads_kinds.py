@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import tiny_target
+from test_architecture import import_graph
 
 from eaglekit.heads import (
     EAGLE1,
@@ -80,3 +81,30 @@ def test_heads_base_imports_no_saving_or_hub():
     assert not imported & {"eaglekit.heads.io", "eaglekit.heads.hub", "eaglekit.heads.export"}
     assert DraftHead.save_pretrained.__module__ == "eaglekit.heads.io"
     assert DraftHead.push_to_hub.__module__ == "eaglekit.heads.hub"
+
+
+HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lower layers
+    {"config", "engines", "verifier", "cache"},
+    {"layers"},
+    {"base"},
+    {"eagle1", "eagle3"},
+    {"registry"},
+    {"io"},
+    {"layouts"},
+    {"export"},
+    {"hub"},
+    {"export_cli"},
+    {"push_cli"},
+]
+
+
+def test_heads_modules_import_only_lower_layers():
+    """config → layers/cache → base → eagle1/eagle3 → registry → io → layouts → export → hub → CLIs
+    (function-local imports counted, tests/test_architecture.py's graph)."""
+    graph = import_graph()
+    names = {m.rsplit(".", 1)[1] for m in graph if m.startswith("eaglekit.heads.")}
+    assert names == set().union(*HEAD_LAYERS), "give every heads module a layer (and drop removed ones)"
+    layer = {name: i for i, group in enumerate(HEAD_LAYERS) for name in group}
+    upward = [(m, dep) for m in sorted(names) for dep in sorted(graph[f"eaglekit.heads.{m}"])
+              if dep.startswith("eaglekit.heads.") and layer[dep.rsplit(".", 1)[1]] >= layer[m]]
+    assert upward == []
