@@ -12,6 +12,9 @@ PNGs (``report``, ``plots``).
 
     eaglekit bench target=smollm2-135m-instruct head=runs/smollm2/final prompts=20
     eaglekit bench target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct dataset=humaneval
+
+With ``batch_sizes=[1,2,4,8,16]`` it measures batched decoding instead: plain batched decoding vs
+drafting per batch size, with the speedup expected from the measured acceptance (``bench.batch``).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from eaglekit.bench.batch import batch_table, run_batch_bench, write_batch
 from eaglekit.bench.methods import methods
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates, speedup_per_category, summarise, table, write
@@ -57,6 +61,7 @@ class BenchConfig:
     threads: int = 0  # torch CPU threads (0 = torch's default)
     cpu_linear: str = "packed"  # "packed" (oneDNN pre-packed weights, every method alike) or "aten"
     out: str = "benchmarks/results/decode"
+    batch_sizes: list = field(default_factory=list)  # e.g. [1,2,4,8,16]: the batch bench (bench.batch)
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -135,8 +140,13 @@ def run(args) -> int:
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    report = run_bench(cfg)
-    path = write(report, cfg.out)
-    print(table(report))
+    if cfg.batch_sizes:
+        report = run_batch_bench(cfg)
+        path = write_batch(report, cfg.out)
+        print(batch_table(report))
+    else:
+        report = run_bench(cfg)
+        path = write(report, cfg.out)
+        print(table(report))
     print(f"wrote {path} (and PNGs beside it)")
     return 0

@@ -1,4 +1,5 @@
-"""PNG plots of an ``eaglekit bench`` report: speedup per method, acceptance per depth, speedup per category.
+"""PNG plots of an ``eaglekit bench`` report: speedup per method, acceptance per depth, speedup per category,
+and (``batch_sizes=``) speedup vs batch size.
 
 matplotlib is optional (``pip install 'eaglekit[bench]'``): without it each plot prints a note and
 returns None. Files are written under a temporary name, then renamed.
@@ -96,4 +97,31 @@ def plot_categories(report: dict, path: Path) -> Path | None:
     ax.set_ylabel("speedup vs plain (tokens/s ratio)")
     ax.set_title(_title(report), fontsize=9)
     ax.legend(fontsize=7, ncol=2)
+    return _save(plt, fig, path)
+
+
+def plot_batch(report: dict, path: Path) -> Path | None:
+    """Speedup over plain batched decoding vs batch size, a line per method and temperature (τ annotated),
+    and the speedup expected from the measured acceptance and step costs dotted beside each."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for temp, per_b in report["results"].items():
+        sizes = [int(b) for b in per_b]
+        for name in per_b[str(sizes[0])]:
+            if name == "plain":
+                continue
+            rows = [per_b[str(b)][name] for b in sizes]
+            line, = ax.plot(sizes, [r["speedup_vs_plain"] for r in rows], marker="o", label=f"{name}, T={temp}")
+            ax.plot(sizes, [r["expected_speedup"] for r in rows], ls=":", color=line.get_color())
+            for b, r in zip(sizes, rows):
+                if r["tau"]:
+                    ax.annotate(f"τ={r['tau']:.2f}", (b, r["speedup_vs_plain"]), fontsize=6, ha="center", va="bottom")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B (prompts decoded together)")
+    ax.set_ylabel("speedup vs plain batched decoding")
+    ax.set_title(_title(report) + " (dotted: expected)", fontsize=9)
+    ax.legend(fontsize=7)
     return _save(plt, fig, path)

@@ -1,0 +1,173 @@
+"""``eaglekit bench batch_sizes=[1,2,4,8,16]``: plain batched decoding vs drafting, per batch size.
+
+The same prompts at every batch size B, decoded in consecutive groups of B (B = 1: one at a time, through
+the one-sequence loop), methods interleaved per group so machine drift hits all alike: ``plain`` (our
+batched loop, no drafter: the baseline at that B), ``ours`` (the head's or draft model's drafts, always
+drafting: a head drafts the tree ``tree=`` names, "auto" meaning the one-row plan's), ``auto`` (a head
+with ``tree="auto"`` planned for that B: plain decoding where no tree is expected to pay) and, with
+``lookup_tokens``, ``lookup`` (prompt lookup alone). Per (temperature, B, method): tokens/s (median over
+repeats of the total over the prompts), the speedup over plain at that B, τ (mean over rows), and the
+speedup expected from the measured acceptance per depth and step costs (``theory``; Leviathan's formula
+too for a draft model's chain). The report also gives the drafter's memory beside the target's.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from eaglekit.bench.plots import plot_batch
+from eaglekit.bench.prompts import load_questions
+from eaglekit.bench.report import rates
+from eaglekit.bench.theory import drafter_memory, leviathan_speedup, model_memory, pooled_alpha, tree_speedup
+from eaglekit.decode import plan as planner
+from eaglekit.decode.generate import generate
+from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear, with_draft_tree
+from eaglekit.decode.stats import DecodeStats
+from eaglekit.fileio import write_text
+from eaglekit.target import load_target
+from eaglekit.timing import timed
+
+
+def batch_methods(cfg, target, drafter, tree) -> dict:
+    """name -> fn(prompts, temperature, seed) -> BatchStats (``prompts``: a list of 1-D prompts)."""
+    def method(dr, tree=tree, lookup=0):
+        def fn(prompts, temp, seed):
+            out = generate(target, dr, prompts, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
+                           gamma=cfg.gamma, prompt_lookup=lookup)
+            return out.stats
+        return fn
+
+    out = {"plain": method(None)}
+    if drafter is not None:
+        out["ours"] = method(with_draft_tree(cfg, target, drafter))
+        if cfg.head and cfg.tree == "auto":
+            out["auto"] = method(drafter, tree="auto")
+    if cfg.lookup_tokens:
+        out["lookup"] = method(None, lookup=cfg.lookup_tokens)
+    return out
+
+
+def run_batch_bench(cfg) -> dict:
+    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    drafter = load_drafter(cfg, target)
+    packed = use_cpu_linear(cfg.cpu_linear, target, drafter)
+    tree = parse_tree(cfg.tree)
+    if tree == "auto" and cfg.head:  # "ours" always drafts: the one-row plan's tree
+        tree = planner.auto_plan(target, drafter)
+    sizes = sorted({int(b) for b in cfg.batch_sizes})
+    if sizes[0] < 1:
+        raise ValueError(f"batch_sizes must be >= 1, got {cfg.batch_sizes}")
+    questions = load_questions(cfg.dataset, max(cfg.prompts, sizes[-1]), cfg.prompt_order)
+    prompts = [target.chat_ids(text)[0] for _, text in questions]
+    fns = batch_methods(cfg, target, drafter, tree)
+    plans = {}
+    for b in sizes:  # warm-up at every shape (and tree="auto"'s plan per batch size, measured here)
+        for fn in fns.values():
+            fn([p[:16] for p in prompts[:b]], 0.0, 0)
+        if "auto" in fns:
+            made = planner.auto_plan(target, drafter, batch_size=b)
+            plans[b] = {"tree": str(made.spec), "drafting_pays": made.drafting_pays,
+                        "expected_tokens_per_s": made.expected_tokens_per_s,
+                        "plain_tokens_per_s": made.plain_tokens_per_s}
+    results = {str(t): bench_batch_temperature(cfg, fns, prompts, sizes, t) for t in cfg.temperatures}
+    return {"config": asdict(cfg), "mode": "batch", "tree": str(getattr(tree, "spec", tree)), "auto_plans": plans,
+            "memory": {"drafter": drafter_memory(drafter), "target": model_memory(target)},
+            "device": str(target.device), "threads": torch.get_num_threads(), "packed_linears": packed,
+            "torch": torch.__version__, "load_average": _load(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": results}
+
+
+def bench_batch_temperature(cfg, fns: dict, prompts: list, sizes: list[int], temp: float) -> dict:
+    """{B: {method: summary}}: every method on every group of B prompts, ``cfg.repeats`` times."""
+    out = {}
+    for b in sizes:
+        groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
+        runs = {name: [] for name in fns}
+        pooled = {name: DecodeStats() for name in fns}
+        for rep in range(cfg.repeats):
+            totals = {name: [0, 0.0, [], 0.0, 0.0, 0] for name in fns}  # tokens, s, row taus, draft, verify, fwds
+            for i, group in enumerate(groups):
+                for name, fn in fns.items():
+                    seed = cfg.seed + 1000 * rep + i
+                    stats, dt = timed(lambda fn=fn, group=group, seed=seed: fn(group, temp, seed))
+                    t = totals[name]
+                    t[0] += stats.new_tokens
+                    t[1] += dt
+                    t[2] += [r.tau for r in stats.rows if r.accept_lengths]
+                    t[3] += stats.draft_s
+                    t[4] += stats.verify_s
+                    t[5] += stats.forwards
+                    pooled[name].pool(stats)
+            for name, (n, dt, taus, draft_s, verify_s, forwards) in totals.items():
+                runs[name].append({"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
+                                   "tau": sum(taus) / len(taus) if taus else None,
+                                   "draft_s_per_forward": draft_s / max(forwards, 1),
+                                   "verify_s_per_forward": verify_s / max(forwards, 1)})
+        out[str(b)] = summarise_batch(runs, pooled, cfg.gamma, drafted_by_chain=bool(cfg.draft and not cfg.draft_tree))
+    return out
+
+
+def summarise_batch(runs: dict, pooled: dict, gamma: int, drafted_by_chain: bool) -> dict:
+    """Medians over repeats; speedups over plain; the expected speedups (``theory``) from the pooled steps."""
+    def med(name, key):
+        return statistics.median(r[key] for r in runs[name])
+
+    plain_tps, plain_step = med("plain", "tokens_per_s"), med("plain", "verify_s_per_forward")
+    out = {}
+    for name, rs in runs.items():
+        taus = [r["tau"] for r in rs if r["tau"] is not None]
+        per_depth = rates(pooled[name])
+        draft_s, verify_s = med(name, "draft_s_per_forward"), med(name, "verify_s_per_forward")
+        row = {"tokens_per_s": med(name, "tokens_per_s"), "speedup_vs_plain": med(name, "tokens_per_s") / plain_tps,
+               "tau": statistics.median(taus) if taus else None, "acceptance_per_depth": per_depth,
+               "draft_s_per_forward": draft_s, "verify_s_per_forward": verify_s,
+               "expected_speedup": tree_speedup(per_depth, draft_s, verify_s, plain_step), "repeats": rs}
+        alpha = pooled_alpha(pooled[name])
+        if name == "ours" and drafted_by_chain and alpha is not None:
+            c = draft_s / gamma / plain_step
+            row.update(alpha=alpha, cost_ratio_c=c, expected_speedup_leviathan=leviathan_speedup(alpha, gamma, c))
+        out[name] = row
+    return out
+
+
+def _load() -> list[float] | None:
+    try:
+        with open("/proc/loadavg") as fh:
+            return [float(x) for x in fh.read().split()[:3]]
+    except OSError:
+        return None
+
+
+def write_batch(report: dict, out_dir: str) -> Path:
+    """The report as ``<target>-<drafter>-<dataset>-batch.json`` and its PNG beside it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = report["config"]
+    stem = "-".join(Path(str(x)).name for x in (c["target"], c["head"] or c["draft"] or "plain", c["dataset"]))
+    path = write_text(out / f"{stem}-batch.json", json.dumps(report, indent=1))
+    plot_batch(report, path.with_suffix(".png"))
+    return path
+
+
+def batch_table(report: dict) -> str:
+    lines = ["| T | B | method | tokens/s | speedup vs plain | τ | expected speedup |", "|---|---|---|---|---|---|---|"]
+    for temp, per_b in report["results"].items():
+        for b, res in per_b.items():
+            for name, r in res.items():
+                tau = f"{r['tau']:.2f}" if r["tau"] else ""
+                exp = f"{r['expected_speedup']:.2f}x"
+                if "expected_speedup_leviathan" in r:
+                    exp += f" (Leviathan {r['expected_speedup_leviathan']:.2f}x, α {r['alpha']:.2f}, c {r['cost_ratio_c']:.2f})"
+                lines.append(f"| {temp} | {b} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | {tau} "
+                             f"| {exp} |")
+    mem = report["memory"]
+    for what, m in mem.items():
+        if m:
+            lines.append(f"\n{what}: {m.get('name') or m.get('kind')}: {m['parameters'] / 1e6:.1f}M parameters, "
+                         f"{m['bytes'] / 2**20:.0f} MiB, KV {m['kv_bytes_per_token'] / 1024:.1f} KiB per token")
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""`eaglekit bench batch_sizes=[...]` on tiny saved models (seconds): per batch size, every method's tokens,
+τ, speedup and expected speedup, the memory block and the PNG; and the formulas of bench.theory."""
+import json
+
+import pytest
+from test_decode_bench_plots import PNG_MAGIC, saved  # noqa: F401 (the fixture)
+
+from eaglekit.bench import theory
+from eaglekit.cli import main
+from eaglekit.decode.stats import DecodeStats
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+
+
+def batch_bench(tmp_path, *overrides, sizes="[1,2,4]"):
+    assert main(["bench", "max_new_tokens=8", "prompts=4", "repeats=1", "temperatures=[0.0]", f"out={tmp_path}",
+                 f"batch_sizes={sizes}", *overrides]) == 0
+    (path,) = tmp_path.glob("*-batch.json")
+    return path, json.loads(path.read_text())
+
+
+def test_decode_bench_batch_self_draft_every_size(saved, tmp_path):  # noqa: F811
+    """The target drafting for itself: at every batch size every draft is accepted (τ = γ + 1 but for the
+    last step, α = 1), the same tokens as plain, and Leviathan's formula with α = 1 is (γ+1)/(γc+1)."""
+    target_dir, _ = saved
+    path, rep = batch_bench(tmp_path, f"target={target_dir}", f"draft={target_dir}", "gamma=3", "lookup_tokens=3")
+    per_b = rep["results"]["0.0"]
+    assert list(per_b) == ["1", "2", "4"] and rep["mode"] == "batch"
+    for b, res in per_b.items():
+        assert set(res) == {"plain", "ours", "lookup"}, b
+        plain, ours = res["plain"], res["ours"]
+        assert plain["repeats"][0]["tokens"] == ours["repeats"][0]["tokens"] == 4 * 8  # no EOS in 8 tokens here
+        assert ours["acceptance_per_depth"] == [1.0, 1.0, 1.0] and ours["alpha"] == 1.0
+        assert ours["tau"] > 3, (b, ours["tau"])
+        c = ours["cost_ratio_c"]
+        assert ours["expected_speedup_leviathan"] == pytest.approx(4 / (3 * c + 1))
+        assert ours["expected_speedup"] == pytest.approx(4 * plain["verify_s_per_forward"] /
+                                                         (ours["draft_s_per_forward"] + ours["verify_s_per_forward"]))
+        assert plain["speedup_vs_plain"] == 1.0 and plain["tau"] == 1.0
+    mem = rep["memory"]
+    assert mem["drafter"]["parameters"] == mem["target"]["parameters"] > 0
+    assert mem["target"]["kv_bytes_per_token"] == 2 * 3 * 2 * 8 * 4  # 3 layers, 2 KV heads of 8, fp32
+    assert path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_decode_bench_batch_head_auto_plans_per_size(saved, tmp_path):  # noqa: F811
+    """A head: "ours" drafts at every size, "auto" is planned per size (a plan recorded for each)."""
+    target_dir, head_dir = saved
+    _, rep = batch_bench(tmp_path, f"target={target_dir}", f"head={head_dir}", sizes="[1,2]")
+    assert set(rep["auto_plans"]) == {"1", "2"}
+    for b, res in rep["results"]["0.0"].items():
+        assert set(res) == {"plain", "ours", "auto"}
+        assert res["ours"]["repeats"][0]["tokens"] == res["plain"]["repeats"][0]["tokens"]
+        assert "expected_speedup_leviathan" not in res["ours"]  # a tree, not a chain
+    head = rep["memory"]["drafter"]
+    assert head["kind"] == "eagle3" and 0 < head["parameters"] < rep["memory"]["target"]["parameters"]
+
+
+def test_decode_bench_batch_theory_formulas():
+    assert theory.leviathan_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.2))
+    assert theory.leviathan_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
+    assert theory.leviathan_speedup(1.0, 4, 0.0) == 5.0
+    assert theory.expected_tokens([0.5, 0.5, None, 0.9]) == 1.75
+    assert theory.tree_speedup([0.5], 0.01, 0.05, 0.04) == pytest.approx(1.5 * 0.04 / 0.06)
+    # steps accepting 0 of 2, 2 of 3, 3 of 3 and 0 of 1 drafted depths: a rejection is a tried depth too
+    s = DecodeStats(path_lengths=[1, 3, 4, 1], tree_depths=[2, 3, 3, 1])
+    assert theory.pooled_alpha(s) == pytest.approx((0 + 2 + 3 + 0) / (1 + 3 + 3 + 1))
+    assert theory.pooled_alpha(DecodeStats(path_lengths=[1], tree_depths=[0])) is None
