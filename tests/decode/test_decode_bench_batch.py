@@ -48,7 +48,7 @@ def test_decode_bench_batch_head_auto_plans_per_size(saved, tmp_path):  # noqa: 
     target_dir, head_dir = saved
     _, rep = batch_bench(tmp_path, f"target={target_dir}", f"head={head_dir}", sizes="[1,2]")
     assert set(rep["auto_plans"]) == {"1", "2"}
-    for b, res in rep["results"]["0.0"].items():
+    for res in rep["results"]["0.0"].values():
         assert set(res) == {"plain", "ours", "auto"}
         assert res["ours"]["repeats"][0]["tokens"] == res["plain"]["repeats"][0]["tokens"]
         assert "expected_speedup_leviathan" not in res["ours"]  # a tree, not a chain
