@@ -1,0 +1,63 @@
+"""`eaglekit demo`'s decode phase: one MT-bench question per category, a compact table, every output
+compared with plain decoding; its training launch passes what accelerate would otherwise warn about.
+Tiny random models, seconds."""
+import pytest
+import torch
+from helpers import tiny_target
+
+from eaglekit import assets, demo
+from eaglekit.decode import TreeSpec
+from eaglekit.heads import HeadConfig, build_head
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+
+
+def mt_bench_categories():
+    return list(dict.fromkeys(q["category"] for q in assets.load_mt_bench()))
+
+
+def test_demo_questions_one_per_category():
+    cats = mt_bench_categories()
+    assert len(cats) == 8
+    picked = demo.demo_questions(8)
+    assert [c for c, _ in picked] == cats  # not the first 8 questions, which are all "writing"
+    firsts = {c: next(q["turns"][0] for q in assets.load_mt_bench() if q["category"] == c) for c in cats}
+    assert all(text == firsts[c] for c, text in picked)
+
+
+def test_demo_decode_side_by_side_table():
+    target = tiny_target(layers=3, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    head = build_head(HeadConfig.from_target(target, kind="eagle3", aux_layer_ids=[0, 1, 2]), target)
+    questions = demo.demo_questions(2)
+    result = demo.decode_side_by_side(target, head, questions, max_new_tokens=6, tree=TreeSpec(2, 2, 4),
+                                      lookup=(2, 5, 10))
+    assert [r["category"] for r in result["rows"]] == [c for c, _ in questions]
+    assert all(r["identical"] and r["identical_lookup"] for r in result["rows"])
+    assert result["all_identical"] and result["questions"] == 2
+    table = demo.results_table(result, width=20).splitlines()
+    assert len(table) == 4  # header, 2 questions, totals
+    assert table[0].split()[:3] == ["question", "category", "τ"] and "identical" in table[0]
+    assert table[1].startswith(questions[0][1][:19] + "…") and " yes" in table[1]
+    assert table[-1].startswith("all 2") and table[-1].endswith("2/2")
+    assert f"{result['speedup']:.2f}x" in table[-1] and f"{result['tau_mean_lookup']:.2f}" in table[-1]
+
+
+def test_demo_results_table_marks_a_differing_output():
+    row = {"question": "q", "category": "math", "tau": 1.5, "plain_s": 2.0, "eagle_s": 1.0, "identical": True}
+    result = {"questions": 2, "tau_mean": 1.5, "speedup": 2.0,
+              "rows": [row, {**row, "category": "coding", "identical": False}]}
+    lines = demo.results_table(result).splitlines()
+    assert lines[1].endswith("yes") and lines[2].endswith("NO") and lines[-1].endswith("1/2")
+    assert "2.00x" in lines[1] and "+lookup" not in lines[0]
+
+
+def test_demo_train_launch_passes_accelerate_defaults(monkeypatch, tmp_path):
+    """accelerate prints a 'values were not passed' block for every one of these left to its defaults."""
+    seen = []
+    monkeypatch.setattr(demo, "_run", seen.append)
+    demo.train(tmp_path, tmp_path / "data", "cfg.yaml", 1)
+    (cmd,) = seen
+    launch = cmd[:cmd.index(str(demo.ROOT / "train_head.py"))]
+    for flag in ("--num_processes", "--num_machines", "--mixed_precision", "--dynamo_backend"):
+        assert flag in launch and not launch[launch.index(flag) + 1].startswith("--"), flag
