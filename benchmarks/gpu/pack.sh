@@ -16,9 +16,11 @@ cp "$("$PY" -c "from eaglekit import assets; print(assets.asset_file('mt-bench')
 "$PY" - <<'PYEOF'
 import gzip, json
 from eaglekit import assets
+from eaglekit.data_prep.conversations import normalise_messages
 back = {"user": "human", "assistant": "gpt", "system": "system"}
-sub = [{"id": c["id"], "conversations": [{"from": back[m["role"]], "value": m["content"]} for m in c["messages"][:2]]}
-       for c in assets.load_sharegpt()[:8000]]
+sub = [{"id": c.get("id"), "conversations": [{"from": back[m["role"]], "value": m["content"]}
+                                             for m in normalise_messages(c.get("conversations", []))[:2]]}
+       for c in assets.sharegpt_items()[:8000]]
 with gzip.open(".dev/b/sharegpt.json.gz", "wt") as fh:
     json.dump(sub, fh)
 PYEOF
