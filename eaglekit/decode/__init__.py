@@ -3,16 +3,18 @@ or plain decoding; one loop for every drafter.
 
 ``decode.generate(target, drafter, input_ids, ...)`` with ``drafter`` an EAGLE head, another Target
 sharing the tokenizer (a chain of ``gamma`` tokens; ``ModelTreeDrafter`` for a tree), any ``Drafter``,
-or None; ``prompt_lookup=N`` grafts a prompt-lookup branch onto the tree (``LookupDrafter``).
+or None; ``prompt_lookup=N`` grafts a prompt-lookup branch onto the tree (``LookupDrafter``). A list of
+prompts (or [B, T] with ``attention_mask``) decodes as a batch, each row exactly as it would alone.
 Modules, each importing only modules on the lines below it:
 
     cli                     eaglekit generate (the bench is eaglekit.bench, beside it)
-    generate                the public call: plan.make_drafter, then loop.run
-    plan                    which drafter: make_drafter, tree="auto" (Plan), the CLIs' option helpers
+    generate                the public call: plan.make_drafter, then loop.run (a batch: batch.run_batch)
+    plan, batch             which drafter: make_drafter, tree="auto" (Plan), the CLIs' option helpers;
+                            the batch loop (BatchDecoder: rows in one target forward, a drafter per row)
     cost, loop, lookup      measured costs; the loop (Decoder.step); the prompt-lookup wrapper
     drafters                Drafter protocol: PlainDrafter, ModelDrafter (chain), TreeDrafter
     proposers, verify       HeadProposer / ModelProposer; verify forward and the acceptance walk
-    tree, kv, sampling, stats   Tree + EAGLE-2 expand; KV keep; Sampling + rules; DecodeStats
+    tree, kv, sampling, stats   Tree + EAGLE-2 expand; KV keep; Sampling + rules; DecodeStats, BatchStats
 """
 from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelTreeDrafter, PlainDrafter, TreeDrafter
 from eaglekit.decode.generate import generate
@@ -20,10 +22,11 @@ from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput
 from eaglekit.decode.plan import Plan, auto_plan, make_drafter
 from eaglekit.decode.sampling import Sampling
-from eaglekit.decode.stats import DecodeStats
+from eaglekit.decode.stats import BatchStats, DecodeStats
 from eaglekit.decode.tree import Tree, TreeSpec
 
 __all__ = [
+           "BatchStats",
            "DecodeStats",
            "Drafter",
            "EagleDrafter",
