@@ -51,12 +51,20 @@ def add_arguments(p):
                         "match of 1, 2, 3 tokens (default 2,5,10, the measured best; 0: off)")
 
 
+class StepFailed(RuntimeError):
+    """A step's command failed; its own error is printed above it."""
+
+
 def _run(cmd: list[str]) -> None:
     print(f"\n$ {shlex.join(cmd)}", flush=True)
-    # one progress bar per phase: ours, not transformers' per model load (HF_HUB_DISABLE_PROGRESS_BARS)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    # one progress bar per phase: ours, not transformers' per model load (HF_HUB_DISABLE_PROGRESS_BARS);
+    # the training step runs on the CPU (accelerate launch --cpu): DeepSpeed need not guess, nor say so
+    env = {"DS_ACCELERATOR": "cpu", **os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    code = subprocess.run(cmd, check=False, env=env, cwd=ROOT).returncode  # a failure: StepFailed below
+    if code:
+        how = f"exit status {code}" if code > 0 else f"signal {-code}"
+        raise StepFailed(f"the command above failed ({how}); running the demo again resumes where it stopped")
 
 
 def prepare(run_dir: Path, n: int, regen_tokens: int, draft_vocab: int) -> Path:

@@ -61,3 +61,14 @@ def test_demo_train_launch_passes_accelerate_defaults(monkeypatch, tmp_path):
     launch = cmd[:cmd.index(str(demo.ROOT / "train_head.py"))]
     for flag in ("--num_processes", "--num_machines", "--mixed_precision", "--dynamo_backend"):
         assert flag in launch and not launch[launch.index(flag) + 1].startswith("--"), flag
+
+
+def test_demo_failed_step_is_one_error_line(capsys):
+    """A step that fails stops the demo with one line naming how (not as an unexpected error)."""
+    import sys
+
+    from eaglekit.cli import error_line
+
+    with pytest.raises(demo.StepFailed, match="exit status 3") as e:
+        demo._run([sys.executable, "-c", "raise SystemExit(3)"])
+    assert error_line(e.value).startswith("eaglekit: error: the command above failed (exit status 3)")
