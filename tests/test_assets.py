@@ -69,7 +69,7 @@ def test_sharegpt_recovery():
 
     assert len(assets.sharegpt_items()) == 17671  # every whole object of the truncated file
     convs = load_sharegpt()
-    assert len(convs) == 17293 and len(convs.skipped) == 378  # validated as README says
+    assert len(convs) == 17293 and len(convs.skipped) == 378  # validated as docs/setup.md says
     roles = {m["role"] for c in convs for m in c["messages"]}
     assert roles <= {"user", "assistant", "system"}
     assert convs[0]["messages"][0]["role"] == "user"
