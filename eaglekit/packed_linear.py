@@ -13,6 +13,7 @@ that need autograd (training) run aten's linear on the live weight. ``unpack_lin
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -30,6 +31,19 @@ def available() -> bool:
         hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
 
 
+@functools.cache
+def dtype_supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU packs ``dtype``: oneDNN's bf16 path needs avx512 (bw/vl/dq) or avx_ne_convert, so
+    a bf16 model on an older x86 CPU keeps aten's linear instead of failing. Probed once per dtype."""
+    if dtype not in PACKED_DTYPES or not available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), ROWS_HINT)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     needs_grad = torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)
     if needs_grad or x.dtype != self.weight.dtype or x.device.type != "cpu":
@@ -40,12 +54,13 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _packable(m: nn.Module) -> bool:
     w = getattr(m, "weight", None)
     return (isinstance(m, nn.Linear) and w is not None and w.device.type == "cpu"
-            and w.dtype in PACKED_DTYPES and not hasattr(m, "_eaglekit_packed"))
+            and dtype_supported(w.dtype) and not hasattr(m, "_eaglekit_packed"))
 
 
 def pack_linears(module: nn.Module, rows_hint: int = ROWS_HINT) -> int:
     """Give every CPU fp32/bf16 ``nn.Linear`` in ``module`` a packed copy of its weight and a forward
-    that uses it. Returns how many linears are packed now (0 where oneDNN is missing or off-CPU)."""
+    that uses it. Returns how many linears are packed now (0 where oneDNN is missing or off-CPU; a dtype
+    this CPU cannot pack keeps aten's linear)."""
     if not available():
         return 0
     with torch.no_grad():
