@@ -173,7 +173,7 @@ def decode_phase(head_dir: Path, questions: int, max_new_tokens: int, tree, look
     first = result["rows"][0]
     print(f"\n{results_table(result)}\n\nOne answer ({first['category']}; identical to plain decoding: "
           f"{'yes' if first['identical'] else 'NO'}):\n  Q: {_clip(first['question'], 300)}\n"
-          f"  A: {first['answer']}")
+          "  A: " + first["answer"].replace("\n", "\n     "))
     return result
 
 
