@@ -8,7 +8,8 @@
    that every output is token-identical to plain decoding (lossless).
 
 Every step is the same command a user would type (printed before it runs) and resumes: a second run
-reuses the regenerated data and the trained head and only decodes again. The head is left in
+reuses the regenerated data and the trained head (training is skipped once ``metrics.json`` and
+``final/`` exist) and only decodes again. The head is left in
 ``<run_dir>/head/final``, ready for ``eaglekit export`` / ``eaglekit push``.
 """
 from __future__ import annotations
@@ -77,10 +78,16 @@ def prepare(run_dir: Path, n: int, regen_tokens: int, draft_vocab: int) -> Path:
 
 
 def train(run_dir: Path, data: Path, config: str, epochs: int) -> Path:
+    """Train the head (``accelerate launch train_head.py``) unless an earlier run finished it: a rerun of
+    the trainer would continue from its last checkpoint and train the last steps again."""
     head = run_dir / "head"
+    if (head / "metrics.json").is_file() and (head / "final" / "model.safetensors").is_file():  # written last
+        print(f"\nthe head in {head / 'final'} is trained (delete {head} to train it again)", flush=True)
+        return head / "final"
     accelerate = Path(sys.executable).with_name("accelerate")
     _run([str(accelerate), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train_head.py"), "--config", config,
+          "--num_cpu_threads_per_process", str(torch.get_num_threads()), "--mixed_precision", "no",
+          "--dynamo_backend", "no", str(ROOT / "train_head.py"), "--config", config,
           f"data.conversations={data / 'regenerated.jsonl'}", f"data.draft_vocab={data / 'draft_vocab.safetensors'}",
           "data.num_conversations=0", f"optim.epochs={epochs}", f"output_dir={head}"])
     return head / "final"

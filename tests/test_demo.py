@@ -59,8 +59,21 @@ def test_demo_train_launch_passes_accelerate_defaults(monkeypatch, tmp_path):
     demo.train(tmp_path, tmp_path / "data", "cfg.yaml", 1)
     (cmd,) = seen
     launch = cmd[:cmd.index(str(demo.ROOT / "train_head.py"))]
-    for flag in ("--num_processes", "--num_machines", "--mixed_precision", "--dynamo_backend"):
+    for flag in ("--num_processes", "--num_machines", "--num_cpu_threads_per_process", "--mixed_precision",
+                 "--dynamo_backend"):
         assert flag in launch and not launch[launch.index(flag) + 1].startswith("--"), flag
+
+
+def test_demo_train_skipped_once_the_head_is_trained(monkeypatch, tmp_path):
+    """A rerun does not train the last steps again from the last checkpoint once the run has finished."""
+    seen = []
+    monkeypatch.setattr(demo, "_run", seen.append)
+    final = tmp_path / "head" / "final"
+    final.mkdir(parents=True)
+    (final / "model.safetensors").write_bytes(b"x")
+    assert demo.train(tmp_path, tmp_path / "data", "cfg.yaml", 1) == final and len(seen) == 1  # not finished
+    (tmp_path / "head" / "metrics.json").write_text("{}")  # written after final/
+    assert demo.train(tmp_path, tmp_path / "data", "cfg.yaml", 1) == final and len(seen) == 1
 
 
 def test_demo_failed_step_is_one_error_line(capsys):
