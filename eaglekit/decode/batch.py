@@ -11,8 +11,10 @@ shorter row's length hold stale entries its masks never read. A finished row lea
 (``kv.select_rows``; no forward is spent on it) and the leading pad slots all remaining rows share are
 cut off then.
 
-Drafting is per row: each row's drafter (``Drafter.fork``) drafts alone, e.g. one head step per row and
-level, and reads its row of the verify forward (``row_output``). Only the target forward is batched.
+Drafting is per row: each row's drafter (``Drafter.fork``) drafts its own tree and reads its row of the
+verify forward (``row_output``). For an EAGLE head the first head forward of each draft (the accepted
+tokens' catch-up, all of drafting for a depth-1 tree) runs for all rows at once
+(``drafters.catch_up_rows``); the deeper levels of the tree run row by row.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import fields, replace
 import torch
 
 from eaglekit.decode import kv
+from eaglekit.decode.drafters import catch_up_rows
 from eaglekit.decode.loop import GenerateOutput, Step, finish
 from eaglekit.decode.sampling import Sampling, sample
 from eaglekit.decode.stats import BatchStats, DecodeStats
@@ -117,6 +120,7 @@ class BatchDecoder:
         """Each row drafts, one verify forward for all, each row accepts, keeps and commits. Returns the
         rows' ``Step`` and the batch's seconds drafting and verifying (verify, acceptance, keep, commits)."""
         clock = Stopwatch(self.target.device)
+        catch_up_rows(self.drafters)  # heads: every row's accepted tokens in one head forward
         trees = [d.draft(m) for d, m in zip(self.drafters, max_depths)]
         draft_s = clock.lap()
         out, past = verify_batch(self.target, self.cache, roots, trees, self.starts, self.lengths, self)

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from eaglekit.decode import kv
-from eaglekit.decode.proposers import HeadProposer, ModelProposer, check_same_tokenizer
+from eaglekit.decode.proposers import HeadProposer, ModelProposer, catch_up_together, check_same_tokenizer
 from eaglekit.decode.sampling import Sampling, sample
 from eaglekit.decode.tree import Tree, TreeSpec, expand
 
@@ -175,3 +175,12 @@ class ModelTreeDrafter(TreeDrafter):
 
     def __init__(self, target, draft, spec: TreeSpec):
         super().__init__(ModelProposer(target, draft), spec)
+
+
+def catch_up_rows(drafters: list) -> None:
+    """A batch's rows drafting with one EAGLE head (``TreeDrafter``s, bare or under a ``LookupDrafter``):
+    run their pending elements through one head forward (``proposers.catch_up_together``) instead of one
+    per row. Other drafters, or rows of different heads, catch up alone in their own ``draft``."""
+    found = [getattr(getattr(d, "inner", d), "proposer", None) for d in drafters]
+    if len(found) > 1 and all(isinstance(p, HeadProposer) and p.head is found[0].head for p in found):
+        catch_up_together(found)

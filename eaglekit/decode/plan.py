@@ -89,8 +89,10 @@ def make_drafter(target, drafter, sampling: Sampling | None = None, generator: t
 def make_row_drafters(target, drafter, rows: int, sampling: Sampling | None = None,
                       generator: torch.Generator | None = None, tree=None, gamma: int = 4,
                       prompt_lookup=0) -> list[Drafter]:
-    """One drafter per row of a batch of ``rows`` prompts: ``make_drafter``'s, then ``fork()`` copies of it
-    (one model, a state per row); ``drafter`` may also be a list with one drafter (or head, ...) per row."""
+    """One drafter per row of a batch of ``rows`` prompts: ``make_drafter``'s (a ``Drafter`` given serves
+    row 0, its counters count row 0's steps), then ``fork()`` copies of it (one model, a state per row);
+    ``drafter`` may also be a list with one drafter (or head, ...) per row. ``tree="auto"`` with a head:
+    the plan for this batch size, plain decoding where no tree pays."""
     if isinstance(drafter, (list, tuple)):
         if len(drafter) != rows:
             raise ValueError(f"{len(drafter)} drafters for a batch of {rows} prompts: give one per prompt")

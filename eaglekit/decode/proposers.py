@@ -56,7 +56,7 @@ class HeadProposer:
         return copy.copy(self)  # start() replaces the per-sequence state a copy shares
 
     def start(self, prompt, out, root: int) -> None:
-        self.cache = HeadCache()
+        self.cache, self.caught = HeadCache(), None
         self.pending = (torch.tensor(prompt[0, 1:].tolist() + [root], device=self.device),
                         self._features(out, torch.arange(prompt.shape[1])))
 
@@ -64,6 +64,9 @@ class HeadProposer:
         self.pending = torch.tensor(tokens, device=self.device), self._features(out, rows)
 
     def catch_up(self):
+        if self.caught is not None:  # already run, with other rows (catch_up_together)
+            out, self.caught = self.caught, None
+            return out
         ids, g = self.pending
         pos = torch.arange(self.length, self.length + len(ids), device=self.device)
         hidden, logits = self.head.step(ids[None], g[None], pos[None], cache=self.cache)
@@ -81,6 +84,47 @@ class HeadProposer:
 
     def crop(self, n: int) -> None:
         self.cache.crop(n)
+
+
+@torch.no_grad()
+def catch_up_together(proposers: list[HeadProposer]) -> None:
+    """Run several rows' pending elements through one head forward (rows of one head): each row's cache
+    left-padded to the longest and its pending elements right-padded, under a mask that lets row b see only
+    its own cache and elements. Each row then gets its new cache entries, and its next ``catch_up`` returns
+    the output it would have computed alone (up to float rounding: the sums run over padded lengths)."""
+    head, first = proposers[0].head, proposers[0]
+    cfg, dev, dtype = head.config, first.device, first.dtype
+    lengths, counts = [p.length for p in proposers], [len(p.pending[0]) for p in proposers]
+    T, P, B = max(lengths), max(counts), len(proposers)
+    ids = torch.zeros(B, P, dtype=torch.long, device=dev)
+    g = torch.zeros(B, P, cfg.hidden_size, dtype=dtype, device=dev)
+    pos = torch.zeros(B, P, dtype=torch.long)
+    allowed = torch.zeros(B, P, T + P, dtype=torch.bool)
+    allowed[:, :, T:] = torch.eye(P, dtype=torch.bool)  # a padding element sees itself only
+    for b, (p, length, n) in enumerate(zip(proposers, lengths, counts)):
+        ids[b, :n], g[b, :n] = p.pending[0], p.pending[1]
+        pos[b] = length + torch.arange(P).clamp_max(max(n - 1, 0))
+        allowed[b, :n, T - length:T] = True
+        allowed[b, :n, T:T + n] = torch.ones(n, n, dtype=torch.bool).tril()
+    cache = HeadCache()
+    for layer in range(cfg.num_layers):
+        for name in ("keys", "values"):
+            rows = [_left_pad(getattr(p.cache, name), layer, T, cfg, dtype, dev) for p in proposers]
+            getattr(cache, name).append(torch.cat(rows) if T else None)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    hidden, logits = head.step(ids, g, pos.to(dev), cache=cache, attn_mask=mask[:, None].to(dev))
+    for b, (p, n) in enumerate(zip(proposers, counts)):
+        for layer in range(cfg.num_layers):
+            p.cache.update(layer, cache.keys[layer][b:b + 1, :, T:T + n], cache.values[layer][b:b + 1, :, T:T + n])
+        p.caught = hidden[b, n - 1], logits[b, n - 1]
+
+
+def _left_pad(tensors: list, layer: int, width: int, cfg, dtype, dev) -> torch.Tensor | None:
+    """A row's cached [1, kv_heads, L, head_dim] for ``layer``, zero-padded on the left to ``width``."""
+    t = tensors[layer] if layer < len(tensors) else None
+    have = 0 if t is None else t.shape[2]
+    pad = torch.zeros(1, cfg.num_key_value_heads, width - have, cfg.head_dim, dtype=dtype, device=dev)
+    return pad if t is None else torch.cat([pad, t], dim=2)
 
 
 # draft tokenizer -> target tokenizers it was found equal to: ``get_vocab()`` on two large vocabularies is a

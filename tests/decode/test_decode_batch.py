@@ -255,3 +255,46 @@ def test_decode_batch_row_output_cuts_a_row():
     r = batch.row_output(o, 1, 2, 5)
     assert r.last.tolist() == [o.last[1, 2:5].tolist()] and r.logits.tolist() == [[[3.0, 4.0, 5.0]]]
     assert r.taps is None and batch.row_output(o, 0, 0, 2).logits.shape == (1, 0, 3)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_decode_batch_head_catch_up_together_equals_alone(kind):
+    """Rows of one head caught up in one forward (caches of different lengths, empty ones included, and
+    different numbers of pending tokens) get the output and cache entries each would compute alone."""
+    from eaglekit.decode.proposers import catch_up_together
+
+    t = tiny_target(vocab_size=64, layers=3)
+    head = tiny_head(t, kind, 48)
+    together = [decode.EagleDrafter(t, head, TreeSpec(**TREE)).proposer for _ in PROMPTS]
+    alone = [decode.EagleDrafter(t, head, TreeSpec(**TREE)).proposer for _ in PROMPTS]
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        for b, p in enumerate(PROMPTS):
+            if step == 0:  # the prefill's pending elements: a whole prompt, an empty cache
+                ids = torch.tensor([p])
+                out = t.forward(ids, kind=kind, layer_ids=together[b].layer_ids)
+                together[b].start(ids, out, 5 + b)
+                alone[b].start(ids, out, 5 + b)
+            else:  # accepted tokens with some features: 1 to 4 of them
+                n = 1 + b
+                pending = (torch.randint(7, 64, (n,), generator=g), torch.randn(n, 32, generator=g))
+                together[b].pending = alone[b].pending = pending
+        catch_up_together(together)
+        for a, b in zip(together, alone):
+            for x, y in zip(a.catch_up(), b.catch_up()):
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+            assert a.length == b.length
+            for x, y in zip(a.cache.keys + a.cache.values, b.cache.keys + b.cache.values):
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    assert len({p.length for p in together}) >= 3  # ragged caches were exercised
+
+
+def test_decode_batch_head_drafts_one_catch_up_forward_per_step(monkeypatch):
+    """A depth-1 head tree in a batch: one head forward per verify step for all rows, not one per row."""
+    t = tiny_target(vocab_size=64, layers=3)
+    head = tiny_head(t, "eagle3", 48)
+    calls = []
+    step = type(head).step
+    monkeypatch.setattr(type(head), "step", lambda self, *a, **kw: calls.append(a[0].shape[0]) or step(self, *a, **kw))
+    out = decode.generate(t, head, PROMPTS, 10, eos_token_id=False, tree={"depth": 1, "top_k": 3, "total_tokens": 3})
+    assert len(calls) == out.stats.forwards and calls[0] == len(PROMPTS)
