@@ -1,14 +1,17 @@
 """``eaglekit bench batch_sizes=[1,2,4,8,16]``: plain batched decoding vs drafting, per batch size.
 
-The same prompts at every batch size B, decoded in consecutive groups of B (B = 1: one at a time, through
-the one-sequence loop), methods interleaved per group so machine drift hits all alike: ``plain`` (our
+The same prompts at every batch size B, sorted by length (less padding in a group) and decoded in
+consecutive groups of B (B = 1: one at a time, through the one-sequence loop), methods interleaved per
+group so machine drift hits all alike: ``plain`` (our
 batched loop, no drafter: the baseline at that B), ``ours`` (the head's or draft model's drafts, always
 drafting: a head drafts the tree ``tree=`` names, "auto" meaning the one-row plan's), ``auto`` (a head
 with ``tree="auto"`` planned for that B: plain decoding where no tree is expected to pay) and, with
 ``lookup_tokens``, ``lookup`` (prompt lookup alone). Per (temperature, B, method): tokens/s (median over
-repeats of the total over the prompts), the speedup over plain at that B, τ (mean over rows), and the
-speedup expected from the measured acceptance per depth and step costs (``theory``; Leviathan's formula
-too for a draft model's chain). The report also gives the drafter's memory beside the target's.
+repeats of the total over the prompts; end to end, and of the decode phase alone: the prefill, which a
+batch pads and which drafting does not speed up, left out), the speedup over plain at that B, τ (mean
+over rows), and the speedup expected from the measured acceptance per depth and step costs (``theory``;
+Leviathan's formula too for a draft model's chain), to set beside the decode-phase speedup. The report
+also gives the drafter's memory beside the target's.
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def run_batch_bench(cfg) -> dict:
     if sizes[0] < 1:
         raise ValueError(f"batch_sizes must be >= 1, got {cfg.batch_sizes}")
     questions = load_questions(cfg.dataset, max(cfg.prompts, sizes[-1]), cfg.prompt_order)
-    prompts = [target.chat_ids(text)[0] for _, text in questions]
+    prompts = sorted((target.chat_ids(text)[0] for _, text in questions), key=len)
     fns = batch_methods(cfg, target, drafter, tree)
     plans = {}
     for b in sizes:  # warm-up at every shape (and tree="auto"'s plan per batch size, measured here)
@@ -90,7 +93,8 @@ def bench_batch_temperature(cfg, fns: dict, prompts: list, sizes: list[int], tem
         runs = {name: [] for name in fns}
         pooled = {name: DecodeStats() for name in fns}
         for rep in range(cfg.repeats):
-            totals = {name: [0, 0.0, [], 0.0, 0.0, 0] for name in fns}  # tokens, s, row taus, draft, verify, fwds
+            # tokens, s, row taus, draft s, verify s, forwards, decode-phase tokens and s
+            totals = {name: [0, 0.0, [], 0.0, 0.0, 0, 0, 0.0] for name in fns}
             for i, group in enumerate(groups):
                 for name, fn in fns.items():
                     seed = cfg.seed + 1000 * rep + i
@@ -102,9 +106,12 @@ def bench_batch_temperature(cfg, fns: dict, prompts: list, sizes: list[int], tem
                     t[3] += stats.draft_s
                     t[4] += stats.verify_s
                     t[5] += stats.forwards
+                    t[6] += stats.new_tokens - len(group)  # the prefill emits each row's first token
+                    t[7] += stats.total_s - stats.prefill_s
                     pooled[name].pool(stats)
-            for name, (n, dt, taus, draft_s, verify_s, forwards) in totals.items():
+            for name, (n, dt, taus, draft_s, verify_s, forwards, dn, ds) in totals.items():
                 runs[name].append({"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
+                                   "decode_tokens_per_s": dn / ds if ds else None,
                                    "tau": sum(taus) / len(taus) if taus else None,
                                    "draft_s_per_forward": draft_s / max(forwards, 1),
                                    "verify_s_per_forward": verify_s / max(forwards, 1)})
@@ -118,12 +125,15 @@ def summarise_batch(runs: dict, pooled: dict, gamma: int, drafted_by_chain: bool
         return statistics.median(r[key] for r in runs[name])
 
     plain_tps, plain_step = med("plain", "tokens_per_s"), med("plain", "verify_s_per_forward")
+    plain_decode = med("plain", "decode_tokens_per_s")
     out = {}
     for name, rs in runs.items():
         taus = [r["tau"] for r in rs if r["tau"] is not None]
         per_depth = rates(pooled[name])
         draft_s, verify_s = med(name, "draft_s_per_forward"), med(name, "verify_s_per_forward")
         row = {"tokens_per_s": med(name, "tokens_per_s"), "speedup_vs_plain": med(name, "tokens_per_s") / plain_tps,
+               "decode_tokens_per_s": med(name, "decode_tokens_per_s"),
+               "decode_speedup_vs_plain": med(name, "decode_tokens_per_s") / plain_decode,
                "tau": statistics.median(taus) if taus else None, "acceptance_per_depth": per_depth,
                "draft_s_per_forward": draft_s, "verify_s_per_forward": verify_s,
                "expected_speedup": tree_speedup(per_depth, draft_s, verify_s, plain_step), "repeats": rs}
@@ -155,7 +165,8 @@ def write_batch(report: dict, out_dir: str) -> Path:
 
 
 def batch_table(report: dict) -> str:
-    lines = ["| T | B | method | tokens/s | speedup vs plain | τ | expected speedup |", "|---|---|---|---|---|---|---|"]
+    lines = ["| T | B | method | tokens/s | speedup vs plain | decode phase: tokens/s, speedup | τ | expected speedup |",
+             "|---|---|---|---|---|---|---|---|"]
     for temp, per_b in report["results"].items():
         for b, res in per_b.items():
             for name, r in res.items():
@@ -163,8 +174,8 @@ def batch_table(report: dict) -> str:
                 exp = f"{r['expected_speedup']:.2f}x"
                 if "expected_speedup_leviathan" in r:
                     exp += f" (Leviathan {r['expected_speedup_leviathan']:.2f}x, α {r['alpha']:.2f}, c {r['cost_ratio_c']:.2f})"
-                lines.append(f"| {temp} | {b} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | {tau} "
-                             f"| {exp} |")
+                lines.append(f"| {temp} | {b} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x "
+                             f"| {r['decode_tokens_per_s']:.1f}, {r['decode_speedup_vs_plain']:.2f}x | {tau} | {exp} |")
     mem = report["memory"]
     for what, m in mem.items():
         if m:
