@@ -81,7 +81,7 @@ def graft_chain(tree: Tree, chain: list[int]) -> Tree:
     if not rest:
         return tree
     n, top = len(tokens), int(tree.depths[node]) if node >= 0 else 0
-    like = dict(device=tree.tokens.device, dtype=tree.tokens.dtype)
+    like = {"device": tree.tokens.device, "dtype": tree.tokens.dtype}
     return Tree(tokens=torch.cat([tree.tokens, torch.tensor(rest, **like)]),
                 parents=torch.cat([tree.parents, torch.tensor([node] + list(range(n, n + len(rest) - 1)), **like)]),
                 depths=torch.cat([tree.depths, torch.arange(top + 1, top + 1 + len(rest), **like)]),
@@ -122,7 +122,7 @@ class LookupDrafter:
 
     def __init__(self, inner, tokens, max_ngram: int = 3, min_ngram: int = 1, inner_nodes: int | None = None):
         if isinstance(inner, ModelDrafter):
-            raise ValueError(SAMPLED)
+            raise ValueError(SAMPLED)  # noqa: TRY004 (a sampled drafter is a wrong value for a graft, as callers catch)
         self.lengths = branch_lengths(tokens, max_ngram, min_ngram)
         if inner_nodes is not None and inner_nodes < 0:
             raise ValueError(f"inner_nodes must be >= 0 or None, got {inner_nodes}")
