@@ -26,7 +26,14 @@ import torch
 from eaglekit.bench.plots import plot_batch
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates
-from eaglekit.bench.theory import drafter_memory, leviathan_speedup, model_memory, pooled_alpha, tree_speedup
+from eaglekit.bench.theory import (
+    drafter_memory,
+    leviathan_speedup,
+    model_memory,
+    pooled_alpha,
+    step_rates,
+    tree_speedup,
+)
 from eaglekit.decode import plan as planner
 from eaglekit.decode.generate import generate
 from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear, with_draft_tree
@@ -37,12 +44,12 @@ from eaglekit.timing import timed
 
 
 def batch_methods(cfg, target, drafter, tree) -> dict:
-    """name -> fn(prompts, temperature, seed) -> BatchStats (``prompts``: a list of 1-D prompts)."""
+    """name -> fn(prompts, temperature, seed) -> (BatchStats, sequences) (``prompts``: a list of 1-D prompts)."""
     def method(dr, tree=tree, lookup=0):
         def fn(prompts, temp, seed):
             out = generate(target, dr, prompts, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
                            gamma=cfg.gamma, prompt_lookup=lookup)
-            return out.stats
+            return out.stats, out.sequences
         return fn
 
     out = {"plain": method(None)}
@@ -93,12 +100,15 @@ def bench_batch_temperature(cfg, fns: dict, prompts: list, sizes: list[int], tem
         runs = {name: [] for name in fns}
         pooled = {name: DecodeStats() for name in fns}
         for rep in range(cfg.repeats):
-            # tokens, s, row taus, draft s, verify s, forwards, decode-phase tokens and s
-            totals = {name: [0, 0.0, [], 0.0, 0.0, 0, 0, 0.0] for name in fns}
+            # tokens, s, row taus, draft s, verify s, forwards, decode-phase tokens and s, rows equal to plain's
+            totals = {name: [0, 0.0, [], 0.0, 0.0, 0, 0, 0.0, 0] for name in fns}
             for i, group in enumerate(groups):
+                plain = None
                 for name, fn in fns.items():
                     seed = cfg.seed + 1000 * rep + i
-                    stats, dt = timed(lambda fn=fn, group=group, seed=seed: fn(group, temp, seed))
+                    (stats, seq), dt = timed(lambda fn=fn, group=group, seed=seed: fn(group, temp, seed))
+                    plain = seq.cpu() if name == "plain" else plain
+                    totals[name][8] += sum(torch.equal(a, b) for a, b in zip(seq.cpu(), plain))
                     t = totals[name]
                     t[0] += stats.new_tokens
                     t[1] += dt
@@ -109,8 +119,10 @@ def bench_batch_temperature(cfg, fns: dict, prompts: list, sizes: list[int], tem
                     t[6] += stats.new_tokens - len(group)  # the prefill emits each row's first token
                     t[7] += stats.total_s - stats.prefill_s
                     pooled[name].pool(stats)
-            for name, (n, dt, taus, draft_s, verify_s, forwards, dn, ds) in totals.items():
+            for name, (n, dt, taus, draft_s, verify_s, forwards, dn, ds, same) in totals.items():
                 runs[name].append({"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
+                                   # greedy: a lossless method gives plain's tokens, row for row
+                                   "identical_to_plain": f"{same}/{len(prompts)}" if temp == 0 else None,
                                    "decode_tokens_per_s": dn / ds if ds else None,
                                    "tau": sum(taus) / len(taus) if taus else None,
                                    "draft_s_per_forward": draft_s / max(forwards, 1),
@@ -129,14 +141,17 @@ def summarise_batch(runs: dict, pooled: dict, gamma: int, drafted_by_chain: bool
     out = {}
     for name, rs in runs.items():
         taus = [r["tau"] for r in rs if r["tau"] is not None]
-        per_depth = rates(pooled[name])
+        per_depth, accepted_rates = rates(pooled[name]), step_rates(pooled[name])
         draft_s, verify_s = med(name, "draft_s_per_forward"), med(name, "verify_s_per_forward")
         row = {"tokens_per_s": med(name, "tokens_per_s"), "speedup_vs_plain": med(name, "tokens_per_s") / plain_tps,
                "decode_tokens_per_s": med(name, "decode_tokens_per_s"),
                "decode_speedup_vs_plain": med(name, "decode_tokens_per_s") / plain_decode,
                "tau": statistics.median(taus) if taus else None, "acceptance_per_depth": per_depth,
+               "step_rates": accepted_rates,
                "draft_s_per_forward": draft_s, "verify_s_per_forward": verify_s,
-               "expected_speedup": tree_speedup(per_depth, draft_s, verify_s, plain_step), "repeats": rs}
+               "expected_speedup": tree_speedup(accepted_rates, draft_s, verify_s, plain_step),
+               "identical_to_plain": ", ".join(r["identical_to_plain"] for r in rs if r["identical_to_plain"]),
+               "repeats": rs}
         alpha = pooled_alpha(pooled[name])
         if name == "ours" and drafted_by_chain and alpha is not None:
             c = draft_s / gamma / plain_step
@@ -165,8 +180,9 @@ def write_batch(report: dict, out_dir: str) -> Path:
 
 
 def batch_table(report: dict) -> str:
-    lines = ["| T | B | method | tokens/s | speedup vs plain | decode phase: tokens/s, speedup | τ | expected speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+    head = ("| T | B | method | tokens/s | speedup vs plain | decode phase: tokens/s, speedup | τ | expected speedup "
+            "| same tokens as plain |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for temp, per_b in report["results"].items():
         for b, res in per_b.items():
             for name, r in res.items():
@@ -175,7 +191,8 @@ def batch_table(report: dict) -> str:
                 if "expected_speedup_leviathan" in r:
                     exp += f" (Leviathan {r['expected_speedup_leviathan']:.2f}x, α {r['alpha']:.2f}, c {r['cost_ratio_c']:.2f})"
                 lines.append(f"| {temp} | {b} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x "
-                             f"| {r['decode_tokens_per_s']:.1f}, {r['decode_speedup_vs_plain']:.2f}x | {tau} | {exp} |")
+                             f"| {r['decode_tokens_per_s']:.1f}, {r['decode_speedup_vs_plain']:.2f}x | {tau} | {exp} "
+                             f"| {r['identical_to_plain']} |")
     mem = report["memory"]
     for what, m in mem.items():
         if m:

@@ -3,9 +3,12 @@ one, and what a drafter costs in memory beside a draft model.
 
 * Chains (Leviathan et al. 2023): a draft of γ tokens, each accepted with probability α, a draft token
   costing c target forwards: speedup = (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
-* Trees: E[tokens per verify] = 1 + Σ_d Π_{j≤d} a_j from the measured acceptance a_j at each depth
-  (``DecodeStats.acceptance_per_depth``), times what a plain step costs over what a drafted step costs
-  (its drafting + its verify forward, measured).
+* Trees: E[tokens per verify] = 1 + Σ_d Π_{j≤d} a_j from the measured rate a_j at which depth j is
+  accepted once depth j-1 was (``step_rates``: a tree that does not reach depth j counts as a miss there,
+  so trees of varying depth, e.g. a lookup branch, are weighed right), times what a plain step costs over
+  what a drafted step costs (its drafting + its verify forward, measured). The product telescopes to the
+  mean accepted path, so this accounts for the measured speedup by acceptance × step costs; what is left
+  between the two is time outside drafting and verifying, and rows leaving a batch.
 """
 from __future__ import annotations
 
@@ -35,6 +38,16 @@ def tree_speedup(rates: list, draft_s: float, verify_s: float, plain_s: float) -
     """Expected speedup of a drafter accepted at ``rates`` per depth, a step drafting ``draft_s`` and
     verifying ``verify_s`` seconds, against a plain step of ``plain_s`` seconds (each per verify forward)."""
     return expected_tokens(rates) * plain_s / (draft_s + verify_s)
+
+
+def step_rates(stats) -> list[float | None]:
+    """a_d = #steps accepting >= d drafted tokens / #steps accepting >= d-1, counted on the accepted paths
+    before an EOS or stop cut (``DecodeStats.path_lengths``), whether or not the tree reached depth d."""
+    out = []
+    for d in range(1, max(stats.tree_depths, default=0) + 1):
+        alive = sum(1 for a in stats.path_lengths if a >= d)
+        out.append(sum(1 for a in stats.path_lengths if a >= d + 1) / alive if alive else None)
+    return out
 
 
 def pooled_alpha(stats) -> float | None:

@@ -31,10 +31,13 @@ def test_decode_bench_batch_self_draft_every_size(saved, tmp_path):  # noqa: F81
         plain, ours = res["plain"], res["ours"]
         assert plain["repeats"][0]["tokens"] == ours["repeats"][0]["tokens"] == 4 * 8  # no EOS in 8 tokens here
         assert ours["acceptance_per_depth"] == [1.0, 1.0, 1.0] and ours["alpha"] == 1.0
+        assert [res[m]["repeats"][0]["identical_to_plain"] for m in res] == ["4/4"] * 3
         assert ours["tau"] > 3, (b, ours["tau"])
         c = ours["cost_ratio_c"]
         assert ours["expected_speedup_leviathan"] == pytest.approx(4 / (3 * c + 1))
-        assert ours["expected_speedup"] == pytest.approx(4 * plain["verify_s_per_forward"] /
+        # each row: a step accepting all 3 drafted tokens, then one with room for 2 (8 tokens): 3.5 per step
+        assert ours["step_rates"] == [1.0, 1.0, 0.5]
+        assert ours["expected_speedup"] == pytest.approx(3.5 * plain["verify_s_per_forward"] /
                                                          (ours["draft_s_per_forward"] + ours["verify_s_per_forward"]))
         assert plain["speedup_vs_plain"] == plain["decode_speedup_vs_plain"] == 1.0 and plain["tau"] == 1.0
         rep0 = ours["repeats"][0]
@@ -68,3 +71,6 @@ def test_decode_bench_batch_theory_formulas():
     s = DecodeStats(path_lengths=[1, 3, 4, 1], tree_depths=[2, 3, 3, 1])
     assert theory.pooled_alpha(s) == pytest.approx((0 + 2 + 3 + 0) / (1 + 3 + 3 + 1))
     assert theory.pooled_alpha(DecodeStats(path_lengths=[1], tree_depths=[0])) is None
+    # a tree that stops short counts as a miss at the depths it lacks: E[tokens] is the mean accepted path
+    assert theory.step_rates(s) == [0.5, 1.0, 0.5]
+    assert theory.expected_tokens(theory.step_rates(s)) == pytest.approx((1 + 3 + 4 + 1) / 4)
