@@ -43,11 +43,14 @@ class ConversationError(ValueError):
 
 
 class Conversations(list):
-    """A list of ``{"id", "messages"}`` items plus ``.skipped``: ``["file:line: reason", ...]``."""
+    """A list of ``{"id", "messages"}`` items plus ``.skipped``: ``["file:line: reason", ...]`` and
+    ``.unanswered``: how many items had ``"messages": []`` (regeneration's placeholder for a prompt it did not
+    answer, kept so the file stays an input-order prefix; not malformed)."""
 
-    def __init__(self, items=(), skipped=None):
+    def __init__(self, items=(), skipped=None, unanswered: int = 0):
         super().__init__(items)
         self.skipped: list[str] = list(skipped or [])
+        self.unanswered = unanswered
 
 
 def normalise_messages(turns: list[dict], where: str = "") -> list[dict]:
@@ -210,8 +213,11 @@ def read_conversations(
     ``.skipped`` and summarised in one warning. ``limit`` stops after that many good items.
     """
     path = Path(path)
-    good, skipped = [], []
+    good, skipped, unanswered = [], [], 0
     for where, item in _raw_items(path, split):
+        if isinstance(item, dict) and item.get("messages") == []:
+            unanswered += 1
+            continue
         try:
             if isinstance(item, Exception):
                 raise item
@@ -226,4 +232,6 @@ def read_conversations(
             break
     if skipped:
         log.warning("%s: skipped %d malformed conversation(s), first: %s", path, len(skipped), skipped[0])
-    return Conversations(good, skipped)
+    if unanswered:
+        log.info("%s: %d conversation(s) without an answer (\"messages\": [])", path, unanswered)
+    return Conversations(good, skipped, unanswered)

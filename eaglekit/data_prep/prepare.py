@@ -132,7 +132,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             world_size=world,
         )
         convs = read_conversations(path, strict=False)
-        say(f"regenerated answers in {path} ({len(convs.skipped)} conversation(s) without an answer)")
+        say(f"regenerated answers in {path} ({convs.unanswered} conversation(s) without an answer: "
+            "a prompt over regenerate.max_prompt_tokens or an empty answer, each line's regenerate_error)")
     samples, empty = tokenize_conversations(
         target.tokenizer, convs, cfg.max_length, progress=cfg.progress and rank == 0
     )

@@ -156,3 +156,24 @@ def test_binary_file_is_named_and_refused(tmp_path):
     f.write_bytes(json.dumps(OPENAI).encode().replace(b'"q"', b'"\xe9"'))
     with pytest.raises(ConversationError, match=rf"{f}: not UTF-8 \(byte 0xe9 at offset"):
         read_conversations(f)
+
+
+def test_unanswered_placeholders_are_counted_not_called_malformed(tmp_path, caplog):
+    """regenerate writes ``"messages": []`` for a prompt it did not answer (to keep the file an input-order
+    prefix); reading the file back counts those apart and warns only about what is really malformed."""
+    import json
+    import logging
+
+    from eaglekit.data_prep import read_conversations
+
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"id": "b", "messages": [], "regenerate_error": "stopped at a turn: prompt longer than max_prompt_tokens"},
+            {"id": "c", "messages": [{"role": "user", "content": "only a question"}]}]
+    path = tmp_path / "regenerated.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.INFO):
+        convs = read_conversations(path)
+    assert [c["id"] for c in convs] == ["a"]
+    assert convs.unanswered == 1 and len(convs.skipped) == 1 and ":3:" in convs.skipped[0]
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "skipped 1 malformed" in warnings[0].getMessage()
