@@ -86,6 +86,27 @@ class Eagle3Head(DraftHead):
         if norm_w is not None and norm_w.shape == self.norm.weight.shape:
             self.norm.weight.copy_(norm_w.to(self.norm.weight))
 
+    @torch.no_grad()
+    def init_layer_from_target(self, target) -> None:
+        """Warm start the first decoder layer from the target's last one (``head.init_layer_from_target``):
+        attention and MLP as the target's, q/k/v's hidden half (the columns reading ``hidden_norm(g)``) from
+        the target's q/k/v, the embedding half scaled down so the layer starts as the target's last layer
+        applied to g. Only modules whose shapes match are copied (a target with q/k/v biases loses them)."""
+        src, dst = target.layers[-1], self.layers[0]
+        H = self.config.hidden_size
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w, mine = getattr(src.self_attn, name).weight, getattr(dst.self_attn, name).weight
+            if w.shape == (mine.shape[0], H):
+                mine[:, H:].copy_(w.to(mine))
+                mine[:, :H].mul_(0.1)
+        pairs = [(src.self_attn.o_proj, dst.self_attn.o_proj), (src.mlp.gate_proj, dst.mlp.gate_proj),
+                 (src.mlp.up_proj, dst.mlp.up_proj), (src.mlp.down_proj, dst.mlp.down_proj),
+                 (src.input_layernorm, dst.hidden_norm), (src.input_layernorm, dst.input_layernorm),
+                 (src.post_attention_layernorm, dst.post_attention_layernorm)]
+        for a, b in pairs:
+            if a.weight.shape == b.weight.shape:
+                b.weight.copy_(a.weight.to(b.weight))
+
     def init_lm_head_from_target(self) -> None:
         """Start the draft lm_head from the target's rows for the draft vocabulary (optional warm start)."""
         w = self.target_module("lm_head").weight

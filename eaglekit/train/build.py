@@ -136,6 +136,10 @@ def build_head(cfg: TrainConfig, target: Target, sources: Sources) -> DraftHead:
         head.load_state_dict(start.state_dict())
     elif h.init_from_target:
         head.init_from_target(target)
+    if start is None and h.init_layer_from_target:
+        if not hasattr(head, "init_layer_from_target"):
+            raise ValueError(f"head.init_layer_from_target: a {h.kind} head has no such warm start (EAGLE-3 only)")
+        head.init_layer_from_target(target)
     return head
 
 

@@ -44,6 +44,7 @@ class HeadSpec:
     draft_vocab_size: PosInt = 32000  # EAGLE-3 only; clipped to the target vocab
     aux_layer_ids: list[NonNegInt] | None = None  # EAGLE-3 taps; default: the target's (2, N//2, N-3)
     init_from_target: bool = False  # head.init_from_target (EAGLE-3: lm_head draft rows and final norm)
+    init_layer_from_target: bool = False  # EAGLE-3: its decoder layer from the target's last layer (an experiment)
     init_from: str | None = None  # a saved head (folder or export): start from its weights and draft vocab
 
 
@@ -71,6 +72,8 @@ class LossConfig:
     feature_weight: NonNegFloat = 1.0  # EAGLE-1: SmoothL1(feature)
     token_weight: NonNegFloat = 0.1  # EAGLE-1: soft CE against the target distribution
     noise: NonNegFloat = 0.1  # EAGLE-1: feature noise U(-noise, noise) (scaled like EAGLE's uniform noise)
+    topk: NonNegInt = 0  # HASS-style top-K distillation: > 0 adds topk_weight * CE over the teacher's top-K
+    topk_weight: NonNegFloat = 0.0  # (an experiment; benchmarks/RESULTS.md, "Sample efficiency")
     chunk_tokens: PosInt = 512  # teacher / CE computed over this many positions at a time
     cache_teacher_mb: NonNegFloat = 64  # keep the draft-vocab teacher [B,S,Vd] fp32 per batch if it fits, else recompute
 

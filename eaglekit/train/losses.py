@@ -25,7 +25,7 @@ from eaglekit.heads import HeadCache, ttt_mask
 from eaglekit.heads.cache import shift_left
 
 __all__ = ["SoftCrossEntropy", "StepStats", "TTTModel", "Teacher", "shift_left", "soft_cross_entropy",
-           "supervised_count", "teacher_argmax", "teacher_probs", "ttt_loss", "ttt_unroll"]
+           "supervised_count", "teacher_argmax", "teacher_probs", "topk_cross_entropy", "ttt_loss", "ttt_unroll"]
 
 
 @torch.no_grad()
@@ -81,6 +81,21 @@ def soft_cross_entropy(student, hidden, weight, row_weight, chunk: int = 512) ->
     """Weighted soft CE summed over rows; see ``SoftCrossEntropy``. Inputs may carry leading batch dims."""
     return SoftCrossEntropy.apply(student.reshape(-1, student.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
                                   weight, row_weight.reshape(-1), chunk)
+
+
+def topk_cross_entropy(student, hidden, weight, row_weight, k: int, chunk: int = 512) -> torch.Tensor:
+    """HASS's harmonized objective distillation term: ``-sum_n w_n sum_{i in topK(p_n)} p_ni log q_ni``, the
+    soft CE restricted to the teacher's K most likely draft tokens (same inputs as ``soft_cross_entropy``)."""
+    student, hidden = student.reshape(-1, student.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
+    row_weight = row_weight.reshape(-1)
+    rows = row_weight.nonzero().squeeze(1)
+    total = torch.zeros((), dtype=torch.float32, device=student.device)
+    for s in range(0, rows.numel(), chunk):
+        idx = rows[s:s + chunk]
+        top_p, top_i = _teacher_probs(hidden[idx], weight).topk(k, dim=-1)
+        logq = torch.log_softmax(student[idx].float(), dim=-1).gather(1, top_i)
+        total = total - (row_weight[idx, None].float() * top_p * logq).sum()
+    return total
 
 
 @torch.no_grad()
@@ -166,6 +181,7 @@ def ttt_loss(head, teacher: Teacher, batch: dict, loss, *, steps: int | None = N
     per batch and shifted per step; otherwise each step recomputes it chunk by chunk (never [B, S, V]).
     """
     steps, chunk, decay = steps or loss.ttt_steps, loss.chunk_tokens, loss.step_decay
+    topk, topk_weight = getattr(loss, "topk", 0), getattr(loss, "topk_weight", 0.0)
     ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
     cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
     source, weight = (teacher_probs(last, teacher.draft_weight, chunk), None) if cached else (last, teacher.draft_weight)
@@ -181,6 +197,8 @@ def ttt_loss(head, teacher: Teacher, batch: dict, loss, *, steps: int | None = N
         want = shift_left(top, 1 + k, fill=-1)  # teacher at position t+1+k
         row_w = (valid & (want >= 0)).float() * (decay ** k)
         ce = soft_cross_entropy(logits, shift_left(source, 1 + k), weight, row_w, chunk)
+        if topk and topk_weight:
+            ce = ce + topk_weight * topk_cross_entropy(logits, shift_left(source, 1 + k), weight, row_w, topk, chunk)
         step_loss = head.step_loss(ce, hidden, batch, k, valid, loss)
         total_loss = total_loss + step_loss
         with torch.no_grad():
