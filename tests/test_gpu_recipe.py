@@ -1,0 +1,143 @@
+"""The GPU recipe (benchmarks/gpu/): its two steps run end to end on the CPU with tiny sizes (regenerate →
+carry the JSONL → train, score, bench, bring the head back), and the pieces that move files on and off a
+lent machine (parts under 16 MiB, a gzip cap on whole lines, the data-scaling record, the bench runs)."""
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+
+import gpu_io
+import h200_run
+
+from eaglekit.bench.cli import BenchConfig
+from eaglekit.config import load_config
+
+
+def test_parts_round_trip_and_a_missing_part_is_named(tmp_path):
+    data = os.urandom(2500)
+    names = gpu_io.write_parts(data, tmp_path, "x.gz", part_bytes=1000)
+    assert names == ["x.gz.part0", "x.gz.part1", "x.gz.part2"]
+    assert all((tmp_path / n).stat().st_size <= 1000 for n in names)
+    assert gpu_io.join_parts(tmp_path, "x.gz") == data
+    (tmp_path / "x.gz.part1").unlink()
+    with pytest.raises(FileNotFoundError, match=r"x\.gz\.part1 is missing"):
+        gpu_io.join_parts(tmp_path, "x.gz")
+    assert gpu_io.write_parts(b"small", tmp_path, "y", part_bytes=1000) == ["y"]
+    assert gpu_io.join_parts(tmp_path, "y") == b"small"
+
+
+def test_gzip_prefix_keeps_whole_lines_under_the_cap():
+    lines = [json.dumps({"id": str(i), "text": os.urandom(200).hex()}).encode() for i in range(200)]
+    blob, keep = gpu_io.gzip_prefix(lines, 20_000)
+    assert len(blob) <= 20_000 and 0 < keep < len(lines)
+    assert gzip.decompress(blob) == b"".join(x + b"\n" for x in lines[:keep])
+    whole, everything = gpu_io.gzip_prefix(lines, 10**9)
+    assert everything == len(lines) and gzip.decompress(whole).count(b"\n") == len(lines)
+
+
+def test_scaling_record_sums_tokens_up_to_each_evaluation(tmp_path):
+    recs = [{"step": s, "epoch": (s - 1) // 3, "loss": 1.0, "tokens": 100 * s} for s in range(1, 7)]
+    recs[1].update(eval_tau_sim=1.2, eval_acc_0=0.1, eval_acc_1=0.05)  # step 2: 100 + 200 tokens seen
+    recs[3].update(eval_tau_sim=1.4, eval_acc_0=0.3, eval_acc_1=0.1)  # step 4: 1,000
+    recs.append({"eval_tau_sim": 1.5, "eval_acc_0": 0.35, "eval_acc_1": 0.15, "step": 6, "final": True})
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rec = gpu_io.scaling_record(tmp_path / "log.jsonl")
+    assert [(p["step"], p["tokens_seen"], p["eval_tau_sim"]) for p in rec["points"]] == [
+        (2, 300, 1.2), (4, 1000, 1.4), (6, 2100, 1.5)]
+    assert rec["points"][1]["eval_acc"] == [0.3, 0.1] and rec["points"][-1]["final"]
+    assert rec["logged_steps"] == 6 and rec["tokens_per_epoch"] == 600  # epoch 0 = steps 1..3
+
+
+def test_bench_runs_are_valid_bench_configs_with_the_batch_sizes_split():
+    a = h200_run.parse(["--out", "x"])
+    runs = h200_run.bench_runs(a)
+    assert list(runs) == ["main", "batch", "batch-large", "t1"]
+    cfgs = {name: load_config(BenchConfig, None, extra) for name, extra in runs.items()}
+    assert cfgs["main"].tree == "auto" and cfgs["main"].hf_baselines and cfgs["main"].temperatures == [0.0]
+    assert cfgs["batch"].batch_sizes == [1, 2, 4, 8] and cfgs["batch-large"].batch_sizes == [16, 32, 64]
+    assert cfgs["batch-large"].prompts == 64 and cfgs["t1"].temperatures == [1.0]
+    small = h200_run.bench_runs(h200_run.parse(["--out", "x", "--batch-sizes", "1,2", "--benches", "batch,bf16"]))
+    assert list(small) == ["batch", "bf16"]
+
+
+CONVERSATIONS = [  # one 2-turn conversation: max_turns=2 regenerates both answers
+    {"id": "a", "messages": [{"role": "user", "content": "Name three colours."},
+                             {"role": "assistant", "content": "Red, green, blue."},
+                             {"role": "user", "content": "And two fruits?"},
+                             {"role": "assistant", "content": "Apple and pear."}]},
+    {"id": "b", "messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]},
+    {"id": "c", "messages": [{"role": "user", "content": "Say hello in French."},
+                             {"role": "assistant", "content": "Bonjour."}]},
+]
+
+
+def _run_step(step: str, dev: Path, out: Path, extra: str) -> None:
+    from eaglekit import assets
+
+    env = {**os.environ, "STEP": step, "DEV": str(dev), "OUT": str(out), "PY": sys.executable, "BUDGET_S": "900",
+           "EAGLEKIT_CACHE": str(assets.cache_dir()),  # the model is converted there: no GGUF join
+           "OMP_NUM_THREADS": "1",  # one thread per process: 2 OpenMP threads spin-wait on a busy 2-core box
+           "EXTRA_ARGS": f"--device cpu --work {dev.parent / ('work-' + step)} {extra}"}
+    res = subprocess.run(["bash", "benchmarks/gpu/run.sh"], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_gpu_recipe_two_steps_on_cpu(tmp_path):
+    dev = tmp_path / "dev"
+    (dev / "sharegpt").mkdir(parents=True)
+    (dev / "sharegpt" / "sharegpt.json.gz").write_bytes(gzip.compress(json.dumps(CONVERSATIONS).encode()))
+    # step 1: a probe of 2 conversations, then the last one; answers of 4 tokens
+    _run_step("regen", dev, tmp_path / "out1", "--batch 2 --new-tokens 4 --max-turns 2 --finish-reserve-s 0")
+    out1 = tmp_path / "out1"
+    prep = json.loads((out1 / "prepare.json").read_text())
+    assert (prep["conversations"], prep["answered"], prep["assistant_turns"], prep["samples"]) == (3, 3, 4, 3)
+    lines = gzip.decompress((out1 / "regenerated.jsonl.gz").read_bytes()).decode().splitlines()
+    items = [json.loads(x) for x in lines]
+    assert [it["id"] for it in items] == ["a", "b", "c"]
+    assert items[0]["messages"][1]["content"] != "Red, green, blue."  # the target's own answer
+    assert sorted(p.name for p in out1.iterdir()) == [
+        "draft_vocab.safetensors", "log.txt", "prepare.json", "regenerated.jsonl.gz", "summary.json"]
+
+    # the carry: step 1's files into .dev/regen; step 2 trains 4 steps (evaluating every 2) and benches
+    shutil.copytree(out1, dev / "regen")
+    _run_step("train", dev, tmp_path / "out2",
+              "--eval-interval 2 --benches main --bench-prompts 1 --bench-tokens 4 --bench-min-s 0 "
+              "--bench-set threads=1 --train-set optim.max_steps=4 data.eval_samples=1 data.batch_size=1 "
+              "data.max_length=64 loss.ttt_steps=2")
+    out2 = tmp_path / "out2"
+    summary = json.loads((out2 / "summary.json").read_text())
+    assert summary["held_out"]["step"] == 4 and summary["held_out"]["eval_tau_sim"] >= 1.0
+    assert all((out2 / n).stat().st_size <= 16 << 20 for n in summary["head_files"])
+    (tmp_path / "head.tar").write_bytes(gpu_io.join_parts(out2, "head.tar"))
+    with tarfile.open(tmp_path / "head.tar") as tar:
+        tar.extractall(tmp_path / "head", filter="data")
+    from safetensors import safe_open
+
+    config = json.loads((tmp_path / "head" / "final" / "config.json").read_text())
+    assert (config["kind"], config["draft_vocab_size"]) == ("eagle3", 8192)  # the draft vocab step 1 built
+    with safe_open(tmp_path / "head" / "final" / "model.safetensors", "pt") as f:
+        assert {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= set(f.keys())
+    scaling = json.loads((out2 / "data_scaling.json").read_text())
+    pts = scaling["points"]
+    assert [p["step"] for p in pts] == [2, 4] and pts[0]["tokens_seen"] < pts[1]["tokens_seen"]
+    assert scaling["logged_steps"] == 4
+    with tarfile.open(out2 / "results.tar.gz") as tar:
+        names = tar.getnames()
+    assert {"head/log.jsonl", "head/metrics.json", "data/prepare.json", "data_scaling.json"} <= set(names)
+    bench = [n for n in names if n.startswith("bench/main/") and n.endswith(".json")]
+    assert bench, names
+    with tarfile.open(out2 / "results.tar.gz") as tar:
+        report = json.load(tar.extractfile(bench[0]))
+    assert {"plain", "ours", "lookup", "ours_lookup", "hf", "hf_lookup"} <= set(report["results"]["0.0"])
