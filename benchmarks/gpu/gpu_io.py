@@ -86,15 +86,16 @@ def scaling_record(log_path: Path) -> dict:
     """Held-out τ_sim (and accuracy per TTT step) against the training tokens seen, from a run's
     ``log.jsonl``: one point per evaluation record, the final evaluation last. Tokens are summed over
     the logged steps, so they are exact with ``log_interval=1`` (``logged_steps`` == the last step)."""
-    points, seen, logged, per_epoch = [], 0, 0, {}
+    points, seen, logged, per_epoch, epoch = [], 0, 0, {}, 0
     for raw in log_path.read_text().splitlines():
         rec = json.loads(raw)
         if not rec.get("final") and "tokens" in rec:
+            epoch = rec.get("epoch", epoch)
             seen, logged = seen + int(rec["tokens"]), logged + 1
-            per_epoch[rec.get("epoch", 0)] = per_epoch.get(rec.get("epoch", 0), 0) + int(rec["tokens"])
+            per_epoch[epoch] = per_epoch.get(epoch, 0) + int(rec["tokens"])
         if "eval_tau_sim" in rec:
             acc = [rec[f"eval_acc_{k}"] for k in range(64) if f"eval_acc_{k}" in rec]
-            points.append({"step": rec.get("step"), "epoch": rec.get("epoch"), "tokens_seen": seen,
+            points.append({"step": rec.get("step"), "epoch": epoch, "tokens_seen": seen,
                            "eval_tau_sim": rec["eval_tau_sim"], "eval_acc": acc, "final": bool(rec.get("final"))})
     full = [n for e, n in per_epoch.items() if e + 1 in per_epoch]  # epochs the run went past
     return {"points": points, "logged_steps": logged, "tokens_per_epoch": full[0] if full else None,

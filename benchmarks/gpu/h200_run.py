@@ -41,6 +41,7 @@ from gpu_io import (
     write_scaling,
 )
 
+from eaglekit import assets
 from eaglekit.fileio import write_bytes, write_json
 
 T0 = time.perf_counter()
@@ -88,8 +89,9 @@ def regenerate(a, work: Path, until: float, summary: dict) -> Path:
         # at the deadline, regeneration keeps the whole batches it appended
         summary["regen_probe_s"] = sh(cmd + [f"num_conversations={a.batch}"], until - elapsed())
         room = until - elapsed() - a.finish_reserve_s
-        more = len(whole_lines(data / REGENERATED)) == a.batch and a.max_conversations != a.batch
-        if more and room > summary["regen_probe_s"]:  # (fewer lines than a batch: the source is used up)
+        used_up = len(whole_lines(data / REGENERATED)) < a.batch  # the source held no more than a batch
+        more = not used_up and (a.max_conversations == 0 or a.max_conversations > a.batch)
+        if more and room > summary["regen_probe_s"]:
             sh(cmd + [f"num_conversations={a.max_conversations}"], room)
     except subprocess.TimeoutExpired:
         summary["regen_cut_at_deadline"] = True
@@ -211,7 +213,7 @@ def bring_results_back(work: Path, out: Path, summary: dict) -> None:
     """Logs, metrics, records and bench JSON/PNG in one tarball, the summary and scaling record beside it."""
     write_json(work / "summary.json", summary)
     write_json(out / "summary.json", summary)
-    if (work / "data_scaling.json").is_file():
+    if (work / "data_scaling.json").is_file() and summary["step"] == "train":  # (all: 8 files come back at most)
         write_bytes(out / "data_scaling.json", (work / "data_scaling.json").read_bytes())
     bench_files = [*sorted((work / "bench").glob("**/*.json")), *sorted((work / "bench").glob("**/*.png"))]
     tar_files(out / "results.tar.gz", work, [
@@ -224,7 +226,11 @@ def train_and_bench(a, work: Path, out: Path, data: Path, summary: dict) -> None
     head = train(a, work, data, summary)
     metrics = json.loads((head / "metrics.json").read_text())
     summary["held_out"] = {k: v for k, v in metrics.items() if k.startswith("eval_") or k == "step"}
-    write_scaling(scaling_record(head / "log.jsonl"), work / "data_scaling.json")
+    record = scaling_record(head / "log.jsonl")
+    if (data / "prepare.json").is_file():  # how much data there was (all of it, the held-out split included)
+        prep = json.loads((data / "prepare.json").read_text())
+        record["data"] = {k: prep.get(k) for k in ("conversations", "assistant_turns", "samples", "tokens")}
+    write_scaling(record, work / "data_scaling.json")
     bring_head_back(head, out, summary)
     bring_results_back(work, out, summary)
     log(f"held-out tau_sim {metrics.get('eval_tau_sim', float('nan')):.3f}; head → {summary['head_files']}")
@@ -248,7 +254,7 @@ def parse(argv=None):
     g.add_argument("--max-prompt-tokens", type=int, default=512)
     g.add_argument("--regen-share", type=float, default=0.32, help="--step all: the budget's share for regen")
     g.add_argument("--finish-reserve-s", type=float, default=45, help="kept for the vocab and gzip after regen")
-    g.add_argument("--max-gz-mib", type=float, default=22, help="cap on the gzipped JSONL (step 2 carries it)")
+    g.add_argument("--max-gz-mib", type=float, default=20, help="cap on the gzipped JSONL (step 2 carries it)")
     g = ap.add_argument_group("train")
     g.add_argument("--regen-dir", default=".dev/regen", help="--step train: step 1's files, carried")
     g.add_argument("--train-config", default="configs/smollm2-135m-eagle3-gpu.yaml")
@@ -277,9 +283,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     summary: dict = {"step": a.step, "budget_s": a.budget_s, "device": a.device}
-    # convert the GGUF once (timed apart from the steps; a no-op where the cache holds the model)
-    summary["convert_s"] = sh([sys.executable, "-c", f"from eaglekit import assets; assets.model_dir('{TARGET}')"],
-                              left(a))
+    t = time.perf_counter()  # convert the GGUF once (timed apart from the steps; a no-op once converted)
+    assets.model_dir(TARGET)
+    summary["convert_s"] = round(time.perf_counter() - t, 1)
     if a.step == "train":
         data = unpack_regen(Path(a.regen_dir).resolve(), work / "data")
     else:
