@@ -69,6 +69,9 @@ def test_bench_runs_are_valid_bench_configs_with_the_batch_sizes_split():
     assert cfgs["batch-large"].prompts == 64 and cfgs["t1"].temperatures == [1.0]
     small = h200_run.bench_runs(h200_run.parse(["--out", "x", "--batch-sizes", "1,2", "--benches", "batch,bf16"]))
     assert list(small) == ["batch", "bf16"]
+    base = ["dtype=float32"]  # what bench() puts first: a run's own keys come after and win
+    assert load_config(BenchConfig, None, base + small["bf16"]).dtype == "bfloat16"
+    assert load_config(BenchConfig, None, base + small["batch"]).batch_sizes == [1, 2]
 
 
 def test_regen_killed_at_the_deadline_keeps_its_whole_lines(tmp_path, monkeypatch):
