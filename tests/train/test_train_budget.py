@@ -10,6 +10,8 @@ from eaglekit.target import load_target
 from eaglekit.train.config import load_train_config
 from eaglekit.train.trainer import train
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: one thread, see conftest
+
 
 def _cfg(tmp_path, *extra):
     return load_train_config(None, [
