@@ -132,6 +132,7 @@ CONVERSATIONS = [  # one 2-turn conversation: max_turns=2 regenerates both answe
 def _run_step(step: str, dev: Path, out: Path, extra: str) -> None:
     from eaglekit import assets
 
+    assets.model_dir("smollm2-135m-instruct"), assets.asset_file("mt-bench")  # fetched and converted once
     env = {**os.environ, "STEP": step, "DEV": str(dev), "OUT": str(out), "PY": sys.executable, "BUDGET_S": "900",
            "EAGLEKIT_CACHE": str(assets.cache_dir()),  # the model is converted there: no GGUF join
            "OMP_NUM_THREADS": "1",  # one thread per process: 2 OpenMP threads spin-wait on a busy 2-core box
@@ -147,9 +148,11 @@ def test_gpu_recipe_two_steps_on_cpu(tmp_path):
     dev = tmp_path / "dev"
     (dev / "sharegpt").mkdir(parents=True)
     (dev / "sharegpt" / "sharegpt.json.gz").write_bytes(gzip.compress(json.dumps(CONVERSATIONS).encode()))
-    # step 1: a probe of 2 conversations, then the last one; answers of 4 tokens
-    _run_step("regen", dev, tmp_path / "out1", "--batch 2 --new-tokens 4 --max-turns 2 --finish-reserve-s 0")
+    # step 1: answers of 4 tokens; the one-batch probe holds all 3 conversations, so no second run (the
+    # probe → run → deadline logic: test_regen_killed_at_the_deadline_keeps_its_whole_lines)
+    _run_step("regen", dev, tmp_path / "out1", "--batch 4 --new-tokens 4 --max-turns 2 --finish-reserve-s 0")
     out1 = tmp_path / "out1"
+    assert (out1 / "log.txt").read_text().count("eaglekit.cli prepare") == 1
     prep = json.loads((out1 / "prepare.json").read_text())
     assert (prep["conversations"], prep["answered"], prep["assistant_turns"], prep["samples"]) == (3, 3, 4, 3)
     lines = gzip.decompress((out1 / "regenerated.jsonl.gz").read_bytes()).decode().splitlines()
