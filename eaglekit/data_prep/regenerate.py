@@ -284,7 +284,7 @@ def _regenerate_part(target, conversations, path: Path, cfg: RegenerateConfig, f
     done = resume_point(path, [str(c["id"]) for c in mine], cfg.batch_size)
     bar = tqdm(total=len(mine), initial=done, desc="regenerate", unit="conv", disable=not progress)
     with open(path, "a", encoding="utf-8") as fh:
-        for first in list(firsts)[done // cfg.batch_size :]:
+        for first in list(firsts)[-(-done // cfg.batch_size) :]:  # done: whole batches, or all (a short last one)
             batch = conversations[first : first + cfg.batch_size]
             items = regenerate_batch(target, batch, cfg, seed=cfg.seed + first)
             _append(fh, items)

@@ -116,6 +116,8 @@ def test_regeneration_rewrites_answers_and_resumes(tmp_path):
     part.write_bytes(b"\n".join(lines[:4]) + b"\n" + lines[4][:10])
     regenerate(target, convs, part, cfg, progress=False)
     assert part.read_bytes() == full.read_bytes()
+    regenerate(target, convs, part, cfg, progress=False)  # a finished file (7 = 3 + 3 + 1) is left as it is
+    assert part.read_bytes() == full.read_bytes()
     with pytest.raises(ValueError, match="other conversations"):
         regenerate(target, convs[1:], part, cfg, progress=False)
     # two ranks (every other batch each, then a merge) write exactly the one-process file
