@@ -1,6 +1,7 @@
 """Tiny random models and a tiny tokenizer for fast unit tests (no assets needed)."""
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -86,3 +87,19 @@ def train_command(*overrides: str, processes: int = 1, accelerate_config: str | 
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config,
                 "--num_processes", str(processes)]
     return [*launcher, str(root / "train_head.py"), *overrides]
+
+
+_GREEDY_REFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {prompt ids: (n, sequence)}
+
+
+def shared_greedy(model, ids: torch.Tensor, n: int, compute, at_least: int = 0) -> torch.Tensor:
+    """``compute(ids, m)`` (a reference greedy decoding of ``m`` new tokens) sliced to its first ``n`` new
+    tokens, computed once per model and prompt at ``max(n, at_least)`` and kept for the session. Exact: the
+    first n tokens of a greedy decoding do not depend on how many follow (the same forwards, one token at a
+    time), so the real-model tests can share their expensive references."""
+    memo = _GREEDY_REFS.setdefault(model, {})
+    key = tuple(ids[0].tolist())
+    if key not in memo or memo[key][0] < n:
+        m = max(n, at_least)
+        memo[key] = (m, compute(ids, m))
+    return memo[key][1][:, :ids.shape[1] + n]

@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from helpers import shared_greedy
 
 from eaglekit import assets, decode
 from eaglekit.decode.tree import TreeSpec
@@ -33,9 +34,17 @@ def mt_bench_prompts(target, n=N_PROMPTS):
     return out
 
 
+# the longest reference any real test takes per target: each prompt's is computed once, shorter ones sliced
+REF_TOKENS = {"smollm2-135m-instruct": 40, "qwen2.5-coder-0.5b-instruct": 12}
+
+
 def hf_greedy(target, ids, n):
-    return target.model.generate(ids, max_new_tokens=n, do_sample=False, num_beams=1, repetition_penalty=1.0,
-                                 temperature=None, top_p=None, top_k=None)
+    """transformers' greedy ``generate`` of ``n`` new tokens (shared across tests: helpers.shared_greedy)."""
+    def compute(ids, m):
+        return target.model.generate(ids, max_new_tokens=m, do_sample=False, num_beams=1, repetition_penalty=1.0,
+                                     temperature=None, top_p=None, top_k=None)
+
+    return shared_greedy(target.model, ids, n, compute, at_least=REF_TOKENS.get(target.name, 0))
 
 
 def assert_same_or_near_tie(target, ref: torch.Tensor, ours: torch.Tensor, where: str) -> int:
