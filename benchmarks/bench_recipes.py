@@ -1,0 +1,173 @@
+"""Sample efficiency: published training ideas against today's EAGLE-3 recipe at equal tokens.
+
+Each arm trains one head per seed on the same captured features (same samples, same order per seed, same
+number of optimizer steps), then every head is scored per held-out sample (the ``data.eval_samples`` the
+trainer never sees). The comparison is paired: a bootstrap over held-out samples resamples the same
+samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
+
+- ``base``: today's recipe (configs/smollm2-135m-eagle3-long.yaml: soft CE against the target over the
+  draft vocabulary, TTT with the head's own earlier features — HASS's harmonized context alignment is
+  already part of it);
+- ``topk``: HASS's harmonized objective distillation, + ``loss.topk_weight`` × CE over the teacher's top-K;
+- ``layer``: the decoder layer started from the target's last layer (``head.init_layer_from_target``).
+
+    eaglekit prepare --config configs/prepare-smollm2.yaml output_dir=runs/recipes/features \\
+        num_conversations=1100 max_length=768 draft_vocab_size=8192
+    python benchmarks/bench_recipes.py --features runs/recipes/features --out runs/recipes \\
+        --seeds 0 1 --tokens 500000
+
+Finished runs (``<out>/<arm>-s<seed>/final``) are reused, so an interrupted experiment resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs/smollm2-135m-eagle3-long.yaml"
+ARMS = {
+    "base": [],
+    "topk": ["loss.topk=10", "loss.topk_weight=1.0"],
+    "layer": ["head.init_layer_from_target=true"],
+}
+
+
+def common(a) -> list[str]:
+    return [f"data.features_dir={a.features}", "data.conversations=null", f"loss.ttt_steps={a.ttt}",
+            f"data.eval_samples={a.eval_samples}", f"optim.bf16={str(a.bf16).lower()}",
+            "trackers=[]", "progress=false"]
+
+
+def steps_for(features: str, tokens: int, batch: int, eval_samples: int) -> int:
+    """Optimizer steps whose micro-batches (length-bucketed, as the trainer plans them) hold >= ``tokens``."""
+    manifest = json.loads((Path(features) / "manifest.json").read_text())
+    lengths = manifest["lengths"][:-eval_samples]
+    mean = sum(lengths) / len(lengths)
+    steps = -(-int(1.05 * tokens) // int(mean * batch))  # 5% over: micro-batches vary in length
+    if steps * batch > len(lengths):
+        sys.exit(f"{features}: {sum(lengths):,} training tokens, fewer than --tokens {tokens:,}")
+    return steps
+
+
+def train(arm: str, seed: int, a, steps: int) -> Path:
+    out = Path(a.out) / f"{arm}-s{seed}"
+    if (out / "final").is_dir():
+        return out / "final"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train_head.py"),
+           "--config", str(CONFIG), *common(a), f"output_dir={out}", f"seed={seed}",
+           f"optim.max_steps={steps}", "optim.epochs=1", "eval_interval=0", *ARMS[arm]]
+    t0 = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{arm}-s{seed}.log", "w") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT,
+                       env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
+    print(f"{arm} seed {seed}: trained in {time.time() - t0:.0f} s", flush=True)
+    return out / "final"
+
+
+def run_facts(run: Path) -> dict:
+    """Training tokens and seconds of a run, from its log.jsonl."""
+    recs = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    last = recs[-1]
+    return {"tokens": sum(r.get("tokens", 0) for r in recs if "loss" in r and not r.get("final")),
+            "seconds": last.get("seconds"), "train_eval_tau_sim": last.get("eval_tau_sim")}
+
+
+@torch.no_grad()
+def per_sample(head_dir: Path, a) -> list[dict]:
+    """Per held-out sample: supervised positions and top-1 hits per TTT step."""
+    from eaglekit.train.build import assemble
+    from eaglekit.train.config import load_train_config
+    from eaglekit.train.data import collate, fetch_with_top, tensors_to
+    from eaglekit.train.losses import TTTModel
+
+    cfg = load_train_config(CONFIG, [*common(a), f"head.init_from={head_dir}", "eval_only=true",
+                                     f"output_dir={head_dir.parent / 'eval'}"])
+    parts = assemble(cfg)
+    try:
+        model = TTTModel(parts.head, parts.teacher, cfg.loss).eval()
+        rows = []
+        for i in range(len(parts.sources.eval)):
+            items = fetch_with_top(parts.sources.eval, [i], parts.teacher, cfg.loss.chunk_tokens, "cpu")
+            _, st = model(**tensors_to(collate(items, parts.head.reads), "cpu"), steps=a.ttt, train=False)
+            rows.append({"correct": st.correct, "total": st.total})
+        return rows
+    finally:
+        parts.lock.release()
+
+
+def tau_sim(rows: list[dict], idx: list[int]) -> float:
+    from eaglekit.train.metrics import tau_sim as tau
+
+    K = len(rows[0]["total"])
+    return tau([sum(rows[i]["correct"][k] for i in idx) / max(1, sum(rows[i]["total"][k] for i in idx))
+                for k in range(K)])
+
+
+def compare(scores: dict, n_boot: int = 10000, seed: int = 0) -> dict:
+    """Each arm vs base: τ_sim (mean over seeds), the difference and its paired-bootstrap 95% CI."""
+    n = len(next(iter(scores["base"].values())))
+    every = list(range(n))
+
+    def arm_tau(arm, idx):
+        return sum(tau_sim(rows, idx) for rows in scores[arm].values()) / len(scores[arm])
+
+    rng = random.Random(seed)
+    boots = [[rng.randrange(n) for _ in range(n)] for _ in range(n_boot)]
+    base = arm_tau("base", every)
+    out = {"base": {"tau_sim": base, "per_seed": {s: tau_sim(r, every) for s, r in scores["base"].items()}}}
+    for arm, runs in scores.items():
+        if arm == "base":
+            continue
+        diffs = sorted(arm_tau(arm, b) - arm_tau("base", b) for b in boots)
+        d = arm_tau(arm, every) - base
+        lo, hi = diffs[int(0.025 * n_boot)], diffs[int(0.975 * n_boot) - 1]
+        out[arm] = {"tau_sim": base + d, "diff": d, "ci95": [lo, hi], "gain_pct_of_tau_minus_1": 100 * d / (base - 1),
+                    "per_seed": {s: tau_sim(r, every) for s, r in runs.items()}}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--features", required=True, help="an `eaglekit prepare` capture directory (EAGLE-3 taps)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--tokens", type=int, default=500_000, help="training tokens per run (at least)")
+    ap.add_argument("--ttt", type=int, default=3, help="TTT steps, trained and scored")
+    ap.add_argument("--eval-samples", type=int, default=64, help="held-out samples (the last N)")
+    ap.add_argument("--bf16", action="store_true", help="autocast (fast only with avx512_bf16/AMX or a GPU)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per training run")
+    ap.add_argument("--parallel", type=int, default=1, help="training runs at once")
+    a = ap.parse_args()
+    if "base" not in a.arms:
+        a.arms.insert(0, "base")
+    steps = steps_for(a.features, a.tokens, 8, a.eval_samples)
+    runs = [(arm, seed) for seed in a.seeds for arm in a.arms]
+    with ThreadPoolExecutor(a.parallel) as pool:  # a.threads each: small matmuls scale poorly past 1-2 cores
+        heads = dict(zip(runs, pool.map(lambda r: train(*r, a, steps), runs)))
+    scores = {}
+    for (arm, seed), head in heads.items():
+        cached = head.parent / "per_sample.json"
+        if not cached.exists():
+            cached.write_text(json.dumps(per_sample(head, a)))
+        scores.setdefault(arm, {})[seed] = json.loads(cached.read_text())
+    seen = {f"{arm}-s{seed}": run_facts(head.parent) for (arm, seed), head in heads.items()}
+    report = {"runs": seen, "steps": steps, "ttt": a.ttt, "seeds": a.seeds, "held_out": len(scores["base"][a.seeds[0]]),
+              "arms": compare(scores)}
+    (Path(a.out) / "report.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
