@@ -62,10 +62,11 @@ def train(arm: str, seed: int, a, steps: int) -> Path:
     out = Path(a.out) / f"{arm}-s{seed}"
     if (out / "final").is_dir():
         return out / "final"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines",
+    device = [] if torch.cuda.is_available() else ["--cpu"]  # on a GPU the same command takes minutes
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *device, "--num_processes", "1", "--num_machines",
            "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train_head.py"),
            "--config", str(CONFIG), *common(a), f"output_dir={out}", f"seed={seed}",
-           f"optim.max_steps={steps}", "optim.epochs=1", "eval_interval=0", *ARMS[arm]]
+           f"optim.max_steps={steps}", f"optim.warmup_steps={max(1, steps // 10)}", "optim.epochs=1", "eval_interval=0", *ARMS[arm]]
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{arm}-s{seed}.log", "w") as log:
@@ -98,8 +99,9 @@ def per_sample(head_dir: Path, a) -> list[dict]:
         model = TTTModel(parts.head, parts.teacher, cfg.loss).eval()
         rows = []
         for i in range(len(parts.sources.eval)):
-            items = fetch_with_top(parts.sources.eval, [i], parts.teacher, cfg.loss.chunk_tokens, "cpu")
-            _, st = model(**tensors_to(collate(items, parts.head.reads), "cpu"), steps=a.ttt, train=False)
+            dev = parts.acc.device
+            items = fetch_with_top(parts.sources.eval, [i], parts.teacher, cfg.loss.chunk_tokens, dev)
+            _, st = model(**tensors_to(collate(items, parts.head.reads), dev), steps=a.ttt, train=False)
             rows.append({"correct": st.correct, "total": st.total})
         return rows
     finally:

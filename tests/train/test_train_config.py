@@ -68,3 +68,15 @@ def test_train_features_from_another_target_refused(eagle1_features):
     cfg = load_train_config(None, [f"data.features_dir={feats}", "head.kind=eagle1", "data.eval_samples=2"])
     with pytest.raises(ValueError, match="hidden_size 32 vs 48"):
         build_sources(cfg, other)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_on_a_cpu_without_native_bf16_warns(monkeypatch, capsys, tmp_path, fast):
+    """optim.bf16 on an AVX2-only CPU runs emulated bf16 kernels (~10x slower than fp32): one warning says so."""
+    from eaglekit.train import build
+
+    monkeypatch.setattr(build, "cpu_has_fast_bf16", lambda: fast)
+    cfg = load_train_config(None, ["data.conversations=x.jsonl", "optim.bf16=true", f"output_dir={tmp_path}",
+                                   "trackers=[]"])
+    build.make_accelerator(cfg)
+    assert ("without native bf16" in capsys.readouterr().out) is (not fast)

@@ -2,11 +2,11 @@
 distillation and the EAGLE-3 layer started from the target's last layer."""
 import pytest
 import torch
+from helpers import tiny_target
 
 from eaglekit.heads import HeadConfig, build_head
 from eaglekit.train.config import load_train_config
 from eaglekit.train.losses import soft_cross_entropy, topk_cross_entropy
-from tests.helpers import tiny_target
 
 
 def _inputs(seed=0, N=13, H=8, Vd=20):
