@@ -100,6 +100,7 @@ def test_regen_killed_at_the_deadline_keeps_its_whole_lines(tmp_path, monkeypatc
 
     monkeypatch.setattr(h200_run, "sh", fake_sh)
     summary = {}
+    h200_run.start_clock()  # the budget is the test's own, whatever ran before it in this process
     assert h200_run.regenerate(a, tmp_path / "work", 100.0, summary) == data
     assert calls == ["num_conversations=2", "num_conversations=0"] and summary["regen_cut_at_deadline"]
     seen = []
