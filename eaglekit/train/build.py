@@ -66,9 +66,8 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     acc = Accelerator(gradient_accumulation_steps=cfg.optim.grad_accum,
                       mixed_precision="bf16" if cfg.optim.bf16 else "no", log_with=trackers or None,
                       project_dir=cfg.output_dir, kwargs_handlers=handlers, step_scheduler_with_optimizer=False)
-    if cfg.optim.bf16 and acc.device.type == "cpu" and not cpu_has_fast_bf16():
-        acc.print("[eaglekit.train] warning: optim.bf16=true on a CPU without native bf16 (no avx512_bf16/AMX): "
-                  "autocast runs emulated kernels, ~10x slower than fp32 here; set optim.bf16=false")
+    if (warning := slow_bf16_warning(cfg.optim.bf16, acc.device)):
+        acc.print(warning)
     if acc.state.deepspeed_plugin is not None:  # no dataloader goes through prepare: say the sizes here
         ds = acc.state.deepspeed_plugin.deepspeed_config
         ds["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
@@ -76,6 +75,14 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         ds["gradient_accumulation_steps"] = cfg.optim.grad_accum
         ds["gradient_clipping"] = cfg.optim.grad_clip
     return acc
+
+
+def slow_bf16_warning(bf16: bool, device) -> str | None:
+    """A warning when ``optim.bf16`` would autocast on a CPU without native bf16 kernels."""
+    if bf16 and torch.device(device).type == "cpu" and not cpu_has_fast_bf16():
+        return ("[eaglekit.train] warning: optim.bf16=true on a CPU without native bf16 (no avx512_bf16/AMX): "
+                "autocast runs emulated kernels, ~10x slower than fp32 here; set optim.bf16=false")
+    return None
 
 
 def cpu_has_fast_bf16() -> bool:

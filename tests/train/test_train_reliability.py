@@ -246,6 +246,29 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _wait_for_lock(out: Path, seconds: float = 15.0) -> None:
+    """Acquire the run's lock once its holders are gone; a loaded machine may take a moment to close a dead
+    process's files. Fails naming every process that still has the lock file open."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            OutputDirLock(out).acquire().release()
+            return
+        except TrainError:
+            if time.time() > deadline:
+                lock = str(out / LOCK_NAME)
+                holders = [fd.parts[2] for fd in Path("/proc").glob("[0-9]*/fd/*") if _points_to(fd, lock)]
+                raise AssertionError(f"the lock is still held {seconds} s after the run died: {holders}") from None
+            time.sleep(0.2)
+
+
+def _points_to(fd: Path, target: str) -> bool:
+    try:
+        return os.readlink(fd) == target
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_two_process_run_owns_its_dir_and_dies_with_its_launcher(tiny, tmp_path):
@@ -275,7 +298,7 @@ def test_two_process_run_owns_its_dir_and_dies_with_its_launcher(tiny, tmp_path)
         while any(_alive(p) for p in workers) and time.time() < deadline:
             time.sleep(0.1)
         assert not any(_alive(p) for p in workers), "workers outlived their launcher"
-        OutputDirLock(out).acquire().release()  # the OS dropped the dead run's lock
+        _wait_for_lock(out)  # the OS dropped the dead run's lock
     finally:
         if launcher.poll() is None:
             launcher.kill()
