@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from eaglekit.fileio import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/smollm2-135m-eagle3-long.yaml"
 ARMS = {
@@ -47,10 +49,14 @@ def common(a) -> list[str]:
             "trackers=[]", "progress=false"]
 
 
-def steps_for(features: str, tokens: int, batch: int, eval_samples: int) -> int:
+def steps_for(a) -> int:
     """Optimizer steps whose micro-batches (length-bucketed, as the trainer plans them) hold >= ``tokens``."""
+    from eaglekit.train.config import load_train_config
+
+    batch = load_train_config(CONFIG, common(a)).data.batch_size  # the runs' own micro-batch size
+    features, tokens = a.features, a.tokens
     manifest = json.loads((Path(features) / "manifest.json").read_text())
-    lengths = manifest["lengths"][:-eval_samples]
+    lengths = manifest["lengths"][:-a.eval_samples]
     mean = sum(lengths) / len(lengths)
     steps = -(-int(1.05 * tokens) // int(mean * batch))  # 5% over: micro-batches vary in length
     if steps * batch > len(lengths):
@@ -76,12 +82,12 @@ def train(arm: str, seed: int, a, steps: int) -> Path:
     return out / "final"
 
 
-def run_facts(run: Path) -> dict:
+def training_record(run: Path) -> dict:
     """Training tokens and seconds of a run, from its log.jsonl."""
     recs = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     last = recs[-1]
     return {"tokens": sum(r.get("tokens", 0) for r in recs if "loss" in r and not r.get("final")),
-            "seconds": last.get("seconds"), "train_eval_tau_sim": last.get("eval_tau_sim")}
+            "seconds": last.get("train_seconds"), "train_eval_tau_sim": last.get("eval_tau_sim")}
 
 
 @torch.no_grad()
@@ -97,9 +103,8 @@ def per_sample(head_dir: Path, a) -> list[dict]:
     parts = assemble(cfg)
     try:
         model = TTTModel(parts.head, parts.teacher, cfg.loss).eval()
-        rows = []
+        rows, dev = [], parts.acc.device
         for i in range(len(parts.sources.eval)):
-            dev = parts.acc.device
             items = fetch_with_top(parts.sources.eval, [i], parts.teacher, cfg.loss.chunk_tokens, dev)
             _, st = model(**tensors_to(collate(items, parts.head.reads), dev), steps=a.ttt, train=False)
             rows.append({"correct": st.correct, "total": st.total})
@@ -154,7 +159,7 @@ def main() -> None:
     a = ap.parse_args()
     if "base" not in a.arms:
         a.arms.insert(0, "base")
-    steps = steps_for(a.features, a.tokens, 8, a.eval_samples)
+    steps = steps_for(a)
     runs = [(arm, seed) for seed in a.seeds for arm in a.arms]
     with ThreadPoolExecutor(a.parallel) as pool:  # a.threads each: small matmuls scale poorly past 1-2 cores
         heads = dict(zip(runs, pool.map(lambda r: train(*r, a, steps), runs)))
@@ -162,12 +167,12 @@ def main() -> None:
     for (arm, seed), head in heads.items():
         cached = head.parent / "per_sample.json"
         if not cached.exists():
-            cached.write_text(json.dumps(per_sample(head, a)))
+            write_json(cached, per_sample(head, a))  # atomic: a killed scoring leaves no half file to reuse
         scores.setdefault(arm, {})[seed] = json.loads(cached.read_text())
-    seen = {f"{arm}-s{seed}": run_facts(head.parent) for (arm, seed), head in heads.items()}
+    seen = {f"{arm}-s{seed}": training_record(head.parent) for (arm, seed), head in heads.items()}
     report = {"runs": seen, "steps": steps, "ttt": a.ttt, "seeds": a.seeds, "held_out": len(scores["base"][a.seeds[0]]),
               "arms": compare(scores)}
-    (Path(a.out) / "report.json").write_text(json.dumps(report, indent=1))
+    write_json(Path(a.out) / "report.json", report, indent=1)
     print(json.dumps(report, indent=1))
 
 

@@ -196,9 +196,10 @@ def ttt_loss(head, teacher: Teacher, batch: dict, loss, *, steps: int | None = N
         valid = shift_left(loss_mask, 2 + k).bool()  # predicted token x_{t+2+k} is supervised (and exists)
         want = shift_left(top, 1 + k, fill=-1)  # teacher at position t+1+k
         row_w = (valid & (want >= 0)).float() * (decay ** k)
-        ce = soft_cross_entropy(logits, shift_left(source, 1 + k), weight, row_w, chunk)
+        teacher_k = shift_left(source, 1 + k)  # the teacher at position t+1+k ([B,S,Vd] probs or [B,S,H] hidden)
+        ce = soft_cross_entropy(logits, teacher_k, weight, row_w, chunk)
         if topk and topk_weight:
-            ce = ce + topk_weight * topk_cross_entropy(logits, shift_left(source, 1 + k), weight, row_w, topk, chunk)
+            ce = ce + topk_weight * topk_cross_entropy(logits, teacher_k, weight, row_w, topk, chunk)
         step_loss = head.step_loss(ce, hidden, batch, k, valid, loss)
         total_loss = total_loss + step_loss
         with torch.no_grad():
