@@ -8,7 +8,7 @@ drafting: a head drafts the tree ``tree=`` names, "auto" meaning the one-row pla
 with ``tree="auto"`` planned for that B: plain decoding where no tree is expected to pay) and, with
 ``lookup_tokens``, ``lookup`` (prompt lookup alone). Per (temperature, B, method): tokens/s (median over
 repeats of the total over the prompts; end to end, and of the decode phase alone: the prefill, which a
-batch pads and which drafting does not speed up, left out), the speedup over plain at that B, τ (mean
+batch pads and which drafting does not speed up, left out), the speedup over plain at that B (paired: the median of each repeat's ratio), τ (mean
 over rows), and the speedup expected from the measured acceptance per depth and step costs (``theory``;
 Leviathan's formula too for a draft model's chain), to set beside the decode-phase speedup. The report
 also gives the drafter's memory beside the target's.
@@ -132,20 +132,28 @@ def bench_batch_temperature(cfg, fns: dict, prompts: list, sizes: list[int], tem
 
 
 def summarise_batch(runs: dict, pooled: dict, gamma: int, drafted_by_chain: bool) -> dict:
-    """Medians over repeats; speedups over plain; the expected speedups (``theory``) from the pooled steps."""
+    """Medians over repeats; speedups over plain paired by repeat (the median of each repeat's ratio, and
+    their range: one repeat's methods ran interleaved group by group, so machine drift cancels in the
+    ratio); the expected speedups (``theory``) from the pooled steps."""
     def med(name, key):
         return statistics.median(r[key] for r in runs[name])
 
-    plain_tps, plain_step = med("plain", "tokens_per_s"), med("plain", "verify_s_per_forward")
-    plain_decode = med("plain", "decode_tokens_per_s")
+    def paired(name, key):  # median of per-repeat ratios: each repeat's plain ran beside it, group by group
+        return statistics.median(r[key] / p[key] for r, p in zip(runs[name], runs["plain"]))
+
+    plain_step = med("plain", "verify_s_per_forward")
     out = {}
     for name, rs in runs.items():
         taus = [r["tau"] for r in rs if r["tau"] is not None]
         per_depth, accepted_rates = rates(pooled[name]), step_rates(pooled[name])
         draft_s, verify_s = med(name, "draft_s_per_forward"), med(name, "verify_s_per_forward")
-        row = {"tokens_per_s": med(name, "tokens_per_s"), "speedup_vs_plain": med(name, "tokens_per_s") / plain_tps,
+        row = {"tokens_per_s": med(name, "tokens_per_s"), "speedup_vs_plain": paired(name, "tokens_per_s"),
                "decode_tokens_per_s": med(name, "decode_tokens_per_s"),
-               "decode_speedup_vs_plain": med(name, "decode_tokens_per_s") / plain_decode,
+               "decode_speedup_vs_plain": paired(name, "decode_tokens_per_s"),
+               "decode_speedup_range": [min(r["decode_tokens_per_s"] / p["decode_tokens_per_s"]
+                                            for r, p in zip(rs, runs["plain"])),
+                                        max(r["decode_tokens_per_s"] / p["decode_tokens_per_s"]
+                                            for r, p in zip(rs, runs["plain"]))],
                "tau": statistics.median(taus) if taus else None, "acceptance_per_depth": per_depth,
                "step_rates": accepted_rates,
                "draft_s_per_forward": draft_s, "verify_s_per_forward": verify_s,
@@ -180,18 +188,19 @@ def write_batch(report: dict, out_dir: str) -> Path:
 
 
 def batch_table(report: dict) -> str:
-    head = ("| T | B | method | tokens/s | speedup vs plain | decode phase: tokens/s, speedup | τ | expected speedup "
+    head = ("| T | B | method | tokens/s | speedup vs plain | decode phase: tokens/s, speedup (range over repeats) | τ | expected speedup "
             "| same tokens as plain |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for temp, per_b in report["results"].items():
         for b, res in per_b.items():
             for name, r in res.items():
                 tau = f"{r['tau']:.2f}" if r["tau"] else ""
+                lo, hi = r.get("decode_speedup_range", [r["decode_speedup_vs_plain"]] * 2)
                 exp = f"{r['expected_speedup']:.2f}x"
                 if "expected_speedup_leviathan" in r:
                     exp += f" (Leviathan {r['expected_speedup_leviathan']:.2f}x, α {r['alpha']:.2f}, c {r['cost_ratio_c']:.2f})"
                 lines.append(f"| {temp} | {b} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x "
-                             f"| {r['decode_tokens_per_s']:.1f}, {r['decode_speedup_vs_plain']:.2f}x | {tau} | {exp} "
+                             f"| {r['decode_tokens_per_s']:.1f}, {r['decode_speedup_vs_plain']:.2f}x ({lo:.2f}–{hi:.2f}) | {tau} | {exp} "
                              f"| {r['identical_to_plain']} |")
     mem = report["memory"]
     for what, m in mem.items():

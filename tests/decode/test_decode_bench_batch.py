@@ -74,3 +74,22 @@ def test_decode_bench_batch_theory_formulas():
     # a tree that stops short counts as a miss at the depths it lacks: E[tokens] is the mean accepted path
     assert theory.step_rates(s) == [0.5, 1.0, 0.5]
     assert theory.expected_tokens(theory.step_rates(s)) == pytest.approx((1 + 3 + 4 + 1) / 4)
+
+
+
+def test_decode_bench_batch_speedup_is_paired_by_repeat():
+    """Within a repeat every method ran group by group beside plain: the speedup is the median of the
+    per-repeat ratios (and their range), not a ratio of medians taken from different repeats."""
+    from eaglekit.bench.batch import summarise_batch
+
+    def rep(tps):
+        return {"tokens_per_s": tps, "decode_tokens_per_s": tps, "tau": None, "draft_s_per_forward": 0.0,
+                "verify_s_per_forward": 1 / tps, "identical_to_plain": None}
+
+    runs = {"plain": [rep(100.0), rep(50.0), rep(80.0)], "auto": [rep(90.0), rep(60.0), rep(60.0)]}
+    out = summarise_batch(runs, {n: DecodeStats() for n in runs}, gamma=4, drafted_by_chain=False)
+    # per repeat 0.9, 1.2, 0.75: median 0.9 (a ratio of medians would say 60 / 80 = 0.75)
+    assert out["auto"]["decode_speedup_vs_plain"] == pytest.approx(0.9)
+    assert out["auto"]["speedup_vs_plain"] == pytest.approx(0.9)
+    assert out["auto"]["decode_speedup_range"] == pytest.approx([0.75, 1.2])
+    assert out["plain"]["decode_speedup_vs_plain"] == 1.0
