@@ -16,7 +16,8 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
     python benchmarks/bench_recipes.py --features runs/recipes/features --out runs/recipes \\
         --seeds 0 1 --tokens 500000
 
-Finished runs (``<out>/<arm>-s<seed>/final``) are reused, so an interrupted experiment resumes.
+Finished runs (``<out>/<arm>-s<seed>/final``) are reused and a killed run resumes from its last checkpoint
+(one every ~10% of the run), so an interrupted experiment resumes.
 """
 from __future__ import annotations
 
@@ -72,10 +73,12 @@ def train(arm: str, seed: int, a, steps: int) -> Path:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *device, "--num_processes", "1", "--num_machines",
            "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train_head.py"),
            "--config", str(CONFIG), *common(a), f"output_dir={out}", f"seed={seed}",
-           f"optim.max_steps={steps}", f"optim.warmup_steps={max(1, steps // 10)}", "optim.epochs=1", "eval_interval=0", *ARMS[arm]]
+           f"optim.max_steps={steps}", f"optim.warmup_steps={max(1, steps // 10)}", "optim.epochs=1", "eval_interval=0",
+           # a checkpoint every ~10% of the run: a run killed midway resumes (resume=auto) instead of restarting
+           f"save_interval={max(1, steps // 10)}", "keep_last=1", *ARMS[arm]]
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f"{arm}-s{seed}.log", "w") as log:
+    with open(out.parent / f"{arm}-s{seed}.log", "a") as log:  # appended: a resumed run keeps its first part
         subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT,
                        env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
     print(f"{arm} seed {seed}: trained in {time.time() - t0:.0f} s", flush=True)
