@@ -32,7 +32,7 @@ COMMANDS = {
     "prepare": ("eaglekit.data_prep.prepare", "conversations → loss-masked tokens → draft vocab → feature shards"),
     "train": ("eaglekit.train.cli", "train a draft head (same as `accelerate launch train_head.py`)"),
     "generate": ("eaglekit.decode.cli", "chat with a target + EAGLE head / draft model (streaming, prints tau)"),
-    "bench": ("eaglekit.decode.cli:bench", "tau, tokens/s, speedup vs plain and HF baselines (JSON + PNG)"),
+    "bench": ("eaglekit.bench.cli", "tau, tokens/s, speedup vs plain and HF baselines (JSON + PNG)"),
 }
 
 EXIT_ERROR = 2

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 
 import torch
 import yaml
-from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, create_model
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from eaglekit.assets import DEFAULT_TARGET
 
@@ -381,19 +381,6 @@ def describe(hint) -> str:
         return "a list" + (f" of {_plural(describe(args[0]))}" if args and args[0] is not Any else "")
     names = {bool: "true or false", int: "an int", float: "a float", str: "a string", dict: "a mapping"}
     return names.get(hint, getattr(hint, "__name__", str(hint)))
-
-
-def check_fields(cfg, types: dict[str, Any], where: str = "config") -> None:
-    """Check fields of a loaded config against stricter ``types`` (``{"prompts": PosInt}``), for a caller
-    that adds ranges to a dataclass it does not own; ConfigError naming the key as load_config does."""
-    for key, hint in types.items():
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
-        try:
-            TypeAdapter(_field_type(hint), config=ConfigDict(allow_inf_nan=False)).validate_python(value)
-        except ValidationError:
-            raise ConfigError(f"{where}: {key} must be {describe(hint)}, got {value!r}") from None
 
 
 def to_dict(cfg) -> dict:

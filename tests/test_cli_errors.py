@@ -23,10 +23,10 @@ def one_line(capsys) -> str:
     (["generate", "target=/nonexistent", "prompt="], "prompt= is empty"),
     (["generate", "target=/nonexistent", "prompt=   "], "prompt= is empty"),
     (["generate", "target=/nonexistent", "dtype=float8"], "dtype must be one of 'float32', 'bfloat16', 'float16'"),
-    (["bench", "target=/nonexistent", "prompts=0"], "config: prompts must be an int >= 1, got 0"),
-    (["bench", "target=/nonexistent", "prompts=-2"], "config: prompts must be an int >= 1, got -2"),
-    (["bench", "target=/nonexistent", "repeats=0"], "config: repeats must be an int >= 1, got 0"),
-    (["bench", "target=/nonexistent", "temperatures=[]"], "temperatures must be a list of floats >= 0 (at least 1 item), got []"),
+    (["bench", "target=/nonexistent", "prompts=0"], "override: prompts must be an int >= 1, got 0"),
+    (["bench", "target=/nonexistent", "prompts=-2"], "override: prompts must be an int >= 1, got -2"),
+    (["bench", "target=/nonexistent", "repeats=0"], "override: repeats must be an int >= 1, got 0"),
+    (["bench", "target=/nonexistent", "temperatures=[]"], "temperatures must be a list of floats >= 0 (at least 1 item) (e.g. [0.0, 1.0]), got []"),
     (["bench", "target=/nonexistent", "dataset=gsm8k"], "dataset must be one of 'mt-bench', 'humaneval'"),
     (["export", "--head", "x"], "eaglekit export: --head and --out are required"),  # SystemExit("...")
 ])
@@ -75,8 +75,8 @@ def test_run_with_errors_wraps_any_entry_point(capsys):
 def test_console_command_prints_one_line_and_exits_2():
     cmd = [sys.executable, "-m", "eaglekit.cli", "bench", "target=/nonexistent", "prompts=0"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    assert res.returncode == 2 and res.stderr == "eaglekit: error: config: prompts must be an int >= 1, got 0\n"
+    assert res.returncode == 2 and res.stderr == "eaglekit: error: override: prompts must be an int >= 1, got 0\n"
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False,
                          env={**os.environ, "EAGLEKIT_DEBUG": "1"})
     assert res.returncode == 2 and "Traceback (most recent call last)" in res.stderr
-    assert res.stderr.strip().splitlines()[-1] == "eaglekit: error: config: prompts must be an int >= 1, got 0"
+    assert res.stderr.strip().splitlines()[-1] == "eaglekit: error: override: prompts must be an int >= 1, got 0"

@@ -171,3 +171,15 @@ def test_parse_dtype_is_the_one_reader_of_dtype_names():
     for bad in ("float8", "int64", "cuda"):
         with pytest.raises(ValueError, match=f"dtype '{bad}' is not a floating-point torch dtype"):
             parse_dtype(bad)
+
+
+def test_bench_config_refuses_bad_values_by_its_types():
+    """BenchConfig's ranges are its field types (no separate check list): each bad value names its key."""
+    from eaglekit.bench.cli import BenchConfig
+
+    for override, message in [("batch_sizes=[1,0]", r"batch_sizes must be a list of ints >= 1"),
+                              ("temperatures=[]", "temperatures must be"), ("dataset=gsm8k", "dataset must be"),
+                              ("repeats=0", "repeats must be an int >= 1"), ("cpu_linear=fast", "cpu_linear must be")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(BenchConfig, None, [override])
+    assert load_config(BenchConfig, None, ["batch_sizes=[1,2]"]).batch_sizes == [1, 2]

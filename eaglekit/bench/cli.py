@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field
 
 from eaglekit.bench.batch import batch_table, run_batch_bench, write_batch
 from eaglekit.bench.methods import methods
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates, speedup_per_category, summarise, table, write
-from eaglekit.config import load_config
+from eaglekit.config import NonNegFloat, NonNegInt, PosInt, load_config
 from eaglekit.decode import plan as planner
+from eaglekit.decode.cli import CPU_LINEAR, DTYPES
 from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.target import load_target
@@ -40,28 +43,28 @@ class BenchConfig:
     target: str = "smollm2-135m-instruct"
     head: str | None = None
     draft: str | None = None
-    dataset: str = "mt-bench"  # "mt-bench" (first turns) or "humaneval"
-    prompts: int = 10
-    prompt_order: str = "first"  # "first": the first n questions; "spread": round-robin over categories
-    max_new_tokens: int = 128
-    temperatures: list = field(default_factory=lambda: [0.0, 1.0])
-    repeats: int = 3
+    dataset: Literal["mt-bench", "humaneval"] = "mt-bench"  # MT-bench first turns, or HumanEval
+    prompts: PosInt = 10
+    prompt_order: Literal["first", "spread"] = "first"  # the first n questions, or round-robin over categories
+    max_new_tokens: PosInt = 128
+    temperatures: Annotated[list[NonNegFloat], Field(min_length=1)] = field(default_factory=lambda: [0.0, 1.0])
+    repeats: PosInt = 3
     tree: str = "auto"
-    gamma: int = 4
+    gamma: PosInt = 4
     draft_tree: str | None = None  # with draft=: "depth,top_k,total_tokens", our loop drafts a tree, not a chain
     hf_baselines: bool = True
-    prompt_lookup_tokens: int = 10
+    prompt_lookup_tokens: PosInt = 10
     lookup_tokens: int | list | str = 0  # > 0 (or "2,5,10", lengths per match as in generate's prompt_lookup):
     # add "lookup" (our loop, prompt lookup only) and, with a head or draft_tree, "ours_lookup" (drafter +
     # lookup). hf_lookup keeps transformers' own settings (prompt_lookup_tokens, n-gram 2)
-    assistant_tokens: list = field(default_factory=lambda: [4, 8])  # best of these is reported
-    dtype: str = "float32"
+    assistant_tokens: list[PosInt] = field(default_factory=lambda: [4, 8])  # best of these is reported
+    dtype: DTYPES = "float32"
     device: str = "cpu"
     seed: int = 0
-    threads: int = 0  # torch CPU threads (0 = torch's default)
-    cpu_linear: str = "packed"  # "packed" (oneDNN pre-packed weights, every method alike) or "aten"
+    threads: NonNegInt = 0  # torch CPU threads (0 = torch's default)
+    cpu_linear: CPU_LINEAR = "packed"  # "packed" (oneDNN pre-packed weights, every method alike) or "aten"
     out: str = "benchmarks/results/decode"
-    batch_sizes: list = field(default_factory=list)  # e.g. [1,2,4,8,16]: the batch bench (bench.batch)
+    batch_sizes: list[PosInt] = field(default_factory=list)  # e.g. [1,2,4,8,16]: the batch bench (bench.batch)
 
 
 def run_bench(cfg: BenchConfig) -> dict:

@@ -5,21 +5,16 @@
         prompt="Write quicksort in Python" temperature=0.7
 Without ``prompt=`` it reads user turns from stdin (an empty line or EOF ends the chat); an empty
 ``prompt=`` is refused (it is a mistake, not a request for a chat).
-
-``eaglekit bench`` (``eaglekit.bench``) runs behind ``bench``, below: its values are checked here,
-before any model loads.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Annotated, Literal
+from typing import Literal
 
 import torch
-from pydantic import Field
 
-from eaglekit.config import NonNegFloat, NonNegInt, PosFraction, PosInt, check_fields, load_config
+from eaglekit.config import NonNegFloat, NonNegInt, PosFraction, PosInt, load_config
 from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear, with_draft_tree
 
 DTYPES = Literal["float32", "bfloat16", "float16"]
@@ -106,29 +101,3 @@ def run(args) -> int:
         kind += f" + prompt lookup {cfg.prompt_lookup}" if cfg.prompt_lookup else ""
         print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, tau={s.tau:.2f} ({kind}), "
               f"acceptance per depth {[round(a, 2) for a in s.acceptance_per_depth]}]", file=sys.stderr)
-
-
-# ranges of eaglekit.bench.cli.BenchConfig, checked before any model loads
-BENCH_CHECKS = {
-    "prompts": PosInt, "repeats": PosInt, "max_new_tokens": PosInt, "gamma": PosInt, "threads": NonNegInt,
-    "prompt_lookup_tokens": PosInt, "temperatures": Annotated[list[NonNegFloat], Field(min_length=1)],
-    "assistant_tokens": list[PosInt], "dataset": Literal["mt-bench", "humaneval"],
-    "prompt_order": Literal["first", "spread"], "dtype": DTYPES, "cpu_linear": CPU_LINEAR,
-}
-
-
-def _bench_arguments(p):
-    from eaglekit.bench import cli as bench_module
-
-    bench_module.add_arguments(p)
-
-
-def _bench_run(args) -> int:
-    from eaglekit.bench import cli as bench_module
-
-    cfg = load_config(bench_module.BenchConfig, args.config, args.overrides)
-    check_fields(cfg, BENCH_CHECKS, where=args.config or "config")
-    return bench_module.run(args)
-
-
-bench = SimpleNamespace(add_arguments=_bench_arguments, run=_bench_run)  # the `eaglekit bench` command
