@@ -159,13 +159,18 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="autocast (fast only with avx512_bf16/AMX or a GPU)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per training run")
     ap.add_argument("--parallel", type=int, default=1, help="training runs at once")
+    ap.add_argument("--train-only", action="store_true",
+                    help="train the listed arms and seeds only (no base added, no scoring): to split a grid over "
+                         "cores or machines; a later run without it reuses the finished heads and scores them")
     a = ap.parse_args()
-    if "base" not in a.arms:
+    if "base" not in a.arms and not a.train_only:
         a.arms.insert(0, "base")
     steps = steps_for(a)
     runs = [(arm, seed) for seed in a.seeds for arm in a.arms]
     with ThreadPoolExecutor(a.parallel) as pool:  # a.threads each: small matmuls scale poorly past 1-2 cores
         heads = dict(zip(runs, pool.map(lambda r: train(*r, a, steps), runs)))
+    if a.train_only:
+        return
     scores = {}
     for (arm, seed), head in heads.items():
         cached = head.parent / "per_sample.json"
