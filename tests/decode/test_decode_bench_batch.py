@@ -93,3 +93,19 @@ def test_decode_bench_batch_speedup_is_paired_by_repeat():
     assert out["auto"]["speedup_vs_plain"] == pytest.approx(0.9)
     assert out["auto"]["decode_speedup_range"] == pytest.approx([0.75, 1.2])
     assert out["plain"]["decode_speedup_vs_plain"] == 1.0
+
+
+def test_decode_bench_batch_method_order_is_balanced():
+    """Over n group runs (2n for an odd n) every method runs first once and right after every other one
+    once: no method always follows the same one."""
+    from eaglekit.bench.batch import method_order
+
+    for names in (["plain", "ours", "auto", "lookup"], ["plain", "ours", "auto"], ["plain", "ours"]):
+        n = len(names)
+        runs = n if n % 2 == 0 else 2 * n
+        orders = [method_order(names, k) for k in range(runs)]
+        assert all(sorted(o) == sorted(names) for o in orders)
+        assert sorted(o[0] for o in orders) == sorted(names * (runs // n))
+        pairs = [(o[j], o[j + 1]) for o in orders for j in range(n - 1)]
+        every = [(a, b) for a in names for b in names if a != b]
+        assert sorted(pairs) == sorted(every * (1 if n % 2 == 0 else 2)), (names, orders)
