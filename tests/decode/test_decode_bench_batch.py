@@ -76,7 +76,6 @@ def test_decode_bench_batch_theory_formulas():
     assert theory.expected_tokens(theory.step_rates(s)) == pytest.approx((1 + 3 + 4 + 1) / 4)
 
 
-
 def test_decode_bench_batch_speedup_is_paired_by_repeat():
     """Within a repeat every method ran group by group beside plain: the speedup is the median of the
     per-repeat ratios (and their range), not a ratio of medians taken from different repeats."""
