@@ -1,6 +1,7 @@
 """``eaglekit bench``: τ, tokens/s and speedup vs plain decoding, measured side by side in one run.
 
-Methods per prompt, interleaved so that machine drift hits all alike: ``plain`` (our loop, no
+Methods per prompt, interleaved so that machine drift hits all alike (their order balanced over the
+prompts, ``batch.method_order``): ``plain`` (our loop, no
 drafter: the baseline), ``ours`` (our loop with the head or draft model), with ``lookup_tokens=N`` (or
 ``2,5,10``) ``lookup`` and ``ours_lookup`` (our loop with a prompt-lookup branch, alone and grafted onto
 ours), ``hf`` (transformers' ``generate``), ``hf_lookup`` (prompt lookup decoding) and, with a draft
@@ -25,7 +26,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 
-from eaglekit.bench.batch import batch_table, run_batch_bench, write_batch
+from eaglekit.bench.batch import batch_table, method_order, run_batch_bench, write_batch
 from eaglekit.bench.methods import methods
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates, speedup_per_category, summarise, table, write
@@ -106,20 +107,21 @@ def bench_temperature(cfg: BenchConfig, fns: dict, prompts: list, categories: li
     for rep in range(cfg.repeats):
         totals = {name: [0, 0.0, [], 0] for name in fns}
         for i, ids in enumerate(prompts):
-            plain_seq = None
-            for name, fn in fns.items():
-                seed = cfg.seed + 1000 * rep + i
-                (n, stats, seq), dt = timed(lambda fn=fn, ids=ids, seed=seed: fn(ids, temp, seed))
-                plain_seq = seq if name == "plain" else plain_seq
+            seqs, seed = {}, cfg.seed + 1000 * rep + i
+            for name in method_order(list(fns), rep * len(prompts) + i):
+                fn = fns[name]
+                (n, stats, seqs[name]), dt = timed(lambda fn=fn, ids=ids, seed=seed: fn(ids, temp, seed))
                 totals[name][0] += n
                 totals[name][1] += dt
                 totals[name][2] += stats.accept_lengths if stats else []
-                totals[name][3] += int(torch.equal(seq.cpu(), plain_seq.cpu()))
                 if name in records[i]:
                     records[i][name]["tokens"].append(n)
                     records[i][name]["seconds"].append(dt)
                 if name == "ours":
                     ours_stats[i].pool(stats)
+            plain = seqs["plain"].cpu()
+            for name, seq in seqs.items():
+                totals[name][3] += int(torch.equal(seq.cpu(), plain))
         for name, (n, dt, lengths, same) in totals.items():
             runs[name].append({"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
                                "tau": sum(lengths) / len(lengths) if lengths else None,

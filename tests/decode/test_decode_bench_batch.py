@@ -108,3 +108,32 @@ def test_decode_bench_batch_method_order_is_balanced():
         pairs = [(o[j], o[j + 1]) for o in orders for j in range(n - 1)]
         every = [(a, b) for a in names for b in names if a != b]
         assert sorted(pairs) == sorted(every * (1 if n % 2 == 0 else 2)), (names, orders)
+
+
+def test_decode_bench_one_prompt_method_order_is_balanced():
+    """The one-prompt bench runs its methods in the balanced order too (plain not always first), and still
+    counts a method's output against plain's of the same prompt, whichever ran first."""
+    import torch
+
+    from eaglekit.bench.cli import BenchConfig, bench_temperature
+    from eaglekit.decode.stats import DecodeStats
+
+    calls = []
+
+    def fake(name, differs_on=None):
+        def fn(ids, temp, seed):
+            calls.append(name)
+            seq = ids.clone()
+            if differs_on is not None and int(ids[0, 0]) == differs_on:
+                seq[0, -1] += 1
+            return int(seq.shape[1]), DecodeStats(), seq
+        return fn
+
+    fns = {"plain": fake("plain"), "ours": fake("ours", differs_on=2), "lookup": fake("lookup")}
+    prompts = [torch.tensor([[p, 5, 6]]) for p in range(4)]
+    runs, _, _ = bench_temperature(BenchConfig(repeats=2), fns, prompts, ["writing"] * 4, 0.0)
+    orders = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    assert len(orders) == 8 and all(sorted(o) == sorted(fns) for o in orders)
+    assert {o[0] for o in orders} == set(fns)  # each method leads some prompts
+    assert [r["identical_to_plain"] for r in runs["ours"]] == ["3/4", "3/4"]
+    assert [r["identical_to_plain"] for r in runs["lookup"]] == ["4/4", "4/4"]
