@@ -76,12 +76,21 @@ def pad_prompts(input_ids, attention_mask, pad_id: int) -> tuple[torch.Tensor, l
     for b, row in enumerate(mask.long().cpu().tolist()):
         n = len(row) - sum(row)
         if any(x not in (0, 1) for x in row) or row != [0] * n + [1] * (len(row) - n):
-            raise ValueError(f"attention_mask row {b} must be 0 on left pads then 1 on the prompt (left padding), "
-                             f"got {row}")
+            hint = ("it is right-padded: tokenize with tokenizer.padding_side = 'left', or pass a list of 1-D "
+                    "prompts" if row == [1] * (len(row) - n) + [0] * n else f"got {_short(row)}")
+            raise ValueError(f"attention_mask row {b} must be 0 on left pads then 1 on the prompt (left "
+                             f"padding): {hint}")
         if n == len(row):
             raise ValueError(f"attention_mask row {b} is all 0: an empty prompt")
         starts.append(n)
     return ids, starts
+
+
+def _short(row: list, keep: int = 12) -> str:
+    """A mask row for an error message: whole if short, else its ends."""
+    if len(row) <= 2 * keep:
+        return str(row)
+    return f"[{', '.join(map(str, row[:keep]))}, ... ({len(row) - 2 * keep} more), {', '.join(map(str, row[-keep:]))}]"
 
 
 class BatchDecoder:

@@ -229,8 +229,15 @@ def test_decode_batch_sampling_law_per_row():
 def test_decode_batch_bad_input():
     t = tiny_target(vocab_size=64, layers=2)
     ids = torch.tensor([[0, 2, 5], [2, 6, 7]])
-    with pytest.raises(ValueError, match="row 0 must be 0 on left pads"):
+    with pytest.raises(ValueError, match="row 0 must be 0 on left pads.*right-padded: .*padding_side = 'left'"):
         decode.generate(t, None, ids, 4, attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    with pytest.raises(ValueError, match=r"row 1 must be 0 on left pads.*got \[0, 1, 0\]"):
+        decode.generate(t, None, ids, 4, attention_mask=torch.tensor([[1, 1, 1], [0, 1, 0]]))
+    long = torch.ones(2, 40, dtype=torch.long)
+    long[1, 20] = 0  # a hole in a long row: the message shows its ends, not all 40
+    with pytest.raises(ValueError, match=r"row 1 .*got \[1, 1, .*\.\.\. \(16 more\)") as err:
+        decode.generate(t, None, long, 4, attention_mask=long.clone())
+    assert len(str(err.value)) < 250
     with pytest.raises(ValueError, match="shape"):
         decode.generate(t, None, ids, 4, attention_mask=torch.ones(2, 2))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
