@@ -9,7 +9,8 @@ with ``tree="auto"`` planned for that B: plain decoding where no tree is expecte
 ``lookup_tokens``, ``lookup`` (prompt lookup alone). Per (temperature, B, method): tokens/s (median over
 repeats of the total over the prompts; end to end, and of the decode phase alone: the prefill, which a
 batch pads and which drafting does not speed up, left out), the speedup over plain at that B (paired: the median of each repeat's ratio), τ (mean
-over rows), and the speedup expected from the measured acceptance per depth and step costs (``theory``;
+over rows), the decode tokens per batched forward (the batch's own τ: B × τ where rows end together, less
+where a group waits for its slowest row), and the speedup expected from the measured acceptance per depth and step costs (``theory``;
 Leviathan's formula too for a draft model's chain), to set beside the decode-phase speedup. The report
 also gives the drafter's memory beside the target's.
 """
@@ -127,7 +128,9 @@ def bench_batch_temperature(cfg, fns: dict, prompts: list, sizes: list[int], tem
                                    "decode_tokens_per_s": dn / ds if ds else None,
                                    "tau": sum(taus) / len(taus) if taus else None,
                                    "draft_s_per_forward": draft_s / max(forwards, 1),
-                                   "verify_s_per_forward": verify_s / max(forwards, 1)})
+                                   "verify_s_per_forward": verify_s / max(forwards, 1),
+                                   # the batch's own τ: a group runs until its slowest row ends
+                                   "tokens_per_forward": dn / max(forwards, 1)})
         out[str(b)] = summarise_batch(runs, pooled, cfg.gamma, drafted_by_chain=bool(cfg.draft and not cfg.draft_tree))
     return out
 
@@ -167,6 +170,7 @@ def summarise_batch(runs: dict, pooled: dict, gamma: int, drafted_by_chain: bool
                "decode_speedup_vs_plain": statistics.median(decode),
                "decode_speedup_range": [min(decode), max(decode)],
                "tau": statistics.median(taus) if taus else None, "acceptance_per_depth": per_depth,
+               "tokens_per_forward": med(name, "tokens_per_forward"),
                "step_rates": accepted_rates,
                "draft_s_per_forward": draft_s, "verify_s_per_forward": verify_s,
                "expected_speedup": tree_speedup(accepted_rates, draft_s, verify_s, plain_step),
@@ -200,9 +204,9 @@ def write_batch(report: dict, out_dir: str) -> Path:
 
 
 def batch_table(report: dict) -> str:
-    head = ("| T | B | method | tokens/s | speedup vs plain | decode phase: tokens/s, speedup (range over repeats) | τ | expected speedup "
-            "| same tokens as plain |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = ("| T | B | method | tokens/s | speedup vs plain | decode phase: tokens/s, speedup (range over repeats) | τ "
+            "| tokens per forward | expected speedup | same tokens as plain |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for temp, per_b in report["results"].items():
         for b, res in per_b.items():
             for name, r in res.items():
@@ -212,7 +216,8 @@ def batch_table(report: dict) -> str:
                 if "expected_speedup_leviathan" in r:
                     exp += f" (Leviathan {r['expected_speedup_leviathan']:.2f}x, α {r['alpha']:.2f}, c {r['cost_ratio_c']:.2f})"
                 lines.append(f"| {temp} | {b} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x "
-                             f"| {r['decode_tokens_per_s']:.1f}, {r['decode_speedup_vs_plain']:.2f}x ({lo:.2f}–{hi:.2f}) | {tau} | {exp} "
+                             f"| {r['decode_tokens_per_s']:.1f}, {r['decode_speedup_vs_plain']:.2f}x ({lo:.2f}–{hi:.2f}) | {tau} "
+                             f"| {r['tokens_per_forward']:.2f} | {exp} "
                              f"| {r['identical_to_plain']} |")
     mem = report["memory"]
     for what, m in mem.items():

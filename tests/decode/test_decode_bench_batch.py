@@ -37,6 +37,8 @@ def test_decode_bench_batch_self_draft_every_size(saved, tmp_path):  # noqa: F81
         assert ours["expected_speedup_leviathan"] == pytest.approx(4 / (3 * c + 1))
         # each row: a step accepting all 3 drafted tokens, then one with room for 2 (8 tokens): 3.5 per step
         assert ours["step_rates"] == [1.0, 1.0, 0.5]
+        # the batch's own τ: every row ends at the same step, so B × 3.5 tokens per batched forward (plain: B)
+        assert ours["tokens_per_forward"] == 3.5 * int(b) and plain["tokens_per_forward"] == int(b)
         assert ours["expected_speedup"] == pytest.approx(3.5 * plain["verify_s_per_forward"] /
                                                          (ours["draft_s_per_forward"] + ours["verify_s_per_forward"]))
         assert plain["speedup_vs_plain"] == plain["decode_speedup_vs_plain"] == 1.0 and plain["tau"] == 1.0
@@ -83,7 +85,7 @@ def test_decode_bench_batch_speedup_is_paired_by_repeat():
 
     def rep(tps):
         return {"tokens_per_s": tps, "decode_tokens_per_s": tps, "tau": None, "draft_s_per_forward": 0.0,
-                "verify_s_per_forward": 1 / tps, "identical_to_plain": None}
+                "verify_s_per_forward": 1 / tps, "identical_to_plain": None, "tokens_per_forward": 1.0}
 
     runs = {"plain": [rep(100.0), rep(50.0), rep(80.0)], "auto": [rep(90.0), rep(60.0), rep(60.0)]}
     out = summarise_batch(runs, {n: DecodeStats() for n in runs}, gamma=4, drafted_by_chain=False)
