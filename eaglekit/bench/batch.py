@@ -2,7 +2,7 @@
 
 The same prompts at every batch size B, sorted by length (less padding in a group) and decoded in
 consecutive groups of B (B = 1: one at a time, through the one-sequence loop), methods interleaved per
-group so machine drift hits all alike (their order balanced over groups: ``method_order``): ``plain`` (our
+group so machine drift hits all alike (their order balanced over groups: ``methods.method_order``): ``plain`` (our
 batched loop, no drafter: the baseline at that B), ``ours`` (the head's or draft model's drafts, always
 drafting: a head drafts the tree ``tree=`` names, "auto" meaning the one-row plan's), ``auto`` (a head
 with ``tree="auto"`` planned for that B: plain decoding where no tree is expected to pay) and, with
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from eaglekit.bench.methods import run_in_order
 from eaglekit.bench.plots import plot_batch
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates
@@ -41,7 +42,6 @@ from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear, with_
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.fileio import write_text
 from eaglekit.target import load_target
-from eaglekit.timing import timed
 
 
 def batch_methods(cfg, target, drafter, tree) -> dict:
@@ -104,10 +104,9 @@ def bench_batch_temperature(cfg, fns: dict, prompts: list, sizes: list[int], tem
             # tokens, s, row taus, draft s, verify s, forwards, decode-phase tokens and s, rows equal to plain's
             totals = {name: [0, 0.0, [], 0.0, 0.0, 0, 0, 0.0, 0] for name in fns}
             for i, group in enumerate(groups):
-                seqs, seed = {}, cfg.seed + 1000 * rep + i
-                for name in method_order(list(fns), rep * len(groups) + i):
-                    fn = fns[name]
-                    (stats, seqs[name]), dt = timed(lambda fn=fn, group=group, seed=seed: fn(group, temp, seed))
+                done = run_in_order(fns, rep * len(groups) + i, group, temp, cfg.seed + 1000 * rep + i)
+                plain = done["plain"][0][1].cpu()
+                for name, ((stats, seq), dt) in done.items():
                     t = totals[name]
                     t[0] += stats.new_tokens
                     t[1] += dt
@@ -117,10 +116,8 @@ def bench_batch_temperature(cfg, fns: dict, prompts: list, sizes: list[int], tem
                     t[5] += stats.forwards
                     t[6] += stats.new_tokens - len(group)  # the prefill emits each row's first token
                     t[7] += stats.total_s - stats.prefill_s
+                    t[8] += sum(torch.equal(a, b) for a, b in zip(seq.cpu(), plain))
                     pooled[name].pool(stats)
-                plain = seqs["plain"].cpu()
-                for name, seq in seqs.items():
-                    totals[name][8] += sum(torch.equal(a, b) for a, b in zip(seq.cpu(), plain))
             for name, (n, dt, taus, draft_s, verify_s, forwards, dn, ds, same) in totals.items():
                 runs[name].append({"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
                                    # greedy: a lossless method gives plain's tokens, row for row
@@ -133,18 +130,6 @@ def bench_batch_temperature(cfg, fns: dict, prompts: list, sizes: list[int], tem
                                    "tokens_per_forward": dn / max(forwards, 1)})
         out[str(b)] = summarise_batch(runs, pooled, cfg.gamma, drafted_by_chain=bool(cfg.draft and not cfg.draft_tree))
     return out
-
-
-def method_order(names: list[str], k: int) -> list[str]:
-    """The methods' order for the k-th group run: row k of a balanced Latin square (Williams), so over n
-    runs (2n for an odd n) each method runs first once and right after each other method once; a heavy
-    method can leave the next one a colder cache or a hotter CPU, and no method always pays for that."""
-    n = len(names)
-    first = [0]
-    for j in range(1, n):
-        first.append((j + 1) // 2 if j % 2 else n - j // 2)
-    row = [names[(x + k) % n] for x in first]
-    return row[::-1] if n % 2 and (k // n) % 2 else row
 
 
 def summarise_batch(runs: dict, pooled: dict, gamma: int, drafted_by_chain: bool) -> dict:

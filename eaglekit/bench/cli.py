@@ -1,7 +1,7 @@
 """``eaglekit bench``: τ, tokens/s and speedup vs plain decoding, measured side by side in one run.
 
 Methods per prompt, interleaved so that machine drift hits all alike (their order balanced over the
-prompts, ``batch.method_order``): ``plain`` (our loop, no
+prompts, ``methods.method_order``): ``plain`` (our loop, no
 drafter: the baseline), ``ours`` (our loop with the head or draft model), with ``lookup_tokens=N`` (or
 ``2,5,10``) ``lookup`` and ``ours_lookup`` (our loop with a prompt-lookup branch, alone and grafted onto
 ours), ``hf`` (transformers' ``generate``), ``hf_lookup`` (prompt lookup decoding) and, with a draft
@@ -26,8 +26,8 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 
-from eaglekit.bench.batch import batch_table, method_order, run_batch_bench, write_batch
-from eaglekit.bench.methods import methods
+from eaglekit.bench.batch import batch_table, run_batch_bench, write_batch
+from eaglekit.bench.methods import methods, run_in_order
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates, speedup_per_category, summarise, table, write
 from eaglekit.config import NonNegFloat, NonNegInt, PosInt, load_config
@@ -36,7 +36,6 @@ from eaglekit.decode.cli import CPU_LINEAR, DTYPES
 from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.target import load_target
-from eaglekit.timing import timed
 
 
 @dataclass
@@ -107,21 +106,18 @@ def bench_temperature(cfg: BenchConfig, fns: dict, prompts: list, categories: li
     for rep in range(cfg.repeats):
         totals = {name: [0, 0.0, [], 0] for name in fns}
         for i, ids in enumerate(prompts):
-            seqs, seed = {}, cfg.seed + 1000 * rep + i
-            for name in method_order(list(fns), rep * len(prompts) + i):
-                fn = fns[name]
-                (n, stats, seqs[name]), dt = timed(lambda fn=fn, ids=ids, seed=seed: fn(ids, temp, seed))
+            done = run_in_order(fns, rep * len(prompts) + i, ids, temp, cfg.seed + 1000 * rep + i)
+            plain = done["plain"][0][2].cpu()
+            for name, ((n, stats, seq), dt) in done.items():
                 totals[name][0] += n
                 totals[name][1] += dt
                 totals[name][2] += stats.accept_lengths if stats else []
+                totals[name][3] += int(torch.equal(seq.cpu(), plain))
                 if name in records[i]:
                     records[i][name]["tokens"].append(n)
                     records[i][name]["seconds"].append(dt)
                 if name == "ours":
                     ours_stats[i].pool(stats)
-            plain = seqs["plain"].cpu()
-            for name, seq in seqs.items():
-                totals[name][3] += int(torch.equal(seq.cpu(), plain))
         for name, (n, dt, lengths, same) in totals.items():
             runs[name].append({"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
                                "tau": sum(lengths) / len(lengths) if lengths else None,

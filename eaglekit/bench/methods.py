@@ -11,6 +11,7 @@ import torch
 
 from eaglekit.decode.generate import generate
 from eaglekit.decode.plan import with_draft_tree
+from eaglekit.timing import timed
 
 
 def methods(cfg, target, drafter, tree) -> dict:
@@ -60,3 +61,20 @@ def _assisted(hf, drafter, k):
         drafter.model.generation_config.num_assistant_tokens = k
         return inner(ids, temp, seed)
     return fn
+
+
+def method_order(names: list[str], k: int) -> list[str]:
+    """The methods' order for the k-th run: row k of a balanced Latin square (Williams), so over n runs
+    (2n for an odd n) each method runs first once and right after each other method once; a heavy method
+    can leave the next one a colder cache or a hotter CPU, and no method always pays for that."""
+    n = len(names)
+    first = [0]
+    for j in range(1, n):
+        first.append((j + 1) // 2 if j % 2 else n - j // 2)
+    row = [names[(x + k) % n] for x in first]
+    return row[::-1] if n % 2 and (k // n) % 2 else row
+
+
+def run_in_order(fns: dict, k: int, *args) -> dict:
+    """Every method on the same ``args``, in ``method_order``'s k-th order: name -> (its result, seconds)."""
+    return {name: timed(lambda fn=fns[name]: fn(*args)) for name in method_order(list(fns), k)}

@@ -99,7 +99,7 @@ def test_decode_bench_batch_speedup_is_paired_by_repeat():
 def test_decode_bench_batch_method_order_is_balanced():
     """Over n group runs (2n for an odd n) every method runs first once and right after every other one
     once: no method always follows the same one."""
-    from eaglekit.bench.batch import method_order
+    from eaglekit.bench.methods import method_order
 
     for names in (["plain", "ours", "auto", "lookup"], ["plain", "ours", "auto"], ["plain", "ours"]):
         n = len(names)
