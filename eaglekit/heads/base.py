@@ -125,6 +125,14 @@ class DraftHead(nn.Module):
         ``loss`` the loss settings. The base is the CE alone; EAGLE-1 adds its feature regression."""
         return ce
 
+    def training_loss(self, teacher, batch: dict, loss, *, steps: int, train: bool = True):
+        """This kind's training objective over a padded batch → (loss_sum, ``StepStats``), the stats' step k
+        being draft depth k+1 for every kind (so held-out accuracy and τ_sim mean the same thing). The base
+        is the training-time-test unroll (EAGLE-1/3, ``train.losses.ttt_loss``); a parallel drafter
+        overrides it with its own block objective. ``steps`` = the depths scored (``loss.ttt_steps``)."""
+        from eaglekit.train.losses import ttt_loss  # train/ imports heads/, not the other way at import time
+        return ttt_loss(self, teacher, batch, loss, steps=steps, train=train)
+
     def init_from_target(self, target) -> None:
         """Warm start from the target's own modules before training (``head.init_from_target``)."""
 

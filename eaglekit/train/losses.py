@@ -25,7 +25,7 @@ from eaglekit.heads import HeadCache, ttt_mask
 from eaglekit.heads.cache import shift_left
 
 __all__ = ["SoftCrossEntropy", "StepStats", "TTTModel", "Teacher", "shift_left", "soft_cross_entropy",
-           "supervised_count", "teacher_argmax", "teacher_probs", "topk_cross_entropy", "ttt_loss", "ttt_unroll"]
+           "position_loss", "supervised_count", "teacher_argmax", "teacher_probs", "topk_cross_entropy", "ttt_loss", "ttt_unroll"]
 
 
 @torch.no_grad()
@@ -96,6 +96,19 @@ def topk_cross_entropy(student, hidden, weight, row_weight, k: int, chunk: int =
         logq = torch.log_softmax(student[idx].float(), dim=-1).gather(1, top_i)
         total = total - (row_weight[idx, None].float() * top_p * logq).sum()
     return total
+
+
+def position_loss(student, teacher_k, weight, row_weight, loss) -> torch.Tensor:
+    """The per-position distillation objective every head kind trains with, summed over rows weighted by
+    ``row_weight``: the soft CE against the teacher (plus HASS's top-K term when ``loss.topk`` and
+    ``loss.topk_weight`` are set). ``teacher_k`` is the teacher's hidden state (``weight`` = the draft-vocab
+    rows of lm_head) or its probabilities already (``weight`` None), as ``soft_cross_entropy`` takes them."""
+    chunk = loss.chunk_tokens
+    ce = soft_cross_entropy(student, teacher_k, weight, row_weight, chunk)
+    topk, topk_weight = getattr(loss, "topk", 0), getattr(loss, "topk_weight", 0.0)
+    if topk and topk_weight:
+        ce = ce + topk_weight * topk_cross_entropy(student, teacher_k, weight, row_weight, topk, chunk)
+    return ce
 
 
 @torch.no_grad()
@@ -181,7 +194,6 @@ def ttt_loss(head, teacher: Teacher, batch: dict, loss, *, steps: int | None = N
     per batch and shifted per step; otherwise each step recomputes it chunk by chunk (never [B, S, V]).
     """
     steps, chunk, decay = steps or loss.ttt_steps, loss.chunk_tokens, loss.step_decay
-    topk, topk_weight = getattr(loss, "topk", 0), getattr(loss, "topk_weight", 0.0)
     ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
     cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
     source, weight = (teacher_probs(last, teacher.draft_weight, chunk), None) if cached else (last, teacher.draft_weight)
@@ -197,9 +209,7 @@ def ttt_loss(head, teacher: Teacher, batch: dict, loss, *, steps: int | None = N
         want = shift_left(top, 1 + k, fill=-1)  # teacher at position t+1+k
         row_w = (valid & (want >= 0)).float() * (decay ** k)
         teacher_k = shift_left(source, 1 + k)  # the teacher at position t+1+k ([B,S,Vd] probs or [B,S,H] hidden)
-        ce = soft_cross_entropy(logits, teacher_k, weight, row_w, chunk)
-        if topk and topk_weight:
-            ce = ce + topk_weight * topk_cross_entropy(logits, teacher_k, weight, row_w, topk, chunk)
+        ce = position_loss(logits, teacher_k, weight, row_w, loss)
         step_loss = head.step_loss(ce, hidden, batch, k, valid, loss)
         total_loss = total_loss + step_loss
         with torch.no_grad():
@@ -226,4 +236,4 @@ class TTTModel(nn.Module):
         batch = {"input_ids": input_ids, "loss_mask": loss_mask, "last": last, "top": top}
         if taps is not None:
             batch["taps"] = taps
-        return ttt_loss(self.head, self.teacher, batch, self.loss, steps=steps, train=train)
+        return self.head.training_loss(self.teacher, batch, self.loss, steps=steps, train=train)
