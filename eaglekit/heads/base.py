@@ -28,6 +28,7 @@ class DraftHead(nn.Module):
     kind: str = ""  # the registry key (HeadConfig.kind)
     reads: str = "taps"  # the TargetOutput field / batch key that fuse() takes
     has_draft_vocab: bool = True  # False: predicts over the whole target vocabulary
+    parallel: bool = False  # True: one forward drafts several tokens (heads.parallel.ParallelHead)
 
     def __init__(self, config: HeadConfig):
         super().__init__()

@@ -49,15 +49,19 @@ class HeadConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     norm_before_residual: bool = False  # EAGLE-3: residual is g itself (SpecForge/SafeAILab), not norm(g)
+    block_size: int = 1  # parallel drafters: positions one forward fills (eagle1/eagle3 ignore it)
     target_name: str = ""
     target_fingerprint: str = ""
     eaglekit_version: str = field(default_factory=_version)
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"HeadConfig.kind must be 'eagle1' or 'eagle3', got {self.kind!r}")
+            raise ValueError(f"HeadConfig.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.num_layers < 1:
             raise ValueError(f"HeadConfig.num_layers must be >= 1, got {self.num_layers}")
+        if int(self.block_size) < 1:
+            raise ValueError(f"HeadConfig.block_size must be >= 1, got {self.block_size}")
+        self.block_size = int(self.block_size)
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
         if self.kind == EAGLE1:
             self.draft_vocab_size = self.target_vocab_size
@@ -71,7 +75,7 @@ class HeadConfig:
         heads = tc.num_attention_heads
         theta, scaling = target_rope(tc)
         vocab = target.vocab_size
-        if kind == EAGLE3:
+        if kind != EAGLE1:  # every kind but EAGLE-1 reads taps and predicts over a draft vocabulary
             aux = list(aux_layer_ids if aux_layer_ids is not None else target.default_taps)
             dv = draft_vocab_size if draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, vocab)
         else:
@@ -89,7 +93,7 @@ class HeadConfig:
         return cls(**cfg)
 
     def validate(self) -> None:
-        if self.kind == EAGLE3:
+        if self.kind != EAGLE1:
             if not 0 < self.draft_vocab_size <= self.target_vocab_size:
                 raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.target_vocab_size}")
             bad = [i for i in self.aux_layer_ids if not 0 <= i < self.target_num_layers]
