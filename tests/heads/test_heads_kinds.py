@@ -87,6 +87,7 @@ HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lo
     {"config", "engines", "verifier", "cache"},
     {"layers"},
     {"base"},
+    {"parallel"},
     {"eagle1", "eagle3"},
     {"registry"},
     {"io"},
