@@ -189,8 +189,40 @@ def test_endpoint_under_a_launcher_writes_the_one_process_file(tmp_path, fake):
     assert two.read_bytes() == full.read_bytes() and not list(tmp_path.glob("two.part*"))
 
 
-def test_endpoint_retries_then_gives_one_clear_error(tmp_path, fake):
-    flaky = fake(fail_first=2)  # two 503s, then answers: retried with backoff
+class FakeClock:
+    """Stands in for the endpoint's backoff wait (``threading.Event``, which ``stop()`` interrupts): each wait
+    returns at once, records its length and moves a fake clock on by it; a set event returns True at once."""
+
+    def __init__(self):
+        self.now, self.waits, clock = 0.0, [], self
+
+        class Event(threading.Event):
+            def wait(self, timeout=None):
+                if self.is_set() or timeout is None:
+                    return super().wait(timeout)
+                clock.waits.append(timeout)
+                clock.now += timeout
+                return False
+
+        self.Event = Event
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The endpoint module's ``threading`` with a fake-clock Event (other modules keep the real one)."""
+    import types
+
+    from eaglekit.data_prep import endpoint
+
+    fake_clock = FakeClock()
+    monkeypatch.setattr(endpoint, "threading", types.SimpleNamespace(**{**vars(threading), "Event": fake_clock.Event}))
+    return fake_clock
+
+
+def test_endpoint_retries_then_gives_one_clear_error(tmp_path, fake, clock):
+    from eaglekit.data_prep.endpoint import MAX_DELAY
+
+    flaky = fake(fail_first=2)  # two 503s, then answers: retried with backoff 0.5 s, then 1 s
     out = regenerate(
         None,
         conversations(2),
@@ -199,20 +231,33 @@ def test_endpoint_retries_then_gives_one_clear_error(tmp_path, fake):
         progress=False,
     )
     assert len(lines(out)) == 2 and len(flaky.bodies) == 2 + 3
+    assert clock.waits == [0.5, 1.0]
     with socket.socket() as s:  # a port nobody listens on: connection refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/v1"
-    t0 = time.monotonic()
+    clock.waits.clear()
     with pytest.raises(EndpointError, match=rf"endpoint {url} failed after 3 tries \(last: .*refused"):
         regenerate(
             None,
             conversations(2),
             tmp_path / "b.jsonl",
-            RegenerateConfig(endpoint=url, retries=2),
+            RegenerateConfig(endpoint=url, retries=2, concurrency=1),
             progress=False,
         )
-    assert time.monotonic() - t0 < 5  # backoff 0.5 s, 1 s
+    assert clock.waits == [0.5, 1.0]  # doubling from 0.5 s, then one clear error
+    # a long run of failures: the wait doubles up to MAX_DELAY and stays there
+    clock.waits.clear()
+    with pytest.raises(EndpointError, match="failed after 9 tries"):
+        ChatEndpoint(url, model="m", retries=8).chat([{"role": "user", "content": "hi"}], max_tokens=1)
+    assert clock.waits == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, MAX_DELAY, MAX_DELAY] and MAX_DELAY == 30.0
+    # stop() (another worker failed) ends a sleeping retry at once, after the try in flight
+    stopped = ChatEndpoint(url, model="m", retries=8)
+    stopped.stop()
+    clock.waits.clear()
+    with pytest.raises(EndpointError, match=f"endpoint {url} failed"):
+        stopped.chat([{"role": "user", "content": "hi"}], max_tokens=1)
+    assert clock.waits == []
     bad = RegenerateConfig(endpoint=flaky.url, model="no-such-model", retries=5, concurrency=1)
     n = len(flaky.bodies)
     with pytest.raises(EndpointError, match="refused the request .*HTTP 404.*no-such-model not found"):
