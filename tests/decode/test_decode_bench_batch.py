@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from test_decode_bench_plots import PNG_MAGIC, saved  # noqa: F401 (the fixture)
+from test_decode_bench_plots import assert_png, saved  # noqa: F401 (the fixture)
 
 from eaglekit.bench import theory
 from eaglekit.cli import main
@@ -47,7 +47,7 @@ def test_decode_bench_batch_self_draft_every_size(saved, tmp_path):  # noqa: F81
     mem = rep["memory"]
     assert mem["drafter"]["parameters"] == mem["target"]["parameters"] > 0
     assert mem["target"]["kv_bytes_per_token"] == 2 * 3 * 2 * 8 * 4  # 3 layers, 2 KV heads of 8, fp32
-    assert path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    assert_png(path.with_suffix(".png"))
 
 
 def test_decode_bench_batch_head_auto_plans_per_size(saved, tmp_path):  # noqa: F811

@@ -1,5 +1,6 @@
 """`eaglekit bench` per-prompt records, speedup per category, acceptance per depth and their PNGs
 (tiny saved models, seconds)."""
+import importlib.util
 import json
 import math
 import statistics
@@ -13,6 +14,15 @@ from eaglekit.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # optional: the 'bench' extra
+
+
+def assert_png(path):
+    """A PNG where matplotlib is installed; without it, none (the documented fallback: a note, no file)."""
+    if HAVE_MATPLOTLIB:
+        assert path.read_bytes()[:8] == PNG_MAGIC, path
+    else:
+        assert not path.exists(), path
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +72,7 @@ def test_decode_bench_plots_target_as_its_own_draft(saved, tmp_path):
             assert speedup == pytest.approx(statistics.median(ratios))
     assert rep["per_prompt"]["0.0"][0]["ours"]["tokens"] == rep["per_prompt"]["0.0"][0]["plain"]["tokens"]
     for suffix in ("", "-acceptance", "-categories"):
-        png = path.with_name(f"{path.stem}{suffix}.png")
-        assert png.read_bytes()[:8] == PNG_MAGIC, png
+        assert_png(path.with_name(f"{path.stem}{suffix}.png"))
 
 
 def test_decode_bench_plots_head_acceptance_pools_generate_stats(saved, tmp_path):
@@ -100,9 +109,24 @@ def test_decode_bench_plots_only_with_a_drafter(saved, tmp_path):
     path, rep = bench(tmp_path, f"target={target_dir}", "prompts=1", "repeats=1", "temperatures=[0.0]")
     assert "acceptance_per_depth" not in rep and "speedup_per_category" not in rep
     assert set(rep["per_prompt"]["0.0"][0]) == {"category", "plain"}
-    assert sorted(p.name for p in tmp_path.glob("*.png")) == [f"{path.stem}.png"]
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ([f"{path.stem}.png"] if HAVE_MATPLOTLIB else [])
     from eaglekit.bench.prompts import load_questions
 
     assert [c for c, _ in load_questions("humaneval", 2)] == ["humaneval", "humaneval"]
     with pytest.raises(ValueError, match="prompt_order"):
         load_questions("mt-bench", 2, "random")
+
+
+def test_decode_bench_plots_without_matplotlib_write_the_json_and_say_so(saved, tmp_path, monkeypatch, capsys):
+    """matplotlib is optional: hidden from the import system, the bench still writes its JSON, no PNG, and
+    says once per plot how to get them."""
+    import sys
+
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` now raises ImportError
+    target_dir, head_dir = saved
+    path, rep = bench(tmp_path, f"target={target_dir}", f"head={head_dir}", "prompts=1", "repeats=1",
+                      "tree=2,2,3", "temperatures=[0.0]")
+    assert rep["results"]["0.0"]["ours"]["tokens_per_s"] > 0 and not list(tmp_path.glob("*.png"))
+    notes = [line for line in capsys.readouterr().out.splitlines() if "matplotlib not installed" in line]
+    assert len(notes) == 3 and "eaglekit[bench]" in notes[0]  # speedup, acceptance, categories
