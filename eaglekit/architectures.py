@@ -1,0 +1,81 @@
+"""What eaglekit needs from a target's architecture, read from its config: which attention each layer runs
+(full, or a sliding window of W tokens), which attention backend to load it with, and a refusal for the
+models it cannot decode exactly.
+
+Speculative decoding appends the draft tree to the target's cache and then drops the rejected nodes. A
+key/value cache can drop them (rollback is truncation); a recurrent state cannot: once a Mamba / linear-
+attention / short-convolution layer has folded a rejected token into its state, the state no longer
+equals the one the accepted tokens alone would give, and the output silently drifts from the target's own
+decoding. Such models are refused before any weight is loaded.
+"""
+from __future__ import annotations
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+# layer types (transformers' ``layer_types`` / ``block_types`` / ``layers_block_type``) whose state is recurrent
+RECURRENT_LAYER_TYPES = {"linear_attention", "hybrid", "conv", "recurrent", "mamba", "mamba2", "ssm", "rwkv"}
+# config keys only recurrent blocks have (for configs that name no layer types, or list only attention)
+RECURRENT_CONFIG_KEYS = ("state_size", "mamba_d_state", "ssm_state_size", "conv_L_cache", "linear_conv_kernel_dim",
+                         "conv1d_width", "attn_layer_period", "mamba_expand")
+RECURRENT_MODEL_TYPES = {"rwkv", "xlstm"}  # recurrent throughout, their configs have neither of the above
+# layers eaglekit does not attend through but that hold no state (NemotronH's blocks are typed so)
+STATELESS_LAYER_TYPES = {"mlp", "moe"}
+
+
+class UnsupportedArchitecture(ValueError):
+    """A target eaglekit cannot decode exactly; raised before any work."""
+
+
+def layer_types(config) -> list[str]:
+    """Each decoder layer's type as the config names it; models that name none run one kind everywhere."""
+    for key in ("layer_types", "block_types", "layers_block_type"):
+        types = getattr(config, key, None)
+        if types:
+            return [str(t) for t in types]
+    n = getattr(config, "num_hidden_layers", 0) or 0
+    return [FULL if getattr(config, "sliding_window", None) is None else SLIDING] * n
+
+
+def attention_windows(config) -> dict[str, int | None]:
+    """Each attention layer type of the model → the window its layers attend over (None: full attention).
+
+    transformers builds one mask per layer type (a dict keyed by type for models that mix them, one tensor
+    for models that do not) and a sliding layer sees key j from query i iff ``i - j < window``."""
+    window = getattr(config, "sliding_window", None)
+    kinds = sorted(set(layer_types(config)) - STATELESS_LAYER_TYPES)
+    return {k: (window if k == SLIDING else None) for k in kinds}
+
+
+def refusal(config) -> str | None:
+    """Why eaglekit cannot decode this target exactly, or None when it can."""
+    name = getattr(config, "model_type", "?")
+    types = set(layer_types(config))
+    recurrent = sorted(types & RECURRENT_LAYER_TYPES)
+    keys = [k for k in RECURRENT_CONFIG_KEYS if getattr(config, k, None) is not None]
+    if recurrent or keys or name in RECURRENT_MODEL_TYPES:
+        what = f"its {', '.join(recurrent)} layers" if recurrent else \
+            f"its recurrent layers ({', '.join(keys)} in its config)" if keys else "its recurrent layers"
+        return (f"{name}: {what} keep a recurrent state, which takes in every draft token the target verifies "
+                "and cannot drop the rejected ones, so speculative decoding would drift from the target's own "
+                "output (only attention layers with a KV cache can be rolled back)")
+    other = sorted(types - {FULL, SLIDING} - STATELESS_LAYER_TYPES)
+    if other:
+        return (f"{name}: its {', '.join(other)} layers need an attention mask eaglekit does not build for a draft "
+                "tree (supported: full and sliding-window attention)")
+    if SLIDING in types and not getattr(config, "sliding_window", None):
+        return f"{name}: sliding-window layers without a sliding_window size in the config"
+    return None
+
+
+def check_supported(config, where: str = "") -> None:
+    """Raise ``UnsupportedArchitecture`` for a target eaglekit cannot decode exactly (see ``refusal``)."""
+    reason = refusal(config)
+    if reason:
+        raise UnsupportedArchitecture(f"{where + ': ' if where else ''}unsupported target architecture: {reason}")
+
+
+def attention_implementation(model_cls: type, wanted: str = "sdpa") -> str:
+    """``wanted``, unless it is SDPA and ``model_cls`` has no SDPA path (Gemma-2: soft-capped scores; gpt-oss:
+    attention sinks): then eager, which takes the same additive float tree mask."""
+    if wanted == "sdpa" and not getattr(model_cls, "_supports_sdpa", True):
+        return "eager"
+    return wanted
