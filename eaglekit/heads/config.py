@@ -9,8 +9,9 @@ from transformers import LlamaConfig
 
 from eaglekit import __version__
 
-EAGLE1, EAGLE3 = "eagle1", "eagle3"
-KINDS = (EAGLE1, EAGLE3)  # the head classes of heads.registry, by kind
+EAGLE1, EAGLE3, PEAGLE = "eagle1", "eagle3", "peagle"
+KINDS = (EAGLE1, EAGLE3, PEAGLE)  # the head classes of heads.registry, by kind
+DEFAULT_BLOCK = {PEAGLE: 4}  # parallel drafters: positions one forward fills unless from_target is told
 DEFAULT_DRAFT_VOCAB = 32000
 
 
@@ -49,7 +50,10 @@ class HeadConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     norm_before_residual: bool = False  # EAGLE-3: residual is g itself (SpecForge/SafeAILab), not norm(g)
+    fc_norm: bool = False  # EAGLE 3.1: an RMSNorm per tap on the taps before fc (engines' `fc_norm`)
+    norm_output: bool = False  # EAGLE 3.1: the next draft step reads the post-norm hidden state (`norm_output`)
     block_size: int = 1  # parallel drafters: positions one forward fills (eagle1/eagle3 ignore it)
+    mask_token_id: int = -1  # parallel drafters: the token id fed at block positions with no known token
     target_name: str = ""
     target_fingerprint: str = ""
     eaglekit_version: str = field(default_factory=_version)
@@ -63,14 +67,17 @@ class HeadConfig:
             raise ValueError(f"HeadConfig.block_size must be >= 1, got {self.block_size}")
         self.block_size = int(self.block_size)
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        if self.kind == EAGLE1 and (self.fc_norm or self.norm_output):
+            raise ValueError("HeadConfig: fc_norm / norm_output (EAGLE 3.1) need fused taps; an eagle1 head has none")
         if self.kind == EAGLE1:
             self.draft_vocab_size = self.target_vocab_size
             self.aux_layer_ids = []
 
     @classmethod
     def from_target(cls, target, kind: str = EAGLE3, num_layers: int = 1, draft_vocab_size: int | None = None,
-                    aux_layer_ids=None, **overrides) -> HeadConfig:
-        """A head shaped like one of the target's decoder layers (heads, kv heads, head_dim, MLP, RoPE)."""
+                    aux_layer_ids=None, block_size: int | None = None, **overrides) -> HeadConfig:
+        """A head shaped like one of the target's decoder layers (heads, kv heads, head_dim, MLP, RoPE).
+        ``block_size``: a parallel drafter's block (default ``DEFAULT_BLOCK`` of its kind; 1 otherwise)."""
         tc = target.config
         heads = tc.num_attention_heads
         theta, scaling = target_rope(tc)
@@ -89,6 +96,9 @@ class HeadConfig:
             "rope_theta": theta, "rope_scaling": scaling,
             "max_position_embeddings": getattr(tc, "max_position_embeddings", 2048),
             "target_name": getattr(target, "name", ""), "target_fingerprint": target.fingerprint()}
+        if kind in DEFAULT_BLOCK:  # a parallel drafter: its block and the token its unknown slots take
+            cfg["block_size"] = block_size or DEFAULT_BLOCK[kind]
+            cfg["mask_token_id"] = default_mask_token(target)
         cfg.update(overrides)
         return cls(**cfg)
 
@@ -123,6 +133,17 @@ class HeadConfig:
             head_dim=self.head_dim, intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings, vocab_size=self.target_vocab_size,
             rope_parameters=self.rope_parameters(), tie_word_embeddings=False, **extra)
+
+
+def default_mask_token(target) -> int:
+    """The token a parallel drafter feeds where it knows none: the tokenizer's pad token, else its EOS (an
+    embedding the target has trained; engines read the id from the export's ``mask_token_id``)."""
+    tok = getattr(target, "tokenizer", None)
+    for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
+        tid = getattr(tok, name, None)
+        if isinstance(tid, int) and 0 <= tid < target.vocab_size:
+            return tid
+    return target.vocab_size - 1
 
 
 def check_target(config: HeadConfig, target, where: str = "head") -> None:

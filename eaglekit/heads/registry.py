@@ -5,13 +5,14 @@ from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import KINDS, HeadConfig
 from eaglekit.heads.eagle1 import Eagle1Head
 from eaglekit.heads.eagle3 import Eagle3Head
+from eaglekit.heads.peagle import PEagleHead
 
-HEADS: dict[str, type[DraftHead]] = {cls.kind: cls for cls in (Eagle1Head, Eagle3Head)}
+HEADS: dict[str, type[DraftHead]] = {cls.kind: cls for cls in (Eagle1Head, Eagle3Head, PEagleHead)}
 assert tuple(HEADS) == KINDS, "every kind of HeadConfig has one head class"
 
 
 def head_class(kind: str) -> type[DraftHead]:
-    """The head class of ``kind`` ("eagle1", "eagle3")."""
+    """The head class of ``kind`` (one of ``KINDS``)."""
     if kind not in HEADS:
         raise ValueError(f"unknown head kind {kind!r}; choose one of {', '.join(HEADS)}")
     return HEADS[kind]

@@ -34,9 +34,12 @@ def target():
 
 
 def test_heads_registry_has_one_class_per_kind():
-    assert KINDS == (EAGLE1, EAGLE3) and HEADS == {EAGLE1: Eagle1Head, EAGLE3: Eagle3Head}
+    from eaglekit.heads.peagle import PEagleHead
+
+    assert tuple(HEADS) == KINDS and KINDS[:3] == (EAGLE1, EAGLE3, "peagle")
+    assert (HEADS[EAGLE1], HEADS[EAGLE3], HEADS["peagle"]) == (Eagle1Head, Eagle3Head, PEagleHead)
     assert head_class("eagle3") is Eagle3Head
-    with pytest.raises(ValueError, match="unknown head kind 'eagle2'; choose one of eagle1, eagle3"):
+    with pytest.raises(ValueError, match="unknown head kind 'eagle2'; choose one of eagle1, eagle3, peagle"):
         head_class("eagle2")
 
 
@@ -89,6 +92,7 @@ HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lo
     {"base"},
     {"parallel"},
     {"eagle1", "eagle3"},
+    {"peagle"},
     {"registry"},
     {"io"},
     {"layouts"},

@@ -1,0 +1,147 @@
+"""The parallel drafters (heads.parallel.ParallelHead): P-EAGLE (and DFlash, in its own functions) built
+from a target, saved and loaded, drafting a block in one forward, and their training objectives checked
+against naive references (value and gradient) on tiny random targets."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import tiny_target
+
+from eaglekit.heads import HeadCache, HeadConfig, build_head, load_head
+from eaglekit.heads.parallel import ParallelHead
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", layers=4, vocab_size=64)
+
+
+def peagle(target, block=4, layers=2, draft_vocab=48, seed=0):
+    cfg = HeadConfig.from_target(target, kind="peagle", num_layers=layers, block_size=block,
+                                 draft_vocab_size=draft_vocab)
+    torch.manual_seed(seed)
+    return build_head(cfg, target)
+
+
+# ---- P-EAGLE ------------------------------------------------------------------------------------------
+
+def test_peagle_config_build_and_interface(target):
+    head = peagle(target, block=5)
+    cfg = head.config
+    assert isinstance(head, ParallelHead) and head.parallel and not build_head(
+        HeadConfig.from_target(target, kind="eagle3"), target).parallel
+    assert (cfg.kind, cfg.block_size, head.draft_depths, cfg.num_layers) == ("peagle", 5, 5, 2)
+    assert head.taps == tuple(target.default_taps) and head.mask_hidden.shape == (len(head.taps) * 32,)
+    assert 0 <= cfg.mask_token_id < target.vocab_size
+    assert HeadConfig.from_target(target, kind="peagle").block_size == 4  # the kind's default block
+    assert isinstance(head.new_cache(), HeadCache) and head.new_cache().length == 0
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        HeadConfig(**{**cfg.to_dict(), "block_size": 0})
+    with pytest.raises(ValueError, match="mask_token_id -1 must be a target token id"):
+        build_head(HeadConfig(**{**cfg.to_dict(), "mask_token_id": -1}), target)
+
+
+def _naive_block_logits(head, ids, g, pos_last, depth_slots):
+    """Logits of one block computed the slow way: the whole sequence and its mask slots in one uncached
+    causal step (no cache trickery)."""
+    m_ids, m_g = head.mask_elements(1, depth_slots)
+    pos = torch.cat([torch.arange(ids.shape[1]), pos_last + torch.arange(1, depth_slots + 1)])[None]
+    _, logits = head.step(torch.cat([ids, m_ids], 1), torch.cat([g, m_g], 1), pos)
+    return logits[:, ids.shape[1] - 1:]
+
+
+def test_peagle_draft_is_one_forward_and_keeps_only_the_pending_elements(target):
+    head = peagle(target, block=4)
+    torch.manual_seed(1)
+    ids, g = torch.randint(0, 64, (1, 9)), torch.randn(1, 9, 32)
+    cache = head.new_cache()
+    with torch.no_grad():
+        first = head.draft(cache, ids[:, :6], g[:, :6], torch.arange(6)[None])
+        assert cache.length == 6  # the block's 3 mask slots are not kept
+        calls = []
+        hook = head.layers[0].register_forward_hook(lambda *a: calls.append(1))
+        second = head.draft(cache, ids[:, 6:], g[:, 6:], torch.arange(6, 9)[None])
+        hook.remove()
+        assert calls == [1] and cache.length == 9 and second.shape == (1, 4, 48)
+        torch.testing.assert_close(first, _naive_block_logits(head, ids[:, :6], g[:, :6], 5, 3))
+        torch.testing.assert_close(second, _naive_block_logits(head, ids, g, 8, 3))
+    with pytest.raises(ValueError, match=r"g must be \[1, 3, 32\]"):
+        head.draft(cache, ids[:, :3], g[:, :2], torch.arange(3)[None])
+
+
+def test_peagle_save_load_and_fingerprint(target, tmp_path):
+    head = peagle(target, block=3)
+    head.save_pretrained(tmp_path / "h")
+    back = load_head(tmp_path / "h", target)
+    assert type(back) is type(head) and back.config.to_dict() == head.config.to_dict()
+    for (n, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=n)
+    other = tiny_target("llama", layers=5, vocab_size=64)
+    with pytest.raises(ValueError, match="not trained for this target"):
+        load_head(tmp_path / "h", other)
+
+
+def _loss_settings(decay=0.7):
+    return SimpleNamespace(chunk_tokens=7, step_decay=decay, cache_teacher_mb=0.0, topk=0, topk_weight=0.0,
+                           ttt_steps=4, noise=0.0)
+
+
+def _batch(target, head, B=2, S=10, seed=3):
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 64, (B, S))
+    out = target.forward(ids, layer_ids=head.taps)
+    mask = torch.ones(B, S)
+    mask[1, 7:] = 0  # a right-padded row
+    mask[0, :2] = 0  # a prompt the loss does not learn
+    return {"input_ids": ids, "loss_mask": mask, "last": out.last, "taps": out.taps}
+
+
+def _naive_peagle_loss(head, teacher, batch, steps, decay):
+    """Σ over anchors t and depths k < steps of decay^k · CE(teacher at t+1+k, block depth k+1 at t), each
+    block run on its own, uncached; counted where loss_mask[t+2+k] = 1 and the teacher argmax is drafted."""
+    ids, mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
+    g = head.fuse(batch["taps"])
+    B, S = ids.shape
+    total = torch.zeros(())
+    to_draft = head.target_to_draft(torch.arange(64))
+    for b in range(B):
+        for t in range(S):
+            for k in range(steps):
+                if t + 2 + k >= S or mask[b, t + 2 + k] == 0:
+                    continue
+                p_full = torch.softmax(last[b, t + 1 + k] @ teacher.lm_head_weight.T, -1)
+                if to_draft[p_full.argmax()] < 0:
+                    continue
+                m_ids, m_g = head.mask_elements(1, k)
+                tok = torch.cat([ids[b:b + 1, 1:t + 2], m_ids], 1)
+                pos = torch.arange(t + 1 + k)[None]
+                _, logits = head.step(tok, torch.cat([g[b:b + 1, :t + 1], m_g], 1), pos)
+                p = torch.softmax(last[b, t + 1 + k] @ teacher.draft_weight.T, -1)
+                total = total - decay ** k * (p * torch.log_softmax(logits[0, -1], -1)).sum()
+    return total
+
+
+def test_peagle_objective_matches_naive_reference_value_and_gradient(target):
+    from eaglekit.train.losses import Teacher
+
+    head = peagle(target, block=3, draft_vocab=40)
+    ids = torch.randperm(64)[:40].sort().values  # a non-trivial draft vocabulary: some argmaxes fall outside
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[ids] = True
+    head.set_draft_vocab(ids - torch.arange(40), t2d)
+    teacher = Teacher.build(target.lm_head.weight, head.t2d)
+    batch = _batch(target, head)
+    loss, stats = head.training_loss(teacher, batch, _loss_settings(), steps=3)
+    grads = torch.autograd.grad(loss, [head.mask_hidden, head.fc.weight, head.layers[1].mlp.up_proj.weight])
+    want = _naive_peagle_loss(head, teacher, batch, 3, 0.7)
+    want_grads = torch.autograd.grad(want, [head.mask_hidden, head.fc.weight, head.layers[1].mlp.up_proj.weight])
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    assert len(stats.total) == 3 and stats.total[0] == int(batch["loss_mask"][:, 2:].sum())
+    assert all(c <= t for c, t in zip(stats.chain, stats.correct))
+    # depths past the block are reported as misses, so every kind's stats have `steps` entries
+    _, more = head.training_loss(teacher, batch, _loss_settings(), steps=5)
+    assert len(more.total) == 5 and more.correct[3:] == [0, 0] and more.total[3] > 0
