@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from eaglekit.config import (
     Betas,
@@ -74,6 +75,11 @@ class LossConfig:
     noise: NonNegFloat = 0.1  # EAGLE-1: feature noise U(-noise, noise) (scaled like EAGLE's uniform noise)
     topk: NonNegInt = 0  # HASS-style top-K distillation: > 0 adds topk_weight * CE over the teacher's top-K
     topk_weight: NonNegFloat = 0.0  # (an experiment; benchmarks/RESULTS.md, "Sample efficiency")
+    objective: Literal["kl", "lk", "lk_alpha", "lk_tv"] = "kl"  # per-position term: soft CE (kl) or an LK
+    # loss on the acceptance rate (arXiv 2602.23881; docs/training.md "Training objectives")
+    lk_eta: NonNegFloat = 3.0  # lk: the KL weight is exp(-lk_eta * alpha), alpha the position's acceptance
+    lk_acceptance: Literal["sampled", "greedy"] = "sampled"  # the acceptance an lk objective targets: sampling
+    # (alpha = sum min(p, q)) or greedy verification (the teacher's argmax as a point mass)
     chunk_tokens: PosInt = 512  # teacher / CE computed over this many positions at a time
     cache_teacher_mb: NonNegFloat = 64  # keep the draft-vocab teacher [B,S,Vd] fp32 per batch if it fits, else recompute
 
@@ -121,6 +127,9 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
                         ("loss.chunk_tokens", cfg.loss.chunk_tokens)):
         if int(value) < 1:
             raise ConfigError(f"{where}: {name} must be >= 1, got {value}")
+    if cfg.loss.lk_acceptance != "sampled" and cfg.loss.objective == "kl":
+        raise ConfigError(f"{where}: loss.lk_acceptance={cfg.loss.lk_acceptance!r} applies to the LK objectives; "
+                          "set loss.objective to lk, lk_alpha or lk_tv (or leave lk_acceptance 'sampled')")
     if cfg.eval_only and not h.init_from:
         raise ConfigError(f"{where}: eval_only=true needs head.init_from=<saved head> to evaluate")
     if cfg.target.device is not None:

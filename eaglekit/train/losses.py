@@ -24,8 +24,14 @@ from torch import nn
 from eaglekit.heads import HeadCache, ttt_mask
 from eaglekit.heads.cache import shift_left
 
-__all__ = ["SoftCrossEntropy", "StepStats", "TTTModel", "Teacher", "shift_left", "soft_cross_entropy",
-           "position_loss", "supervised_count", "teacher_argmax", "teacher_probs", "topk_cross_entropy", "ttt_loss", "ttt_unroll"]
+__all__ = ["OBJECTIVES", "AcceptanceLoss", "SoftCrossEntropy", "StepStats", "TTTModel", "Teacher", "acceptance_loss",
+           "shift_left", "soft_cross_entropy", "position_loss", "supervised_count", "teacher_argmax", "teacher_probs",
+           "topk_cross_entropy", "ttt_loss", "ttt_unroll"]
+
+# loss.objective: "kl" = the soft CE (today's recipe); the rest are the LK losses (Samarin et al. 2026,
+# arXiv 2602.23881) on the acceptance rate alpha = sum_i min(p_i, q_i); see AcceptanceLoss, docs/training.md
+OBJECTIVES = ("kl", "lk", "lk_alpha", "lk_tv")
+ALPHA_FLOOR = 1e-12  # lk_alpha's log never sees 0 (a row with no overlap at all)
 
 
 @torch.no_grad()
@@ -98,13 +104,96 @@ def topk_cross_entropy(student, hidden, weight, row_weight, k: int, chunk: int =
     return total
 
 
+def _acceptance_rows(z, p, kind: str, eta: float):
+    """Per-row LK loss and its gradient in the student logits ``z`` [n, Vd] for teacher probs ``p``.
+
+    alpha = sum_i min(p_i, q_i) with q = softmax(z); with m_i = [q_i < p_i] and s = sum_i m_i q_i,
+    d alpha / d z = q * (m - s) (TV's subgradient, through the softmax). The hybrid's blend weight
+    lambda = exp(-eta * alpha) is a constant to the gradient (the paper's stop-gradient)."""
+    logq = torch.log_softmax(z, dim=-1)
+    q = logq.exp()
+    low = (q < p).to(q.dtype)
+    alpha = torch.minimum(p, q).sum(-1)
+    d_alpha = q * (low - (low * q).sum(-1, keepdim=True))
+    if kind == "lk_tv":
+        return 1.0 - alpha, -d_alpha
+    if kind == "lk_alpha":
+        a = alpha.clamp_min(ALPHA_FLOOR)
+        return -a.log(), -d_alpha / a[:, None]
+    lam = torch.exp(-eta * alpha)[:, None]
+    kl = torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum(-1)
+    value = lam[:, 0] * kl + (1.0 - lam[:, 0]) * (1.0 - alpha)
+    return value, lam * (q - p) - (1.0 - lam) * d_alpha
+
+
+def _chunk_teacher(hidden, weight, greedy: bool) -> torch.Tensor:
+    """The teacher's probabilities for a chunk of rows, or (``greedy``) the point mass on its argmax:
+    what a greedy verifier accepts. Rows whose full-vocabulary argmax is outside the draft vocabulary
+    carry weight 0 upstream, so the draft-vocabulary argmax is the target's own where it counts."""
+    p = _teacher_probs(hidden, weight)
+    if greedy:
+        p = torch.zeros_like(p).scatter_(1, p.argmax(-1, keepdim=True), 1.0)
+    return p
+
+
+class AcceptanceLoss(torch.autograd.Function):
+    """``sum_n w_n * LK(p_n, softmax(student_n))`` with the teacher recomputed per chunk (as SoftCrossEntropy).
+
+    ``kind``: ``lk`` (the hybrid: lambda KL(p||q) + (1 - lambda) TV(p, q), lambda = exp(-eta alpha)),
+    ``lk_alpha`` (-log alpha) or ``lk_tv`` (1 - alpha = TV). ``greedy``: the teacher is the point mass
+    on its argmax (acceptance under greedy verification) instead of its distribution (sampling).
+    Inputs as SoftCrossEntropy's; the gradient is closed-form, so backward only recomputes the chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, student, hidden, weight, row_weight, chunk: int, kind: str, eta: float, greedy: bool):
+        rows = row_weight.nonzero().squeeze(1)
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for s in range(0, rows.numel(), chunk):
+            idx = rows[s:s + chunk]
+            p = _chunk_teacher(hidden[idx], weight, greedy)
+            value, _ = _acceptance_rows(student[idx].float(), p, kind, eta)
+            total += (row_weight[idx].float() * value).sum()
+        ctx.save_for_backward(student, hidden, weight, row_weight, rows)
+        ctx.settings = chunk, kind, eta, greedy
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        student, hidden, weight, row_weight, rows = ctx.saved_tensors
+        chunk, kind, eta, greedy = ctx.settings
+        grad = torch.zeros_like(student)
+        for s in range(0, rows.numel(), chunk):
+            idx = rows[s:s + chunk]
+            p = _chunk_teacher(hidden[idx], weight, greedy)
+            _, g = _acceptance_rows(student[idx].float(), p, kind, eta)
+            grad[idx] = (g * (row_weight[idx, None].float() * grad_out)).to(grad.dtype)
+        return grad, None, None, None, None, None, None, None
+
+
+def acceptance_loss(student, hidden, weight, row_weight, kind: str = "lk", eta: float = 3.0,
+                    greedy: bool = False, chunk: int = 512) -> torch.Tensor:
+    """Weighted LK loss summed over rows; see ``AcceptanceLoss``. Inputs may carry leading batch dims."""
+    if kind not in OBJECTIVES[1:]:
+        raise ValueError(f"acceptance_loss: kind must be one of {OBJECTIVES[1:]}, got {kind!r}")
+    return AcceptanceLoss.apply(student.reshape(-1, student.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
+                                weight, row_weight.reshape(-1), chunk, kind, float(eta), bool(greedy))
+
+
 def position_loss(student, teacher_k, weight, row_weight, loss) -> torch.Tensor:
     """The per-position distillation objective every head kind trains with, summed over rows weighted by
-    ``row_weight``: the soft CE against the teacher (plus HASS's top-K term when ``loss.topk`` and
-    ``loss.topk_weight`` are set). ``teacher_k`` is the teacher's hidden state (``weight`` = the draft-vocab
-    rows of lm_head) or its probabilities already (``weight`` None), as ``soft_cross_entropy`` takes them."""
+    ``row_weight``: ``loss.objective`` — the soft CE against the teacher (``kl``, the default) or an LK
+    loss on the acceptance rate (``lk``, ``lk_alpha``, ``lk_tv``; ``loss.lk_eta``, ``loss.lk_acceptance``)
+    — plus HASS's top-K term when ``loss.topk`` and ``loss.topk_weight`` are set. ``teacher_k`` is the
+    teacher's hidden state (``weight`` = the draft-vocab rows of lm_head) or its probabilities already
+    (``weight`` None), as ``soft_cross_entropy`` takes them."""
     chunk = loss.chunk_tokens
-    ce = soft_cross_entropy(student, teacher_k, weight, row_weight, chunk)
+    objective = getattr(loss, "objective", "kl")
+    if objective == "kl":
+        ce = soft_cross_entropy(student, teacher_k, weight, row_weight, chunk)
+    else:
+        ce = acceptance_loss(student, teacher_k, weight, row_weight, objective, getattr(loss, "lk_eta", 3.0),
+                             getattr(loss, "lk_acceptance", "sampled") == "greedy", chunk)
     topk, topk_weight = getattr(loss, "topk", 0), getattr(loss, "topk_weight", 0.0)
     if topk and topk_weight:
         ce = ce + topk_weight * topk_cross_entropy(student, teacher_k, weight, row_weight, topk, chunk)
