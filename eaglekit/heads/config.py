@@ -9,9 +9,9 @@ from transformers import LlamaConfig
 
 from eaglekit import __version__
 
-EAGLE1, EAGLE3, PEAGLE = "eagle1", "eagle3", "peagle"
-KINDS = (EAGLE1, EAGLE3, PEAGLE)  # the head classes of heads.registry, by kind
-DEFAULT_BLOCK = {PEAGLE: 4}  # parallel drafters: positions one forward fills unless from_target is told
+EAGLE1, EAGLE3, PEAGLE, DFLASH = "eagle1", "eagle3", "peagle", "dflash"
+KINDS = (EAGLE1, EAGLE3, PEAGLE, DFLASH)  # the head classes of heads.registry, by kind
+DEFAULT_BLOCK = {PEAGLE: 4, DFLASH: 8}  # parallel drafters: positions one forward fills unless from_target is told
 DEFAULT_DRAFT_VOCAB = 32000
 
 

@@ -92,7 +92,7 @@ HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lo
     {"base"},
     {"parallel"},
     {"eagle1", "eagle3"},
-    {"peagle"},
+    {"peagle", "dflash"},
     {"registry"},
     {"io"},
     {"layouts"},

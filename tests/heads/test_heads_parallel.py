@@ -145,3 +145,110 @@ def test_peagle_objective_matches_naive_reference_value_and_gradient(target):
     # depths past the block are reported as misses, so every kind's stats have `steps` entries
     _, more = head.training_loss(teacher, batch, _loss_settings(), steps=5)
     assert len(more.total) == 5 and more.correct[3:] == [0, 0] and more.total[3] > 0
+
+
+# ---- DFlash ------------------------------------------------------------------------------------------
+
+def dflash(target, block=5, layers=2, draft_vocab=48, seed=0):
+    cfg = HeadConfig.from_target(target, kind="dflash", num_layers=layers, block_size=block,
+                                 draft_vocab_size=draft_vocab)
+    torch.manual_seed(seed)
+    head = build_head(cfg, target)
+    with torch.no_grad():  # random norms: a skipped or misplaced norm changes the output
+        for n, p in head.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    return head
+
+
+def _dflash_features(target, head, S=12, seed=5):
+    torch.manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (1, S))
+    return ids, head.fuse_output(target.forward(ids, layer_ids=head.taps))
+
+
+def test_dflash_config_build_and_interface(target):
+    from eaglekit.heads.dflash import DFlashHead
+
+    head = dflash(target, block=5)
+    cfg = head.config
+    assert isinstance(head, DFlashHead) and isinstance(head, ParallelHead) and head.parallel
+    assert (cfg.kind, cfg.block_size, head.draft_depths, cfg.num_layers) == ("dflash", 5, 4, 2)
+    assert head.taps == tuple(target.default_taps) and head.fc.weight.shape == (32, 32 * len(head.taps))
+    assert HeadConfig.from_target(target, kind="dflash").block_size == 8  # the kind's default block
+    assert 0 <= cfg.mask_token_id < target.vocab_size
+    assert isinstance(head.new_cache(), HeadCache) and head.new_cache().length == 0
+    # the head owns neither an embedding nor an lm_head: both are the target's, frozen
+    assert not any("embed" in n or "lm_head" in n for n in head.state_dict())
+    with pytest.raises(ValueError, match="block_size must be >= 2 for a dflash head"):
+        build_head(HeadConfig.from_target(target, kind="dflash", block_size=1), target)
+    with pytest.raises(ValueError, match="mask_token_id must be a target token id"):
+        build_head(HeadConfig.from_target(target, kind="dflash", mask_token_id=64), target)
+    ids, g = _dflash_features(target, head)
+    with pytest.raises(ValueError, match="g must be"):
+        head.draft(head.new_cache(), ids[:, 1:4], g[:, :2], torch.arange(3)[None])
+
+
+def test_dflash_draft_appends_context_and_equals_a_from_scratch_forward(target):
+    """Drafting in pieces (the decode loop's calls) = one call over the whole context; the cache holds the
+    context only (never the block); the logits equal a naive recomputation of the block from scratch."""
+    from dflash_reference import naive_block_logits
+
+    head = dflash(target, block=5)
+    ids, g = _dflash_features(target, head)
+    cache = head.new_cache()
+    head.draft(cache, ids[:, 1:5], g[:, :4], torch.arange(4)[None])
+    assert cache.length == 4
+    pieces = head.draft(cache, ids[:, 5:10], g[:, 4:9], torch.arange(4, 9)[None])
+    assert cache.length == 9 and pieces.shape == (1, head.draft_depths, 48)
+    whole = head.draft(head.new_cache(), ids[:, 1:10], g[:, :9], torch.arange(9)[None])
+    torch.testing.assert_close(pieces, whole, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        naive = naive_block_logits(head, g, ids, t=8)
+    torch.testing.assert_close(whole[0], naive, rtol=1e-4, atol=1e-5)
+    assert torch.equal(whole[0].argmax(-1), naive.argmax(-1))
+    # rollback is truncation: crop to 6 elements, append 3 more = the whole context of 9 again
+    cache.crop(6)
+    again = head.draft(cache, ids[:, 7:10], g[:, 6:9], torch.arange(6, 9)[None])
+    torch.testing.assert_close(again, whole, rtol=1e-5, atol=1e-5)
+    # a batch of 2 rows drafts each row as alone
+    ids2, g2 = _dflash_features(target, head, seed=9)
+    both = head.draft(head.new_cache(), torch.cat([ids, ids2])[:, 1:10], torch.cat([g, g2])[:, :9],
+                      torch.arange(9)[None])
+    torch.testing.assert_close(both[:1], whole, rtol=1e-5, atol=1e-5)
+    # positions matter (RoPE): shifted positions give the naive block at those positions
+    shifted = head.draft(head.new_cache(), ids[:, 1:10], g[:, :9], 3 + torch.arange(9)[None])
+    with torch.no_grad():
+        torch.testing.assert_close(shifted[0], naive_block_logits(head, g, ids, t=8, pos0=3), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(shifted, whole)
+
+
+def test_dflash_draft_vocab_maps_to_target_ids(target):
+    from dflash_reference import naive_block_logits
+
+    head = dflash(target, block=3, draft_vocab=40)
+    keep = torch.randperm(64)[:40].sort().values
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[keep] = True
+    head.set_draft_vocab(keep - torch.arange(40), t2d)
+    ids, g = _dflash_features(target, head)
+    logits = head.draft(head.new_cache(), ids[:, 1:8], g[:, :7], torch.arange(7)[None])
+    with torch.no_grad():  # the shared lm_head rows of the draft ids, not the first 40 target rows
+        hidden = naive_block_logits(head, g, ids, t=6)
+    torch.testing.assert_close(logits[0], hidden, rtol=1e-4, atol=1e-5)
+    assert set(head.draft_to_target(logits.argmax(-1)).flatten().tolist()) <= set(keep.tolist())
+
+
+def test_dflash_save_load_and_fingerprint(target, tmp_path):
+    head = dflash(target, block=4)
+    head.save_pretrained(tmp_path / "h")
+    back = load_head(tmp_path / "h", target)
+    assert type(back) is type(head) and back.config.to_dict() == head.config.to_dict()
+    for (n, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=n)
+    ids, g = _dflash_features(target, head)
+    torch.testing.assert_close(back.draft(back.new_cache(), ids[:, 1:6], g[:, :5], torch.arange(5)[None]),
+                               head.draft(head.new_cache(), ids[:, 1:6], g[:, :5], torch.arange(5)[None]))
+    other = tiny_target("llama", layers=5, vocab_size=64)
+    with pytest.raises(ValueError, match="not trained for this target"):
+        load_head(tmp_path / "h", other)

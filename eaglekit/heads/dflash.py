@@ -1,0 +1,329 @@
+"""DFlash head (block diffusion drafter, arXiv 2602.06036): one forward fills a block after the last token.
+
+What makes it DFlash, all here (docs/design.md, "DFlash"):
+
+- Context: the target's taps are fused by ``fc`` (taps x H -> H) and ``hidden_norm`` into one context
+  feature per position. The context never runs through the layers: every layer projects it with its own
+  ``k_proj`` / ``v_proj`` (then ``k_norm`` and RoPE at the feature's position) into keys and values, which
+  the head's cache keeps. Only exact, target-fed context is ever cached.
+- Block: ``block_size`` slots at positions t+1 .. t+block_size after the last context element t. Slot 0
+  holds the known token x_{t+1} (its target feature is not known yet), the others the target's embedding of
+  ``mask_token_id``. Attention inside the block is bidirectional; each slot also sees all the context up to
+  t. The output at slot j (j >= 1) predicts the token AT its own position, x_{t+1+j}: one forward drafts
+  ``block_size - 1`` tokens (``draft_depths``).
+- Layers: Qwen3-style pre-norm decoder layers (per-head ``q_norm`` / ``k_norm``, SwiGLU MLP), the layout
+  SGLang's and vLLM's DFlash loaders read; a final ``norm``, then the TARGET's lm_head (shared and frozen,
+  restricted to the draft vocabulary rows ``d2t``) — the head owns no embedding and no lm_head.
+- Training (``training_loss``): blocks at anchor positions sampled per sequence, a soft CE per block
+  position through ``train.losses.position_loss`` weighted by the paper's decay exp(-(k-1)/gamma).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from eaglekit.heads.cache import HeadCache, shift_left
+from eaglekit.heads.config import DFLASH, HeadConfig
+from eaglekit.heads.layers import MLP, RMSNorm, apply_rope
+from eaglekit.heads.parallel import ParallelHead
+
+PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # the paper's suggested decay per block size (SpecForge's help text)
+DEFAULT_ANCHORS = 512  # anchor blocks per sequence at most (SpecForge's default num_anchors)
+
+
+def decay_gamma(block_size: int, gamma: float = 0.0) -> float:
+    """The position-weight decay: ``gamma`` if set, else the paper's value for the block size (7/16 of it
+    for a size the paper does not list)."""
+    return float(gamma) if gamma and gamma > 0 else PAPER_GAMMA.get(block_size, max(1.0, block_size * 7 / 16))
+
+
+def position_weights(depths: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block depth k = 1..depths (the paper's Eq. 4): earlier slots matter more,
+    since a later one only counts when every earlier one was accepted."""
+    return torch.exp(-torch.arange(depths, dtype=torch.float32) / gamma)
+
+
+def block_attention(q, k, v, ctx_k, ctx_v, ctx_mask, block: int) -> torch.Tensor:
+    """Attention of N blocks of ``block`` queries: each sees the context keys its ``ctx_mask`` allows and
+    its own block's keys (bidirectionally), never another block's.
+
+    q [B, h, N*block, d]; k, v [B, kv, N*block, d]; ctx_k, ctx_v [B, kv, T, d]; ctx_mask bool
+    [B, 1, N*block, T] (True = visible) or None (all visible). One softmax over the union of the two key
+    sets, so memory is O(N * block * T), not O((N * block)^2) as one dense mask over all blocks would be.
+    """
+    B, h, Q, d = q.shape
+    rep = h // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    ctx_k, ctx_v = ctx_k.repeat_interleave(rep, dim=1), ctx_v.repeat_interleave(rep, dim=1)
+    scale, n, T = 1.0 / math.sqrt(d), Q // block, ctx_k.shape[2]
+    s_ctx = (q @ ctx_k.transpose(-1, -2)) * scale
+    if ctx_mask is not None:
+        s_ctx = s_ctx.masked_fill(~ctx_mask, float("-inf"))
+    qb, kb, vb = (t.reshape(B, h, n, block, d) for t in (q, k, v))
+    s_blk = (qb @ kb.transpose(-1, -2)) * scale
+    p = torch.cat([s_ctx.reshape(B, h, n, block, T), s_blk], dim=-1).float().softmax(-1).to(q.dtype)
+    p_ctx, p_blk = p.split([T, block], dim=-1)
+    return p_ctx.reshape(B, h, Q, T) @ ctx_v + (p_blk @ vb).reshape(B, h, Q, d)
+
+
+class DFlashAttention(nn.Module):
+    """q/k/v of the block (H wide), per-head q_norm/k_norm before RoPE; k/v also project the context."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H = cfg.hidden_size
+        self.q_proj = nn.Linear(H, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(H, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(H, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, H, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def _kv(self, x, cos, sin):
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, S, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def context_kv(self, ctx, cos, sin):
+        """Keys/values of context features ``ctx`` [B, T, H] (already ``hidden_norm``-ed), at their positions."""
+        return self._kv(ctx, cos, sin)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block: int):
+        B, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.heads, self.head_dim)).transpose(1, 2)
+        k, v = self._kv(x, cos, sin)
+        out = block_attention(apply_rope(q, cos, sin), k, v, ctx_k, ctx_v, ctx_mask, block)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+class DFlashLayer(nn.Module):
+    """A pre-norm decoder layer whose attention also reads the cached context keys/values."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block: int):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask, block)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashHead(ParallelHead):
+    kind = DFLASH
+    reads = "taps"
+    has_draft_vocab = True
+
+    def __init__(self, config: HeadConfig):
+        if config.kind != DFLASH:
+            raise ValueError(f"DFlashHead needs kind='dflash', got {config.kind!r}")
+        config.validate()
+        if config.block_size < 2:
+            raise ValueError(f"HeadConfig.block_size must be >= 2 for a dflash head (the last token and at "
+                             f"least one mask slot), got {config.block_size}")
+        if not 0 <= config.mask_token_id < config.target_vocab_size:
+            raise ValueError(f"HeadConfig.mask_token_id must be a target token id (0..{config.target_vocab_size - 1}) "
+                             f"for a dflash head, got {config.mask_token_id}")
+        super().__init__(config)
+        H = config.hidden_size
+        self.fc = nn.Linear(len(config.aux_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(config) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        # until set_draft_vocab: the draft vocab is the first Vd target ids (zero offsets)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.__dict__["_anchor_visits"] = {}  # sequence checksum -> times trained on (anchor seeds)
+
+    @property
+    def draft_depths(self) -> int:
+        return self.config.block_size - 1  # slot 0 is the known last token
+
+    def new_cache(self) -> HeadCache:
+        return HeadCache(self.config.num_layers)
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """[.., len(taps)*H] concatenated layer inputs -> g [.., H] (``hidden_norm`` follows in ``context``)."""
+        return self.fc(taps.to(self.fc.weight.dtype))
+
+    # ---- the borrowed, frozen lm_head over the draft vocabulary ---------------------------------------
+    def bind(self, target) -> DFlashHead:
+        super().bind(target)
+        self._borrowed.pop("draft_lm_head", None)
+        return self
+
+    def set_draft_vocab(self, d2t, t2d) -> None:
+        super().set_draft_vocab(d2t, t2d)
+        self._borrowed.pop("draft_lm_head", None)
+
+    def draft_lm_head(self) -> torch.Tensor:
+        """The target's lm_head rows of the draft vocabulary [Vd, H], in the head's dtype (cached; frozen)."""
+        w = self._borrowed.get("draft_lm_head")
+        if w is None or w.device != self.device or w.dtype != self.dtype:
+            full = self.target_module("lm_head").weight.detach()
+            ids = (torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t).to(full.device)
+            w = (full if ids.numel() == full.shape[0] and bool((ids == torch.arange(ids.numel(), device=ids.device)).all())
+                 else full[ids]).to(self.device, self.dtype)
+            self._borrowed["draft_lm_head"] = w
+        return w
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.draft_lm_head().T
+
+    # ---- the forward: context keys/values, then blocks ------------------------------------------------
+    def context(self, g: torch.Tensor, position_ids: torch.Tensor):
+        """Per layer (keys, values) of fused features ``g`` [B, T, H] at ``position_ids`` [B or 1, T]."""
+        ctx = self.hidden_norm(g.to(self.dtype))
+        cos, sin = self.rotary(position_ids.to(self.device), self.dtype)
+        return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
+
+    def blocks(self, first: torch.Tensor, start: torch.Tensor, ctx_kv, ctx_mask=None) -> torch.Tensor:
+        """Hidden states [B, N, block, H] (after ``norm``) of N blocks per row: block n holds ``first[:, n]``
+        at position ``start[:, n] + 1`` then mask slots; ``ctx_kv`` per layer, ``ctx_mask`` as in
+        ``block_attention`` (None: every block sees all the context)."""
+        B, N = first.shape
+        bs = self.config.block_size
+        ids = torch.full((B, N, bs), self.config.mask_token_id, dtype=torch.long, device=first.device)
+        ids[:, :, 0] = first
+        x = self.embed(ids.view(B, N * bs))
+        pos = (start[:, :, None] + 1 + torch.arange(bs, device=start.device)).view(B, N * bs)
+        cos, sin = self.rotary(pos.to(self.device), self.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, ctx_mask, bs)
+        return self.norm(x).view(B, N, bs, -1)
+
+    @torch.no_grad()
+    def draft(self, cache: HeadCache, ids: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Append the pending elements' context to ``cache``; draft x_{t+2} .. x_{t+block} after the last one."""
+        self._check_draft(cache, ids, g, position_ids)
+        B = ids.shape[0]
+        pos = position_ids.expand(B, -1).to(self.device)
+        for i, (k, v) in enumerate(self.context(g, pos)):
+            cache.update(i, k, v)
+        ctx_kv = list(zip(cache.keys, cache.values))
+        hidden = self.blocks(ids[:, -1:].to(self.device), pos[:, -1:], ctx_kv)
+        return self.logits(hidden[:, 0, 1:])
+
+    @torch.no_grad()
+    def init_from_target(self, target) -> None:
+        """Warm start: the final norm from the target's (the head's output then meets the target's own
+        lm_head the way the target's last hidden state does)."""
+        norm_w = getattr(target.norm, "weight", None)
+        if norm_w is not None and norm_w.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(norm_w.to(self.norm.weight))
+
+    # ---- training --------------------------------------------------------------------------------------
+    def sample_anchors(self, batch: dict, cap: int, train: bool = True):
+        """(anchors [B, N] element indices, keep [B, N], scale [B]) for ``batch``.
+
+        A candidate anchor is an element t whose first drafted token x_{t+2} is supervised (the positions
+        ``train.losses.supervised_count`` counts). A row with at most ``cap`` candidates takes them all;
+        otherwise ``cap`` of them drawn without replacement by a generator seeded from the sequence's own
+        tokens and (training) how many times this head has trained on it, so a run is reproducible and the
+        anchors move from epoch to epoch, whatever the batch or the number of processes; evaluation
+        (``train=False``) always draws the same ones. ``scale`` = candidates / anchors kept: the row's sum
+        over its anchors times it estimates the sum over every candidate.
+        """
+        ids, cand = batch["input_ids"], shift_left(batch["loss_mask"], 2).bool()
+        rows = []
+        for b in range(ids.shape[0]):
+            where = cand[b].nonzero().squeeze(1).cpu()
+            if where.numel() > cap:
+                gen = torch.Generator().manual_seed(self._anchor_seed(batch, b, train))
+                where = where[torch.randperm(where.numel(), generator=gen)[:cap]].sort().values
+            rows.append((where, int(cand[b].sum())))
+        N = max(1, max(w.numel() for w, _ in rows))
+        anchors = torch.zeros(ids.shape[0], N, dtype=torch.long)
+        keep = torch.zeros(ids.shape[0], N, dtype=torch.bool)
+        scale = torch.zeros(ids.shape[0])
+        for b, (where, n) in enumerate(rows):
+            anchors[b, :where.numel()], keep[b, :where.numel()] = where, True
+            scale[b] = n / max(1, where.numel())
+        dev = ids.device
+        return anchors.to(dev), keep.to(dev), scale.to(dev)
+
+    def _anchor_seed(self, batch: dict, b: int, train: bool) -> int:
+        mask = batch["loss_mask"][b]
+        n = int(mask.nonzero().max()) + 1 if bool(mask.any()) else 0
+        crc = zlib.crc32(batch["input_ids"][b, :n].cpu().numpy().astype("int64").tobytes())
+        visits = self._anchor_visits.get(crc, 0)
+        if train:
+            self._anchor_visits[crc] = visits + 1
+        return crc * 1_000_003 + (visits if train else 0)
+
+    def training_loss(self, teacher, batch: dict, loss, *, steps: int, train: bool = True):
+        """DFlash's block objective → (loss_sum, StepStats with one entry per block depth 1..block_size-1).
+
+        Blocks at anchors (``sample_anchors``, at most ``loss.anchors`` per sequence): block after element t
+        sees the context features at positions <= t and itself; depth k predicts x_{t+1+k} against the
+        teacher at position t+k, through ``position_loss`` with weight exp(-(k-1)/gamma) (``loss.block_gamma``,
+        0 = the paper's value for the block size). A block always trains all its depths; the stats report
+        max(``steps``, block_size - 1) depths, those past the block as misses (as every kind does).
+
+        Normalisation: loss_sum = sum over rows of scale_row x sum over its anchors of the block's weighted
+        CE sum, so the trainer's division by the batch's supervised count (= the candidate anchors) makes the
+        loss the mean over anchor positions of one block's weighted loss — as EAGLE's TTT loss is the mean
+        over positions of its decayed sum over depths. A depth counts in the stats where its token is
+        supervised; ``chain`` where every earlier depth of the block was right too.
+        """
+        from eaglekit.train.losses import position_loss, teacher_probs
+
+        ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
+        B, S = ids.shape
+        D, bs = self.draft_depths, self.config.block_size
+        anchors, keep, scale = self.sample_anchors(batch, int(getattr(loss, "anchors", DEFAULT_ANCHORS)), train)
+        N, dev = anchors.shape[1], ids.device
+        g = self.training_features(batch, 0.0)
+        ctx_kv = self.context(g, torch.arange(S, device=dev)[None])
+        visible = torch.arange(S, device=dev)[None, None, :] <= anchors[:, :, None]  # [B, N, S]
+        ctx_mask = visible[:, :, None, :].expand(B, N, bs, S).reshape(B, 1, N * bs, S)
+        first = ids.gather(1, (anchors + 1).clamp(max=S - 1))
+        logits = self.logits(self.blocks(first, anchors, ctx_kv, ctx_mask)[:, :, 1:])  # [B, N, D, Vd]
+
+        depth = torch.arange(1, D + 1, device=dev)
+        tok = anchors[:, :, None] + 1 + depth  # the predicted token's position, t+1+k
+        inside = tok < S
+        valid = keep[:, :, None] & inside & loss_mask.gather(1, tok.clamp(max=S - 1).view(B, -1)).view(B, N, D).bool()
+        at = (tok - 1).clamp(max=S - 1)  # the teacher's position, t+k
+        top = batch.get("top")
+        if top is None:
+            top = teacher.targets(last, loss.chunk_tokens)
+        want = top.gather(1, at.view(B, -1)).view(B, N, D)
+        weights = position_weights(D, decay_gamma(bs, getattr(loss, "block_gamma", 0.0))).to(dev)
+        row_w = (valid & (want >= 0)).float() * weights * scale[:, None, None]
+        cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
+        source, weight = (teacher_probs(last, teacher.draft_weight, loss.chunk_tokens), None) if cached \
+            else (last, teacher.draft_weight)
+        teacher_k = source.gather(1, at.view(B, -1, 1).expand(-1, -1, source.shape[-1])).view(B, N, D, -1)
+        per_depth = [position_loss(logits[:, :, k], teacher_k[:, :, k], weight, row_w[:, :, k], loss) for k in range(D)]
+        stats = self._stats(logits, want, valid, per_depth)
+        for k in range(D + 1, steps + 1):  # depths past the block: misses, so every kind reports `steps` depths
+            past = keep & (anchors + 1 + k < S) & loss_mask.gather(1, (anchors + 1 + k).clamp(max=S - 1)).bool()
+            stats.loss.append(0.0), stats.correct.append(0), stats.chain.append(0)
+            stats.total.append(int(past.sum()))
+        return sum(per_depth), stats
+
+    @staticmethod
+    def _stats(logits, want, valid, per_depth):
+        from eaglekit.train.losses import StepStats
+
+        stats = StepStats()
+        with torch.no_grad():
+            right = logits.argmax(-1) == want
+            chain = right.long().cumprod(-1).bool()  # depths 1..k of the block all right
+            for k in range(logits.shape[2]):
+                v = valid[:, :, k]
+                stats.loss.append(float(per_depth[k]))
+                stats.correct.append(int((right[:, :, k] & v).sum()))
+                stats.total.append(int(v.sum()))
+                stats.chain.append(int((chain[:, :, k] & v).sum()))
+        return stats
