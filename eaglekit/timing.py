@@ -41,3 +41,13 @@ def timed(fn, device: torch.device | str | None = None):
     watch = Stopwatch(device)
     result = fn()
     return result, watch.lap()
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (/proc/loadavg: runnable processes, ours included); None where
+    the file does not exist (not Linux)."""
+    try:
+        with open("/proc/loadavg") as fh:
+            return [float(x) for x in fh.read().split()[:3]]
+    except OSError:
+        return None

@@ -28,20 +28,14 @@ from eaglekit.bench.methods import run_in_order
 from eaglekit.bench.plots import plot_batch
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates
-from eaglekit.bench.theory import (
-    drafter_memory,
-    leviathan_speedup,
-    model_memory,
-    pooled_alpha,
-    step_rates,
-    tree_speedup,
-)
+from eaglekit.bench.theory import expectations, memory, memory_lines
 from eaglekit.decode import plan as planner
 from eaglekit.decode.generate import generate
 from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear, with_draft_tree
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.fileio import write_text
 from eaglekit.target import load_target
+from eaglekit.timing import load_average
 
 
 def batch_methods(cfg, target, drafter, tree) -> dict:
@@ -87,9 +81,9 @@ def run_batch_bench(cfg) -> dict:
                         "plain_tokens_per_s": made.plain_tokens_per_s}
     results = {str(t): bench_batch_temperature(cfg, fns, prompts, sizes, t) for t in cfg.temperatures}
     return {"config": asdict(cfg), "mode": "batch", "tree": str(getattr(tree, "spec", tree)), "auto_plans": plans,
-            "memory": {"drafter": drafter_memory(drafter), "target": model_memory(target)},
+            "memory": memory(drafter, target, len(prompts[-1]) + cfg.max_new_tokens),  # sorted: the longest last
             "device": str(target.device), "threads": torch.get_num_threads(), "packed_linears": packed,
-            "torch": torch.__version__, "load_average": _load(),
+            "torch": torch.__version__, "load_average": load_average(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": results}
 
 
@@ -146,35 +140,20 @@ def summarise_batch(runs: dict, pooled: dict, gamma: int, drafted_by_chain: bool
     out = {}
     for name, rs in runs.items():
         taus = [r["tau"] for r in rs if r["tau"] is not None]
-        per_depth, accepted_rates = rates(pooled[name]), step_rates(pooled[name])
-        draft_s, verify_s = med(name, "draft_s_per_forward"), med(name, "verify_s_per_forward")
         decode = ratios(name, "decode_tokens_per_s")
         row = {"tokens_per_s": med(name, "tokens_per_s"),
                "speedup_vs_plain": statistics.median(ratios(name, "tokens_per_s")),
                "decode_tokens_per_s": med(name, "decode_tokens_per_s"),
                "decode_speedup_vs_plain": statistics.median(decode),
                "decode_speedup_range": [min(decode), max(decode)],
-               "tau": statistics.median(taus) if taus else None, "acceptance_per_depth": per_depth,
+               "tau": statistics.median(taus) if taus else None, "acceptance_per_depth": rates(pooled[name]),
                "tokens_per_forward": med(name, "tokens_per_forward"),
-               "step_rates": accepted_rates,
-               "draft_s_per_forward": draft_s, "verify_s_per_forward": verify_s,
-               "expected_speedup": tree_speedup(accepted_rates, draft_s, verify_s, plain_step),
+               **expectations(pooled[name], med(name, "draft_s_per_forward"), med(name, "verify_s_per_forward"),
+                              plain_step, gamma if name == "ours" and drafted_by_chain else None),
                "identical_to_plain": ", ".join(r["identical_to_plain"] for r in rs if r["identical_to_plain"]),
                "repeats": rs}
-        alpha = pooled_alpha(pooled[name])
-        if name == "ours" and drafted_by_chain and alpha is not None:
-            c = draft_s / gamma / plain_step
-            row.update(alpha=alpha, cost_ratio_c=c, expected_speedup_leviathan=leviathan_speedup(alpha, gamma, c))
         out[name] = row
     return out
-
-
-def _load() -> list[float] | None:
-    try:
-        with open("/proc/loadavg") as fh:
-            return [float(x) for x in fh.read().split()[:3]]
-    except OSError:
-        return None
 
 
 def write_batch(report: dict, out_dir: str) -> Path:
@@ -197,16 +176,11 @@ def batch_table(report: dict) -> str:
             for name, r in res.items():
                 tau = f"{r['tau']:.2f}" if r["tau"] else ""
                 lo, hi = r["decode_speedup_range"]
-                exp = f"{r['expected_speedup']:.2f}x"
+                exp = f"{r['expected_speedup']:.2f}x" if r['expected_speedup'] is not None else ""
                 if "expected_speedup_leviathan" in r:
                     exp += f" (Leviathan {r['expected_speedup_leviathan']:.2f}x, α {r['alpha']:.2f}, c {r['cost_ratio_c']:.2f})"
                 lines.append(f"| {temp} | {b} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x "
                              f"| {r['decode_tokens_per_s']:.1f}, {r['decode_speedup_vs_plain']:.2f}x ({lo:.2f}–{hi:.2f}) | {tau} "
                              f"| {r['tokens_per_forward']:.2f} | {exp} "
                              f"| {r['identical_to_plain']} |")
-    mem = report["memory"]
-    for what, m in mem.items():
-        if m:
-            lines.append(f"\n{what}: {m.get('name') or m.get('kind')}: {m['parameters'] / 1e6:.1f}M parameters, "
-                         f"{m['bytes'] / 2**20:.0f} MiB, KV {m['kv_bytes_per_token'] / 1024:.1f} KiB per token")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + memory_lines(report["memory"]))

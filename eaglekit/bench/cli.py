@@ -8,8 +8,10 @@ ours), ``hf`` (transformers' ``generate``), ``hf_lookup`` (prompt lookup decodin
 model, ``hf_assisted`` (transformers' assisted generation, same pair): see ``methods``. Each (method, temperature) is repeated; the report
 takes the median over repeats of the total tokens/s over the prompt set. Per prompt, ``plain`` and
 ``ours`` keep their tokens and seconds per repeat (and ``ours`` its acceptance per depth), from which
-the report adds the speedup per prompt category and the acceptance per draft depth. Writes JSON and
-PNGs (``report``, ``plots``).
+the report adds the speedup per prompt category and the acceptance per draft depth. For the methods of
+our loop it sets the decode phase's measured speedup beside the one their acceptance and step costs
+predict (``theory.expectations``), and the drafter's memory beside the target's (``theory.memory``).
+Writes JSON and PNGs (``report``, ``plots``).
 
     eaglekit bench target=smollm2-135m-instruct head=runs/smollm2/final prompts=20
     eaglekit bench target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct dataset=humaneval
@@ -30,12 +32,14 @@ from eaglekit.bench.batch import batch_table, run_batch_bench, write_batch
 from eaglekit.bench.methods import methods, run_in_order
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates, speedup_per_category, summarise, table, write
+from eaglekit.bench.theory import memory
 from eaglekit.config import NonNegFloat, NonNegInt, PosInt, load_config
 from eaglekit.decode import plan as planner
 from eaglekit.decode.cli import CPU_LINEAR, DTYPES
 from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.target import load_target
+from eaglekit.timing import load_average
 
 
 @dataclass
@@ -82,53 +86,81 @@ def run_bench(cfg: BenchConfig) -> dict:
     results, per_prompt, per_category, acceptance = {}, {}, {}, {}
     for temp in cfg.temperatures:
         runs, records, pooled = bench_temperature(cfg, fns, prompts, [c for c, _ in questions], temp)
-        results[str(temp)] = summarise(runs)
+        results[str(temp)] = summarise(runs, pooled, cfg.gamma if cfg.draft and not cfg.draft_tree else None)
         per_prompt[str(temp)] = records
         if "ours" in fns:
             per_category[str(temp)] = speedup_per_category(records)
-            acceptance[str(temp)] = rates(pooled)
+            acceptance[str(temp)] = rates(pooled["ours"])
     extra = {"speedup_per_category": per_category, "acceptance_per_depth": acceptance} if "ours" in fns else {}
     return dict(config=asdict(cfg), tree=str(plan.spec if plan else tree),
                 nodes_with_lookup=plan.nodes_with_lookup if plan else None,
+                memory=memory(drafter, target, max(p.shape[1] for p in prompts) + cfg.max_new_tokens),
                 device=str(target.device), threads=torch.get_num_threads(), packed_linears=packed,
-                torch=torch.__version__,
+                torch=torch.__version__, load_average=load_average(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), results=results,
                 per_prompt=per_prompt, **extra)
 
 
+class _Totals:
+    """One method's sums over a repeat's prompts: tokens and seconds (end to end), accepted lengths, outputs
+    equal to plain's, and from its DecodeStats (our loop only) the seconds drafting and verifying, the verify
+    forwards and the decode phase (after the prefill, which emits the first token)."""
+
+    def __init__(self):
+        self.tokens, self.seconds, self.lengths, self.same = 0, 0.0, [], 0
+        self.draft_s = self.verify_s = self.decode_s = 0.0
+        self.forwards = self.decode_tokens = 0
+
+    def add(self, n: int, seconds: float, stats, same: bool) -> None:
+        self.tokens, self.seconds, self.same = self.tokens + n, self.seconds + seconds, self.same + same
+        if stats is not None:
+            self.lengths += stats.accept_lengths
+            self.draft_s += stats.draft_s
+            self.verify_s += stats.verify_s
+            self.forwards += len(stats.accept_lengths)
+            self.decode_tokens += max(stats.new_tokens - 1, 0)
+            self.decode_s += stats.total_s - stats.prefill_s
+
+    def run(self, prompts: int, temp: float) -> dict:
+        timed_steps = self.forwards and self.decode_s > 0
+        return {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens / self.seconds,
+                "tau": sum(self.lengths) / len(self.lengths) if self.lengths else None,
+                # greedy: lossless methods give plain's tokens (bf16 ties may differ)
+                "identical_to_plain": f"{self.same}/{prompts}" if temp == 0 else None,
+                "decode_tokens_per_s": self.decode_tokens / self.decode_s if timed_steps else None,
+                "draft_s_per_forward": self.draft_s / self.forwards if timed_steps else None,
+                "verify_s_per_forward": self.verify_s / self.forwards if timed_steps else None}
+
+
 def bench_temperature(cfg: BenchConfig, fns: dict, prompts: list, categories: list[str], temp: float):
     """Every method on every prompt, ``cfg.repeats`` times. Returns (per-method totals per repeat,
-    per-prompt records of plain and ours, ours' DecodeStats pooled over all prompts and repeats)."""
+    per-prompt records of plain and ours, each method's DecodeStats pooled over all prompts and repeats,
+    for the methods of our loop)."""
     runs = {name: [] for name in fns}
     records = [dict(category=c, **{m: {"tokens": [], "seconds": []} for m in ("plain", "ours") if m in fns})
                for c in categories]
     ours_stats = [DecodeStats() for _ in prompts]  # per prompt, pooled over repeats
+    pooled = {}
     for rep in range(cfg.repeats):
-        totals = {name: [0, 0.0, [], 0] for name in fns}
+        totals = {name: _Totals() for name in fns}
         for i, ids in enumerate(prompts):
             done = run_in_order(fns, rep * len(prompts) + i, ids, temp, cfg.seed + 1000 * rep + i)
             plain = done["plain"][0][2].cpu()
             for name, ((n, stats, seq), dt) in done.items():
-                totals[name][0] += n
-                totals[name][1] += dt
-                totals[name][2] += stats.accept_lengths if stats else []
-                totals[name][3] += int(torch.equal(seq.cpu(), plain))
+                totals[name].add(n, dt, stats, torch.equal(seq.cpu(), plain))
+                if stats is not None:
+                    pooled.setdefault(name, DecodeStats()).pool(stats)
                 if name in records[i]:
                     records[i][name]["tokens"].append(n)
                     records[i][name]["seconds"].append(dt)
                 if name == "ours":
                     ours_stats[i].pool(stats)
-        for name, (n, dt, lengths, same) in totals.items():
-            runs[name].append({"tokens": n, "seconds": dt, "tokens_per_s": n / dt,
-                               "tau": sum(lengths) / len(lengths) if lengths else None,
-                               # greedy: lossless methods give plain's tokens (bf16 ties may differ)
-                               "identical_to_plain": f"{same}/{len(prompts)}" if temp == 0 else None})
-    pooled = DecodeStats()
+        for name, total in totals.items():
+            runs[name].append(total.run(len(prompts), temp))
     for rec, stats in zip(records, ours_stats):
         if "ours" in rec:
             rec["ours"]["tau"] = stats.tau
             rec["ours"]["acceptance_per_depth"] = rates(stats)
-            pooled.pool(stats)
     return runs, records, pooled
 
 

@@ -61,6 +61,22 @@ def pooled_alpha(stats) -> float | None:
     return ok / tried if tried else None
 
 
+def expectations(stats, draft_s: float, verify_s: float, plain_s: float, gamma: int | None = None) -> dict:
+    """What a method's measured steps predict: its acceptance rates per depth (``step_rates`` over ``stats``,
+    every prompt's steps pooled), the tree formula's speedup from them and its step costs (seconds per verify
+    forward: drafting ``draft_s``, verifying ``verify_s``; a plain step ``plain_s``) and, for a draft model's
+    chain of ``gamma`` tokens, Leviathan's formula from the pooled α and c = (draft s per token) / plain_s."""
+    accepted = step_rates(stats)
+    out = {"step_rates": accepted, "draft_s_per_forward": draft_s, "verify_s_per_forward": verify_s,
+           "expected_speedup": tree_speedup(accepted, draft_s, verify_s, plain_s)
+           if plain_s and draft_s + verify_s else None}  # None: no step was timed
+    alpha = pooled_alpha(stats)
+    if gamma and alpha is not None and plain_s:
+        c = draft_s / gamma / plain_s
+        out.update(alpha=alpha, cost_ratio_c=c, expected_speedup_leviathan=leviathan_speedup(alpha, gamma, c))
+    return out
+
+
 # ---- memory ------------------------------------------------------------------------------------------
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_value: int) -> int:
@@ -100,3 +116,26 @@ def drafter_memory(drafter) -> dict | None:
     if drafter is None:
         return None
     return model_memory(drafter) if hasattr(drafter, "tokenizer") else head_memory(drafter)
+
+
+def memory(drafter, target, context_tokens: int) -> dict:
+    """The drafter's memory beside the target's (a draft model is a whole model of its own, a head borrows the
+    target's embedding): parameters, parameter bytes, KV bytes per token and at ``context_tokens`` (the
+    longest prompt plus the new tokens of a run: the cache each one holds at its end)."""
+    out = {}
+    for name, m in (("drafter", drafter_memory(drafter)), ("target", model_memory(target))):
+        out[name] = m and {**m, "context_tokens": context_tokens,
+                           "kv_bytes_at_context": m["kv_bytes_per_token"] * context_tokens}
+    return out
+
+
+def memory_lines(mem: dict) -> list[str]:
+    """One line per model of ``memory``'s block, for the benches' tables."""
+    lines = []
+    for what, m in mem.items():
+        if m:
+            at = (f", {m['kv_bytes_at_context'] / 2**20:.1f} MiB at {m['context_tokens']} tokens"
+                  if "kv_bytes_at_context" in m else "")
+            lines.append(f"{what}: {m.get('name') or m.get('kind')}: {m['parameters'] / 1e6:.1f}M parameters, "
+                         f"{m['bytes'] / 2**20:.0f} MiB, KV {m['kv_bytes_per_token'] / 1024:.1f} KiB per token{at}")
+    return lines

@@ -10,6 +10,7 @@ import torch
 from helpers import save_tiny
 
 from eaglekit import assets
+from eaglekit.bench.report import table
 from eaglekit.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
@@ -47,6 +48,19 @@ def first_of_each_category(n):
     return list(dict.fromkeys(q["category"] for q in assets.load_mt_bench()))[:n]
 
 
+def target_chat_lengths(target_dir, categories):
+    """Prompt lengths of the first question of each of ``categories`` (the bench's spread order)."""
+    from eaglekit.target import load_target
+
+    target = load_target(str(target_dir))
+    firsts = {c: next(q["turns"][0] for q in assets.load_mt_bench() if q["category"] == c) for c in categories}
+    return [target.chat_ids(firsts[c]).shape[1] for c in categories]
+
+
+def ours_cell(r):
+    return f"{r['decode_speedup_vs_plain']:.2f}x, {r['expected_speedup']:.2f}x"
+
+
 def test_decode_bench_plots_target_as_its_own_draft(saved, tmp_path):
     """The target drafting for itself is accepted at every depth, greedy and sampled (p = q)."""
     target_dir, _ = saved
@@ -71,6 +85,28 @@ def test_decode_bench_plots_target_as_its_own_draft(saved, tmp_path):
                       (r["plain"]["tokens"][k] / r["plain"]["seconds"][k]) for k in range(2)]
             assert speedup == pytest.approx(statistics.median(ratios))
     assert rep["per_prompt"]["0.0"][0]["ours"]["tokens"] == rep["per_prompt"]["0.0"][0]["plain"]["tokens"]
+    for temp in ("0.0", "1.0"):  # what the measured acceptance and step costs predict, beside the measured
+        plain, ours = rep["results"][temp]["plain"], rep["results"][temp]["ours"]
+        # every prompt: a step accepting all 3 drafted tokens, then one with room for 2 of 3 (8 new tokens)
+        assert ours["step_rates"] == [1.0, 1.0, 0.5] and ours["alpha"] == 1.0
+        step = ours["draft_s_per_forward"] + ours["verify_s_per_forward"]
+        assert ours["expected_speedup"] == pytest.approx(3.5 * plain["verify_s_per_forward"] / step)
+        c = ours["cost_ratio_c"]
+        assert c == pytest.approx(ours["draft_s_per_forward"] / 3 / plain["verify_s_per_forward"])
+        assert ours["expected_speedup_leviathan"] == pytest.approx(4 / (3 * c + 1))
+        assert plain["step_rates"] == [] and plain["expected_speedup"] == pytest.approx(  # its drafter: a no-op
+            plain["verify_s_per_forward"] / (plain["draft_s_per_forward"] + plain["verify_s_per_forward"]))
+        assert plain["decode_speedup_vs_plain"] == 1.0 and ours["decode_speedup_vs_plain"] > 0
+    mem = rep["memory"]
+    longest = max(target_chat_lengths(target_dir, cats)) + 8
+    assert mem["drafter"]["parameters"] == mem["target"]["parameters"] > 0  # the target drafting for itself
+    assert mem["drafter"]["context_tokens"] == longest
+    assert mem["target"]["kv_bytes_at_context"] == 2 * 3 * 2 * 8 * 4 * longest  # 3 layers, 2 KV heads of 8, fp32
+    assert rep["load_average"] is None or len(rep["load_average"]) == 3
+    lines = table(rep).splitlines()
+    (row,) = [line for line in lines if line.startswith("| 0.0 | ours |")]
+    assert f"| {ours_cell(rep['results']['0.0']['ours'])} (Leviathan " in row
+    assert any(line.startswith("drafter: ") and "MiB at" in line for line in lines)
     for suffix in ("", "-acceptance", "-categories"):
         assert_png(path.with_name(f"{path.stem}{suffix}.png"))
 
@@ -101,6 +137,15 @@ def test_decode_bench_plots_head_acceptance_pools_generate_stats(saved, tmp_path
     assert [r["ours"]["acceptance_per_depth"] for r in rep["per_prompt"]["0.0"]] == per_prompt
     assert all(r is None or 0.0 <= r <= 1.0 for r in expected)
     assert list(rep["speedup_per_category"]["0.0"]) == ["writing"]  # the first two questions
+    head_mem, target_mem = rep["memory"]["drafter"], rep["memory"]["target"]
+    assert head_mem["kind"] == "eagle3" and 0 < head_mem["parameters"] < target_mem["parameters"]
+    assert head_mem["kv_bytes_per_token"] < target_mem["kv_bytes_per_token"]  # one layer beside the target's 3
+    ours = rep["results"]["0.0"]["ours"]
+    assert ours["expected_speedup"] == pytest.approx(
+        (1 + sum(math.prod(ours["step_rates"][:d + 1]) for d in range(len(ours["step_rates"]))))
+        * rep["results"]["0.0"]["plain"]["verify_s_per_forward"]
+        / (ours["draft_s_per_forward"] + ours["verify_s_per_forward"]))
+    assert "expected_speedup_leviathan" not in ours  # a tree, not a chain
     assert torch.isfinite(torch.tensor(rep["speedup_per_category"]["0.0"]["writing"]))
 
 
@@ -125,7 +170,7 @@ def test_decode_bench_plots_without_matplotlib_write_the_json_and_say_so(saved, 
     for name in ("matplotlib", "matplotlib.pyplot"):
         monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` now raises ImportError
     target_dir, head_dir = saved
-    path, rep = bench(tmp_path, f"target={target_dir}", f"head={head_dir}", "prompts=1", "repeats=1",
+    _, rep = bench(tmp_path, f"target={target_dir}", f"head={head_dir}", "prompts=1", "repeats=1",
                       "tree=2,2,3", "temperatures=[0.0]")
     assert rep["results"]["0.0"]["ours"]["tokens_per_s"] > 0 and not list(tmp_path.glob("*.png"))
     notes = [line for line in capsys.readouterr().out.splitlines() if "matplotlib not installed" in line]
