@@ -146,7 +146,7 @@ def build_head(cfg: TrainConfig, target: Target, sources: Sources) -> DraftHead:
     vocab = (start.d2t.cpu(), start.t2d.cpu()) if start is not None and start.has_draft_vocab else sources.vocab
     config = HeadConfig.from_target(target, kind=h.kind, num_layers=h.num_layers,
                                     draft_vocab_size=vocab[0].numel() if vocab is not None else None,
-                                    aux_layer_ids=list(sources.layer_ids) or None)
+                                    aux_layer_ids=list(sources.layer_ids) or None, block_size=h.block_size or None)
     head = new_head(config, target, dtype=torch.float32)
     if vocab is not None:
         head.set_draft_vocab(*vocab)

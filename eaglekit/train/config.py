@@ -47,6 +47,7 @@ class HeadSpec:
     init_from_target: bool = False  # head.init_from_target (EAGLE-3: lm_head draft rows and final norm)
     init_layer_from_target: bool = False  # EAGLE-3: its decoder layer from the target's last layer (an experiment)
     init_from: str | None = None  # a saved head (folder or export): start from its weights and draft vocab
+    block_size: NonNegInt = 0  # parallel drafters (peagle, dflash): positions one forward fills; 0 = the kind's default
 
 
 @dataclass
@@ -80,6 +81,8 @@ class LossConfig:
     lk_eta: NonNegFloat = 3.0  # lk: the KL weight is exp(-lk_eta * alpha), alpha the position's acceptance
     lk_acceptance: Literal["sampled", "greedy"] = "sampled"  # the acceptance an lk objective targets: sampling
     # (alpha = sum min(p, q)) or greedy verification (the teacher's argmax as a point mass)
+    anchors: PosInt = 512  # DFlash: anchor blocks drawn per sequence at most (all candidates when fewer)
+    block_gamma: NonNegFloat = 0  # DFlash: block depth k weighs exp(-(k-1)/block_gamma); 0 = the paper's for the block
     chunk_tokens: PosInt = 512  # teacher / CE computed over this many positions at a time
     cache_teacher_mb: NonNegFloat = 64  # keep the draft-vocab teacher [B,S,Vd] fp32 per batch if it fits, else recompute
 
