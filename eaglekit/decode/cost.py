@@ -3,7 +3,8 @@
 Verifying m tokens costs the target c(m): one forward over m new tokens on a cached prefix; for a batch of
 B rows, one forward over B × m new tokens on B cached prefixes. One draft level of k nodes costs the head
 d(k): one head step over k nodes with a tree mask, and the top-k that follows (a batch drafts row by row:
-B × d(k)). Each is the median of a few runs, the sizes taken in turn on each repeat.
+B × d(k)); a parallel head's drafting is one forward whatever the tree (``Costs.draft_s``). Each is the
+median of a few runs, the sizes taken in turn on each repeat.
 """
 from __future__ import annotations
 
@@ -33,12 +34,20 @@ class Costs:
     verify_s: dict  # tokens verified per row (root included) -> seconds per target forward on cached prefixes
     level_s: dict  # nodes per draft level -> seconds per head step (one row)
     batch_size: int = 1  # rows in each verify forward measured
+    draft_s: float | None = None  # a parallel head: seconds of its one drafting forward per step (one row)
 
     def verify(self, m: int) -> float:
         return _interp(self.verify_s, m)
 
     def level(self, k: int) -> float:
         return _interp(self.level_s, k)
+
+    def drafting(self, depth: int, k: int) -> float:
+        """One row's drafting time for a tree ``depth`` deep and ``k`` wide: the catch-up step and
+        depth - 1 levels of k nodes, or a parallel head's one forward whatever the tree."""
+        if self.draft_s is not None:
+            return self.draft_s
+        return self.level(2) + (depth - 1) * self.level(k)
 
 
 def _interp(table: dict, x: float) -> float:
@@ -124,4 +133,24 @@ def measure(target, head, prefix_len: int = 128, repeats: int = 5, batch_size: i
             hcache.crop(prefix_len - 1)
         return step
     level_s = _medians({k: level(k) for k in LEVEL_SIZES}, repeats)
-    return Costs(device_name(target.device), verify_s, level_s, batch_size)
+    draft_s = block_cost(head, prefix_len, repeats) if getattr(head, "parallel", False) else None
+    return Costs(device_name(target.device), verify_s, level_s, batch_size, draft_s)
+
+
+@torch.no_grad()
+def block_cost(head, prefix_len: int, repeats: int, pending: int = 2) -> float:
+    """Median seconds of a parallel head's drafting forward: ``pending`` new elements on a cached prefix
+    (about what a step accepts), the whole block drafted, the cache cut back."""
+    dev, H, V = head.device, head.config.hidden_size, head.config.target_vocab_size
+    cache = head.new_cache()
+    head.draft(cache, torch.randint(10, V - 1, (1, prefix_len), device=dev),
+               torch.randn(1, prefix_len, H, device=dev, dtype=head.dtype), torch.arange(prefix_len, device=dev)[None])
+    ids = torch.randint(10, V - 1, (1, pending), device=dev)
+    g = torch.randn(1, pending, H, device=dev, dtype=head.dtype)
+    pos = torch.arange(prefix_len, prefix_len + pending, device=dev)[None]
+
+    def step():
+        logits = head.draft(cache, ids, g, pos)
+        torch.log_softmax(logits[0].float(), -1).topk(min(8, logits.shape[-1]))
+        cache.crop(prefix_len)
+    return _medians({0: step}, repeats)[0]

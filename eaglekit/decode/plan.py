@@ -14,6 +14,10 @@ c(total_tokens + 1)) wins: on a CPU, where c grows quickly, that is a small tree
 nearly flat over dozens of tokens, a large one. Where no tree is expected to beat plain decoding, "auto"
 decodes without drafting.
 
+A parallel head (P-EAGLE: ``head.parallel``) drafts its whole tree in one forward: d is then that forward's
+time whatever the tree (``Costs.draft_s``), the tree is built from the block's per-depth top-k
+(``parallel.block_tree``) and is at most ``head.draft_depths`` deep.
+
 A batch of B rows is planned for B (``auto_plan(..., batch_size=B)``, cached per B): c is then measured
 for B × m tokens, drafting costs B × d (each row drafts alone), a step emits B × E[tokens]; plain decoding
 emits B tokens per forward. As B grows the forward stops being memory-bound, c(m) grows with m and the
@@ -34,6 +38,7 @@ from eaglekit.decode.cost import LEVEL_SIZES, VERIFY_SIZES, Costs, device_name, 
 from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelDrafter, ModelTreeDrafter, PlainDrafter
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import run
+from eaglekit.decode.parallel import ParallelDrafter
 from eaglekit.decode.proposers import HeadProposer
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.tree import TreeSpec
@@ -123,10 +128,11 @@ def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, 
                           f"tokens/s, plain decoding at {plan.plain_tokens_per_s:.1f} on this device: "
                           "decoding without drafting (pass an explicit tree to draft anyway)", stacklevel=4)
             return PlainDrafter(), None
+        make = ParallelDrafter if getattr(drafter, "parallel", False) else EagleDrafter
         if plan is not None:
-            return EagleDrafter(target, drafter, plan.spec), plan
+            return make(target, drafter, plan.spec), plan
         spec = tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {}))
-        return EagleDrafter(target, drafter, spec), None
+        return make(target, drafter, spec), None
     if hasattr(drafter, "draft") and hasattr(drafter, "commit"):  # anything following the protocol
         return drafter, None
     raise TypeError(f"drafter must be None, a Target or an EAGLE head, got {type(drafter).__name__}")
@@ -134,6 +140,11 @@ def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, 
 
 def _is_head(drafter) -> bool:
     return hasattr(drafter, "step") and hasattr(drafter, "config")  # an EAGLE head
+
+
+def _max_depth(head) -> int:
+    """The deepest tree a plan considers: a parallel head proposes ``draft_depths`` tokens at most."""
+    return min(MAX_DEPTH, head.draft_depths) if getattr(head, "parallel", False) else MAX_DEPTH
 
 
 @torch.no_grad()
@@ -144,11 +155,12 @@ def calibrate(target, head, ids: torch.Tensor, contexts: int = 4, depth: int = M
     out = target.forward(ids, kind=taps.kind, layer_ids=taps.layer_ids, logits=False)
     L = ids.shape[1]
     cuts = [int(L * (i + 1) / (contexts + 1)) for i in range(contexts)]
+    make, depth = (ParallelDrafter if getattr(head, "parallel", False) else EagleDrafter), min(depth, _max_depth(head))
     pools = {}
     for k in ks:
         pools[k] = []
         for j in cuts:
-            dr = EagleDrafter(target, head, TreeSpec(depth, k, total_tokens=k + (depth - 1) * k * k))
+            dr = make(target, head, TreeSpec(depth, k, total_tokens=k + (depth - 1) * k * k))
             dr.prefill(ids[:, :j], out, int(ids[0, j]))  # the head reads the features of the first j rows
             tree = dr.draft(max_depth=depth)
             path_p = tree.q_token.double().clone()
@@ -168,19 +180,19 @@ def expected_tokens(pool, depth: int, n: int) -> float:
     return total / max(len(pool), 1)
 
 
-def choose(costs: Costs, pools: dict, max_total: int = 96) -> tuple[TreeSpec, float]:
+def choose(costs: Costs, pools: dict, max_total: int = 96, max_depth: int = MAX_DEPTH) -> tuple[TreeSpec, float]:
     """The spec with the most expected tokens per second (the batch's, for ``costs.batch_size`` rows each
-    drafting alone and verified in one forward); returns (spec, expected tokens/s)."""
+    drafting alone and verified in one forward), at most ``max_depth`` deep; returns (spec, tokens/s)."""
     rows = costs.batch_size
     best, best_rate = TreeSpec(1, 1, 1), 0.0
     for k, pool in pools.items():
         k = int(k)
-        for d in range(1, MAX_DEPTH + 1):
+        for d in range(1, max_depth + 1):
             size = k + (d - 1) * k * k
             for n in sorted({1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 80, 96}):
                 if n > min(size, max_total):
                     continue
-                step = rows * (costs.level(2) + (d - 1) * costs.level(k)) + costs.verify(n + 1)
+                step = rows * costs.drafting(d, k) + costs.verify(n + 1)
                 rate = rows * expected_tokens(pool, d, n) / step
                 if rate > best_rate * (1 + 1e-9):
                     best, best_rate = TreeSpec(d, k, n), rate
@@ -192,7 +204,7 @@ def nodes_beside_branch(costs: Costs, pool, spec: TreeSpec, rows: int = BRANCH_R
     """How many of ``spec``'s best nodes to keep on a step that also verifies a branch of ``rows`` nodes
     worth ``tokens`` accepted tokens: the most expected tokens per second (ties: fewer nodes)."""
     def rate(n):
-        draft = costs.batch_size * (costs.level(2) + (spec.depth - 1) * costs.level(spec.top_k))
+        draft = costs.batch_size * costs.drafting(spec.depth, spec.top_k)
         return (expected_tokens(pool, spec.depth, n) + tokens) / (draft + costs.verify(n + 1 + rows))
     return max(range(spec.total_tokens + 1), key=rate)
 
@@ -209,7 +221,8 @@ def _key(target, head, batch_size: int = 1) -> str:
     blob = json.dumps([device_name(target.device), str(target.dtype), target.fingerprint(),
                        head.config.kind, head.config.num_layers, head.config.draft_vocab_size, round(w, 3),
                        __version__, packed_count(target.model), packed_count(head), VERIFY_SIZES, PLAN_FORMAT]
-                      + ([batch_size] if batch_size > 1 else []))  # one row: the key plans had before batches
+                      + ([batch_size] if batch_size > 1 else [])  # one row: the key plans had before batches
+                      + ([head.config.block_size] if getattr(head, "parallel", False) else []))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -251,7 +264,8 @@ def _load_or_measure(target, head, cache_dir, refresh: bool, batch_size: int = 1
     costs = measure(target, head, batch_size=batch_size)
     pools = _pools(target, head)
     # a batch: no wider tree than measured (m × B past the measured sizes would be an extrapolation)
-    spec, rate = choose(costs, pools, max_total=96 if batch_size == 1 else max(map(int, costs.verify_s)) - 1)
+    spec, rate = choose(costs, pools, max_total=96 if batch_size == 1 else max(map(int, costs.verify_s)) - 1,
+                        max_depth=_max_depth(head))
     plan = Plan(spec, rate, plain_tokens_per_s=batch_size / costs.verify(1), costs=asdict(costs),
                 nodes_with_lookup=nodes_beside_branch(costs, pools[spec.top_k], spec), batch_size=batch_size)
     text = json.dumps(plan.to_json(), indent=1)
