@@ -8,7 +8,7 @@ import torch
 from dflash_reference import naive_block_loss
 from helpers import save_tiny, tiny_conversations, tiny_target
 
-from eaglekit.heads import HeadConfig, build_head
+from eaglekit.heads import HeadConfig, build_head, load_head
 from eaglekit.heads.dflash import decay_gamma, position_weights
 from eaglekit.train.losses import Teacher, supervised_count
 
@@ -126,3 +126,25 @@ def test_dflash_trained_a_few_steps_beats_untrained_on_held_out_tau(tmp_path):
     assert trained["step"] > untrained["step"]
     assert trained["eval_tau_sim"] > untrained["eval_tau_sim"] + 0.1, (trained, untrained)
     assert trained["eval_acc_0"] > untrained["eval_acc_0"]
+
+
+def test_dflash_trains_offline_on_an_eagle3_capture(tmp_path):
+    """DFlash reads the same default taps as EAGLE-3, so one capture (made for eagle3) trains either kind."""
+    from eaglekit.data_prep import capture_features, read_conversations, tokenize_conversations
+    from eaglekit.target import load_target
+    from eaglekit.train.config import load_train_config
+    from eaglekit.train.trainer import train
+
+    save_tiny(tmp_path / "tiny", vocab_size=64, hidden=32, layers=4)
+    tiny = load_target(tmp_path / "tiny")
+    convs = read_conversations(tiny_conversations(tmp_path / "c.jsonl", n=12))
+    samples, _ = tokenize_conversations(tiny.tokenizer, convs, 64)
+    capture_features(tiny, samples, tmp_path / "feats", kind="eagle3", progress=False)
+    final = train(load_train_config(None, [
+        f"target={tmp_path / 'tiny'}", f"data.features_dir={tmp_path / 'feats'}", "data.eval_samples=3",
+        "head.kind=dflash", "head.block_size=3", "head.draft_vocab_size=64", "loss.ttt_steps=2", "data.batch_size=3",
+        "optim.max_steps=3", "progress=false", "trackers=[]", "eval_interval=0", "save_interval=0",
+        f"output_dir={tmp_path / 'out'}"]))
+    assert final["step"] == 3 and {"eval_acc_0", "eval_acc_1", "eval_tau_sim"} <= set(final)
+    head = load_head(tmp_path / "out" / "final", tiny)
+    assert head.config.kind == "dflash" and head.config.block_size == 3 and head.taps == tuple(tiny.default_taps)
