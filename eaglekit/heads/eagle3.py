@@ -3,6 +3,11 @@
 What makes it EAGLE-3, all here: it reads the concatenated inputs of its tap layers (the target's
 default taps unless given), fuses them with ``fc``, predicts over a draft vocabulary (``d2t``/``t2d``)
 and trains on the soft cross-entropy alone; it can start its lm_head and norm from the target's.
+
+EAGLE 3.1's two options (both off by default; a head without them runs exactly the EAGLE-3 path):
+``fc_norm`` puts an RMSNorm on each tap before ``fc`` (``fc_norm.{i}``, as vLLM / SGLang / speculators
+name them), and ``norm_output`` makes ``step`` return the post-norm hidden state — the feature the next
+draft step reads, in training's unroll and in decoding's tree alike — instead of the pre-norm one.
 """
 from __future__ import annotations
 
@@ -50,6 +55,8 @@ class Eagle3Head(DraftHead):
         config.validate()
         super().__init__(config)
         H, taps = config.hidden_size, len(config.aux_layer_ids)
+        if config.fc_norm:  # registered only when set: an EAGLE-3 head's state dict stays as it was
+            self.fc_norm = nn.ModuleList([RMSNorm(H, config.rms_norm_eps) for _ in range(taps)])
         self.fc = nn.Linear(taps * H, H, bias=False)
         self.layers = nn.ModuleList([Eagle3FirstLayer(config)] +
                                     [DecoderLayer(config, i) for i in range(1, config.num_layers)])
@@ -62,11 +69,17 @@ class Eagle3Head(DraftHead):
         self.register_buffer("t2d", t2d)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
-        """[.., len(taps)*H] concatenated layer inputs → g [.., H]."""
-        return self.fc(taps.to(self.fc.weight.dtype))
+        """[.., len(taps)*H] concatenated layer inputs → g [.., H] (each tap normed first under fc_norm:
+        the taps' scales differ by layer, and a norm per tap lets none dominate g)."""
+        taps = taps.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            parts = taps.chunk(len(self.fc_norm), dim=-1)
+            taps = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
+        return self.fc(taps)
 
     def step(self, input_ids, g, position_ids, cache: HeadCache | None = None, attn_mask=None):
-        """One head pass over S (feature, next token) pairs → (hidden before norm [B,S,H], logits [B,S,Vd])."""
+        """One head pass over S (feature, next token) pairs → (hidden [B,S,H], logits [B,S,Vd]); hidden is
+        the feature the next draft step reads: before the final norm, or after it under norm_output."""
         self._check_step(input_ids, g, position_ids, cache, attn_mask)
         dtype = self.dtype
         cos, sin = self.rotary(position_ids.to(self.device), dtype)
@@ -74,7 +87,8 @@ class Eagle3Head(DraftHead):
         x = self.layers[0](self.embed(input_ids), g.to(dtype), cos, sin, cache, mask)
         for layer in self.layers[1:]:
             x = layer(x, cos, sin, cache, mask)
-        return x, self.lm_head(self.norm(x))
+        normed = self.norm(x)
+        return (normed if self.config.norm_output else x), self.lm_head(normed)
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:

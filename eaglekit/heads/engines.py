@@ -35,6 +35,10 @@ class Engine:
     sources: dict = field(default_factory=dict)  # fact -> "file:line"
 
 
+# EAGLE 3.1's head flags (HeadConfig.fc_norm / norm_output): config.json fields of these names, False when absent
+EAGLE31_FLAGS = {"fc_norm": False, "norm_output": False}
+HEAD_FLAGS = ("norm_before_residual", *EAGLE31_FLAGS)  # the flags an engine runs a head with (read_flag)
+
 VLLM = "vLLM 0.33.0 (vllm-project/vllm, PyPI wheel vllm==0.33.0)"
 SGLANG = "SGLang 0.5.23 (sgl-project/sglang, PyPI wheel sglang==0.5.23)"
 SPECULATORS = "speculators 0.9.0 (vllm-project/speculators, PyPI speculators==0.9.0)"
@@ -45,7 +49,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
         "vllm", VLLM, ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"),
         tap_offset=0, tap_ids_at=(TAP_KEY, EAGLE_CONFIG_TAPS),
         tap_count_at=("num_aux_hidden_states", EAGLE_CONFIG_TAPS),
-        flags={"norm_before_residual": False}, key_map={"midlayer.": "layers.0."},
+        flags={"norm_before_residual": False, **EAGLE31_FLAGS}, key_map={"midlayer.": "layers.0."},
         notes=(("d2t is renamed draft_id_to_target_id and t2d skipped; with draft vocab == target vocab "
                 "the model has no draft_id_to_target_id, so d2t/t2d must be absent"),
                "embed_tokens.weight is optional (shared with the target when absent)"),
@@ -59,12 +63,17 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
             "midlayer. -> layers.0.": "vllm/model_executor/models/llama_eagle3.py:290-291",
             "d2t / t2d / embed_tokens handling": "vllm/model_executor/models/llama_eagle3.py:338-345,420-470",
             "architecture names": "vllm/model_executor/models/registry.py:700-702",
+            "fc_norm read (default False): an RMSNorm per tap, applied before fc":
+                "vllm/model_executor/models/llama_eagle3.py:231-240,409-416",
+            "norm_output read (default False): the next step reads the post-norm hidden state":
+                "vllm/model_executor/models/llama_eagle3.py:252,285-286",
+            "fc_norm.N.weight loaded as model.fc_norm.N.weight": "vllm/model_executor/models/llama_eagle3.py:443-444",
         }),
     Engine(
         "sglang", SGLANG, ("LlamaForCausalLMEagle3",),
         tap_offset=-1, tap_ids_at=(EAGLE_CONFIG_TAPS,),
         tap_count_at=("num_aux_hidden_states", EAGLE_CONFIG_TAPS),
-        fixed={"norm_before_residual": False}, key_map={"midlayer.": "layers.0."},
+        fixed={"norm_before_residual": False}, flags=dict(EAGLE31_FLAGS), key_map={"midlayer.": "layers.0."},
         notes=(("ids are read only from eagle_config; an id k there is the OUTPUT of layer k (it captures "
                 "layer k+1's input); without eagle_config it captures the inputs of layers 2, N//2, N-3"),
                "the first layer's residual is always the fused feature g: norm_before_residual is not read",
@@ -79,11 +88,15 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
             "residual = g, no norm_before_residual": "python/sglang/srt/models/llama_eagle3.py:97-102",
             "midlayer -> layers.0, d2t/t2d, unknown names skipped":
                 "python/sglang/srt/models/llama_eagle3.py:337-378",
+            "fc_norm read (default False; legacy use_aux_norm), one RMSNorm per tap before fc":
+                "python/sglang/srt/models/llama_eagle3.py:184-196,240-246",
+            "norm_output read (default False): the next step reads the post-norm hidden state":
+                "python/sglang/srt/models/llama_eagle3.py:207,267-269",
         }),
     Engine(
         "speculators", SPECULATORS, ("Eagle3Speculator",),
         tap_offset=0, tap_ids_at=(TAP_KEY,), tap_count_at=(TAP_KEY,),
-        flags={"norm_before_residual": False},
+        flags={"norm_before_residual": False, **EAGLE31_FLAGS},
         verifier_at="speculators_config.verifier.name_or_path",
         notes=(("from_pretrained reads the verifier's config (layer count) and its embed_tokens / lm_head "
                 "/ final norm from verifier.name_or_path: a Hub id or a local model folder"),
@@ -94,13 +107,15 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
             "distinct ids check": "speculators/models/utils.py:99-133",
             "norm_before_residual (default False)": "speculators/models/eagle3/config.py:43-46, "
                                                     "speculators/models/eagle3/model_definitions.py:73-81",
+            "fc_norm / norm_output (default False)": "speculators/models/eagle3/config.py:66-84, "
+                                                     "speculators/models/eagle3/core.py:130-140,238-243,302-306",
         }),
     Engine(
         "vllm-speculators", VLLM, ("Eagle3Speculator",),
         tap_offset=0, tap_ids_at=(TAP_KEY, f"transformer_layer_config.{EAGLE_CONFIG_TAPS}"),
         tap_count_at=("transformer_layer_config.num_aux_hidden_states",
                       f"transformer_layer_config.{EAGLE_CONFIG_TAPS}"),
-        flags={"norm_before_residual": True},
+        flags={"norm_before_residual": True, **EAGLE31_FLAGS},
         verifier_at="speculators_config.verifier.name_or_path", verifier_must_be_hub_id=True,
         notes=(("vLLM builds the draft config from transformer_layer_config plus the top-level eagle3 "
                 "fields; norm_before_residual defaults to TRUE on this path"),
@@ -113,10 +128,12 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
             "verifier must be a Hub repo id": "vllm/transformers_utils/config.py:859-873",
             "tap ids read (top level, then eagle_config)": "vllm/v1/worker/gpu_model_runner.py:5207-5219",
             "fc width": "vllm/model_executor/models/llama_eagle3.py:209-221",
+            "fc_norm / norm_output copied from the top level (default False)":
+                "vllm/transformers_utils/configs/speculators/algos.py:37-38",
         }),
     Engine(
         "safeailab-eagle", SAFEAILAB, ("",),
-        taps_sorted_unique=False,
+        taps_sorted_unique=False, fixed={"fc_norm": False, "norm_output": False},
         notes=(("EaModel loads pytorch_model.bin, else model.safetensors, with strict=False; the v1 "
                 "branch loads strictly and needs embed_tokens.weight (written), pytorch_model.bin and a "
                 "fixed RoPE base (not targeted)"),
@@ -124,6 +141,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
         sources={
             "loading": "eagle/model/ea_model.py:48-76,120-136",
             "fc bias / layer 0 without input_layernorm": "eagle/model/cnets1.py:392-401,524",
+            "no fc_norm / norm_output (EAGLE 3.1) in the EAGLE-1/2 draft": "eagle/model/cnets1.py:380-420",
         }),
 ]}
 

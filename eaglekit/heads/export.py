@@ -59,6 +59,9 @@ def layout_state(head, layout: str, dtype=None, order=None) -> dict[str, torch.T
     if order is not None and order != sorted(order):  # fc column blocks in the engines' tap order
         H = head.config.hidden_size
         state["fc.weight"] = torch.cat([state["fc.weight"][:, i * H:(i + 1) * H] for i in order], dim=1)
+        if head.config.fc_norm:  # each tap's norm moves with its fc block
+            norms = [state[f"fc_norm.{i}.weight"] for i in order]
+            state.update({f"fc_norm.{j}.weight": w for j, w in enumerate(norms)})
     if layout in ("speculators", "eagle1"):
         state["embed_tokens.weight"] = head.target_module("embed_tokens").weight
     if head.config.kind == EAGLE3 and full_vocab(head.config):

@@ -23,7 +23,16 @@ import torch
 from safetensors import safe_open
 
 from eaglekit.heads.config import EAGLE1, EAGLE3, HeadConfig, target_rope
-from eaglekit.heads.engines import ENGINES, LAYOUT_ENGINES, TAP_KEY, read_flag, read_tap_count, read_taps
+from eaglekit.heads.engines import (
+    ENGINES,
+    EAGLE31_FLAGS,
+    HEAD_FLAGS,
+    LAYOUT_ENGINES,
+    TAP_KEY,
+    read_flag,
+    read_tap_count,
+    read_taps,
+)
 from eaglekit.heads.io import CONFIG, WEIGHTS, read_config
 
 LAYOUTS = ("sglang", "vllm", "speculators", "eagle1")
@@ -88,6 +97,8 @@ def expected_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int],
     else:
         names = [f"layers.{i}." for i in range(cfg.num_layers)]
     keys = {"fc.weight": [H, len(cfg.aux_layer_ids) * H], "norm.weight": [H], "lm_head.weight": [Vd, H]}
+    if cfg.fc_norm:  # EAGLE 3.1: one norm per tap, in fc's column-block order
+        keys.update({f"fc_norm.{i}.weight": [H] for i in range(len(cfg.aux_layer_ids))})
     for i, prefix in enumerate(names):
         keys.update(_layer_keys(cfg, prefix, first_eagle3=i == 0, input_norm=True))
     if layout == "speculators":
@@ -153,8 +164,11 @@ def rename(name: str, layout: str, to_layout: bool) -> str:
 
 
 def eagle3_fields(cfg: HeadConfig) -> dict:
-    return {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.hidden_size,
-            "norm_before_residual": cfg.norm_before_residual}
+    """The EAGLE-3 fields every engine config carries; EAGLE 3.1's flags only when set (absent = off for
+    every engine, so an EAGLE-3 export stays as it was)."""
+    fields = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.hidden_size,
+              "norm_before_residual": cfg.norm_before_residual}
+    return {**fields, **{flag: True for flag in EAGLE31_FLAGS if getattr(cfg, flag)}}
 
 
 def detect_layout(config: dict, where: str = "config.json") -> str:
@@ -192,6 +206,7 @@ def head_config_of(config: dict, layout: str, target=None, where: str = "config.
         rms_norm_eps=llama.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=llama.get("max_position_embeddings", 2048),
         norm_before_residual=bool(config.get("norm_before_residual", False)),
+        **{flag: bool(config.get(flag, False)) for flag in EAGLE31_FLAGS},
         target_name=config.get("speculators_config", {}).get("verifier", {}).get("name_or_path", ""))
 
 
@@ -211,7 +226,7 @@ def check_engine_fields(config: dict, cfg: HeadConfig, layout: str, where) -> No
             need(n == len(cfg.aux_layer_ids), f"{where}: {engine.name} would size fc for {n} taps, "
                  f"the head has {len(cfg.aux_layer_ids)}")
             need("norm_before_residual" in config, f"{where}: missing explicit 'norm_before_residual'")
-        for flag in ("norm_before_residual",):
+        for flag in HEAD_FLAGS:
             got = read_flag(config, engine, flag)
             if got is not None and cfg.kind == EAGLE3:
                 need(got == getattr(cfg, flag), f"{where}: {engine.name} would run {flag}={got}, the head "

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, is_tensorboard_available, is_wandb_available, set_seed
+from accelerate.utils import (
+    DistributedType,
+    InitProcessGroupKwargs,
+    is_tensorboard_available,
+    is_wandb_available,
+    set_seed,
+)
 
 from eaglekit.heads import DraftHead, HeadConfig, load_head
 from eaglekit.heads import build_head as new_head
@@ -66,6 +72,10 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     acc = Accelerator(gradient_accumulation_steps=cfg.optim.grad_accum,
                       mixed_precision="bf16" if cfg.optim.bf16 else "no", log_with=trackers or None,
                       project_dir=cfg.output_dir, kwargs_handlers=handlers, step_scheduler_with_optimizer=False)
+    if launched and acc.distributed_type == DistributedType.NO:  # e.g. torchrun on a CPU without the variable
+        raise TrainError(f"{os.environ['WORLD_SIZE']} processes were launched, but Accelerate runs each one alone "
+                         "(no gradient exchange between them): on a CPU set ACCELERATE_USE_CPU=1 (accelerate "
+                         "launch --multi_gpu, or torchrun)")
     if (warning := slow_bf16_warning(cfg.optim.bf16, acc.device)):
         acc.print(warning)
     if acc.state.deepspeed_plugin is not None:  # no dataloader goes through prepare: say the sizes here
@@ -146,7 +156,8 @@ def build_head(cfg: TrainConfig, target: Target, sources: Sources) -> DraftHead:
     vocab = (start.d2t.cpu(), start.t2d.cpu()) if start is not None and start.has_draft_vocab else sources.vocab
     config = HeadConfig.from_target(target, kind=h.kind, num_layers=h.num_layers,
                                     draft_vocab_size=vocab[0].numel() if vocab is not None else None,
-                                    aux_layer_ids=list(sources.layer_ids) or None, block_size=h.block_size or None)
+                                    aux_layer_ids=list(sources.layer_ids) or None, block_size=h.block_size or None,
+                                    fc_norm=h.fc_norm, norm_output=h.norm_output)
     head = new_head(config, target, dtype=torch.float32)
     if vocab is not None:
         head.set_draft_vocab(*vocab)
@@ -165,8 +176,10 @@ def _start_head(path: str, target: Target, cfg: TrainConfig, sources: Sources) -
     """A saved head to start from, refused unless it is the head this run would build (kind, layers, taps)."""
     head = load_head(path, target, dtype=torch.float32, device="cpu")
     c, h = head.config, cfg.head
-    theirs = {"kind": c.kind, "num_layers": c.num_layers, "aux_layer_ids": list(c.aux_layer_ids or [])}
-    ours = {"kind": h.kind, "num_layers": h.num_layers, "aux_layer_ids": list(sources.layer_ids)}
+    theirs = {"kind": c.kind, "num_layers": c.num_layers, "aux_layer_ids": list(c.aux_layer_ids or []),
+              "fc_norm": c.fc_norm, "norm_output": c.norm_output}
+    ours = {"kind": h.kind, "num_layers": h.num_layers, "aux_layer_ids": list(sources.layer_ids),
+            "fc_norm": h.fc_norm, "norm_output": h.norm_output}
     if theirs != ours:
         raise ValueError(f"head.init_from={path}: the saved head has {theirs}, this run wants {ours}")
     return head

@@ -21,7 +21,7 @@ from eaglekit.config import (
     TargetSpec,
     load_config,
 )
-from eaglekit.heads import EAGLE3, KINDS
+from eaglekit.heads import EAGLE3, KINDS, HeadConfig
 
 
 @dataclass
@@ -47,6 +47,8 @@ class HeadSpec:
     init_from_target: bool = False  # head.init_from_target (EAGLE-3: lm_head draft rows and final norm)
     init_layer_from_target: bool = False  # EAGLE-3: its decoder layer from the target's last layer (an experiment)
     init_from: str | None = None  # a saved head (folder or export): start from its weights and draft vocab
+    fc_norm: bool = False  # EAGLE 3.1: an RMSNorm per tap before fc (docs/training.md "EAGLE 3.1")
+    norm_output: bool = False  # EAGLE 3.1: each draft step reads the previous step's post-norm hidden state
     block_size: NonNegInt = 0  # parallel drafters (peagle, dflash): positions one forward fills; 0 = the kind's default
 
 
@@ -130,6 +132,11 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
                         ("loss.chunk_tokens", cfg.loss.chunk_tokens)):
         if int(value) < 1:
             raise ConfigError(f"{where}: {name} must be >= 1, got {value}")
+    if h.fc_norm or h.norm_output:  # the head config says which kinds can take them
+        try:
+            HeadConfig(kind=h.kind, fc_norm=h.fc_norm, norm_output=h.norm_output)
+        except ValueError as e:
+            raise ConfigError(f"{where}: head.fc_norm / head.norm_output with head.kind={h.kind!r}: {e}") from None
     if cfg.loss.lk_acceptance != "sampled" and cfg.loss.objective == "kl":
         raise ConfigError(f"{where}: loss.lk_acceptance={cfg.loss.lk_acceptance!r} applies to the LK objectives; "
                           "set loss.objective to lk, lk_alpha or lk_tv (or leave lk_acceptance 'sampled')")

@@ -25,6 +25,7 @@ from eaglekit.heads.engines import (
 )
 from eaglekit.heads.export import ExportError
 from eaglekit.heads.io import check_finite
+from eaglekit.train.losses import ttt_unroll
 
 H, V, VD, N = 32, 64, 16, 12  # hidden, vocab, draft vocab, target layers (default taps [2, 6, 9])
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,16 +52,21 @@ def make(target, taps=None, seed=0, draft_vocab=VD, **kw):
     return head
 
 
-def eaglekit_logits(target, head, ids):
+def drafts(head, ids, g, steps):
+    """The head's logits for ``steps`` chained draft steps (step k > 0 reads step k-1's hidden state)."""
+    return torch.cat([logits for _, _, logits in ttt_unroll(head, ids, g, steps)])
+
+
+def eaglekit_logits(target, head, ids, steps=1):
     """Target-vocabulary logits of eaglekit's head (-inf outside the draft vocabulary)."""
     g = head.fuse(target.forward(ids, layer_ids=head.taps).taps)
-    logits = head.step(ids, g, torch.arange(ids.shape[1])[None])[1]
+    logits = drafts(head, ids, g, steps)
     out = torch.full((*logits.shape[:-1], V), float("-inf"))
     out[..., torch.arange(logits.shape[-1]) + head.d2t] = logits
     return out
 
 
-def engine_logits(out_dir, engine_name, target, ids):
+def engine_logits(out_dir, engine_name, target, ids, steps=1):
     """What ``engine_name`` drafts from the exported folder (see the module docstring)."""
     engine = ENGINES[engine_name]
     config = json.loads((out_dir / "config.json").read_text())
@@ -89,12 +95,14 @@ def engine_logits(out_dir, engine_name, target, ids):
                      num_key_value_heads=llama["num_key_value_heads"], head_dim=llama["head_dim"],
                      intermediate_size=llama["intermediate_size"], rms_norm_eps=llama["rms_norm_eps"],
                      rope_theta=llama["rope_theta"], max_position_embeddings=llama["max_position_embeddings"],
-                     norm_before_residual=bool(read_flag(config, engine, "norm_before_residual")))
+                     norm_before_residual=bool(read_flag(config, engine, "norm_before_residual")),
+                     fc_norm=bool(read_flag(config, engine, "fc_norm")),
+                     norm_output=bool(read_flag(config, engine, "norm_output")))
     sim = build_head(cfg, target)
     sim.load_state_dict({**state, "d2t": sim.d2t, "t2d": sim.t2d}, strict=True)
     hidden = target.model(ids, output_hidden_states=True).hidden_states  # [k] = input of layer k
     g = sim.fuse(torch.cat([hidden[k] for k in layers], dim=-1))
-    logits = sim.step(ids, g, torch.arange(ids.shape[1])[None])[1]
+    logits = drafts(sim, ids, g, steps)
     out = torch.full((*logits.shape[:-1], V), float("-inf"))
     out[..., torch.arange(vd) + d2t] = logits
     return out
@@ -152,6 +160,25 @@ def test_heads_engines_table_matches_the_engine_sources():
     assert captured_layers([9, 0, 4, 4], vllm) == [0, 4, 9]
     for e in ENGINES.values():
         assert e.version and e.sources and all(":" in line for line in e.sources.values())
+    for e in (vllm, sgl, spec, vspec):  # EAGLE 3.1's flags: read by every EAGLE-3 engine, off when absent
+        assert read_flag({}, e, "fc_norm") is False and read_flag({}, e, "norm_output") is False
+        assert read_flag({"fc_norm": True, "norm_output": True}, e, "fc_norm") is True
+    assert ENGINES["safeailab-eagle"].fixed == {"fc_norm": False, "norm_output": False}
+
+
+@pytest.mark.parametrize("layout", ["vllm", "sglang", "speculators"])
+def test_heads_engines_run_eagle31_heads_as_eaglekit_does(target, tmp_path, layout):
+    """fc_norm and norm_output (EAGLE 3.1) as each engine reads them: two chained draft steps, taps out of
+    order (each tap's norm moves with its fc block)."""
+    head = make(target, [9, 0, 4, 7], fc_norm=True, norm_output=True)
+    out = export_head(head, tmp_path / "x", layout, verifier="me/tiny")
+    ids = torch.randint(0, V, (1, 7))
+    want = eaglekit_logits(target, head, ids, steps=2)
+    for engine in LAYOUT_ENGINES[layout]:
+        torch.testing.assert_close(engine_logits(out, engine, target, ids, steps=2), want, atol=1e-5, rtol=1e-5)
+    plain = make(target, [9, 0, 4, 7])  # an engine that skipped either flag would draft this
+    plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("fc_norm")})
+    assert not torch.allclose(eaglekit_logits(target, plain, ids, steps=2), want, atol=1e-3)
 
 
 def test_heads_engines_refusals(target, tmp_path):
