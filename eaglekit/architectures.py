@@ -52,11 +52,10 @@ def refusal(config) -> str | None:
     recurrent = sorted(types & RECURRENT_LAYER_TYPES)
     keys = [k for k in RECURRENT_CONFIG_KEYS if getattr(config, k, None) is not None]
     if recurrent or keys or name in RECURRENT_MODEL_TYPES:
-        what = f"its {', '.join(recurrent)} layers" if recurrent else \
-            f"its recurrent layers ({', '.join(keys)} in its config)" if keys else "its recurrent layers"
-        return (f"{name}: {what} keep a recurrent state, which takes in every draft token the target verifies "
-                "and cannot drop the rejected ones, so speculative decoding would drift from the target's own "
-                "output (only attention layers with a KV cache can be rolled back)")
+        what = f"layer type {', '.join(recurrent)}" if recurrent else ', '.join(keys) if keys else "its blocks"
+        return (f"{name} keeps a recurrent state ({what}): the state takes in every draft token the target "
+                "verifies and cannot drop the rejected ones, so speculative decoding would drift from the target's "
+                "own output (only attention layers, whose KV cache is truncated, can be rolled back)")
     other = sorted(types - {FULL, SLIDING} - STATELESS_LAYER_TYPES)
     if other:
         return (f"{name}: its {', '.join(other)} layers need an attention mask eaglekit does not build for a draft "

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from eaglekit import assets
+from eaglekit.architectures import attention_implementation, attention_windows, check_supported
 from eaglekit.config import TargetSpec, parse_dtype
 
 
@@ -62,6 +63,8 @@ class Target:
         self.name = name
         causal = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.config = causal.config
+        check_supported(self.config, where=name or type(causal).__name__)
+        self.attention_windows = attention_windows(self.config)  # layer type -> sliding window (None: full)
         self.decoder = causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
         self.layers = _find(self.decoder, ("layers", "h", "blocks"), "decoder layers")
         self.norm = _find(self.decoder, ("norm", "final_layernorm", "final_layer_norm", "ln_f"), "final norm")
@@ -206,9 +209,13 @@ def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype: torch.d
     """
     path, _ = resolve(name_or_path)
     kw = {"trust_remote_code": trust_remote_code, "revision": revision}
+    config = AutoConfig.from_pretrained(path, **kw)
+    check_supported(config, where=str(name_or_path))  # before any weight is read
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype),
-                                                 attn_implementation=attn_implementation, **kw).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), **kw,
+                                                 attn_implementation=attention_implementation(_model_class(config),
+                                                                                              attn_implementation)
+                                                 ).to(device)
     if adapter is not None:
         from peft import PeftModel  # an optional dependency, needed only with an adapter
 
@@ -216,6 +223,14 @@ def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype: torch.d
         if merge_adapter:
             model = model.merge_and_unload()
     return Target(model, tokenizer, name=str(name_or_path))
+
+
+def _model_class(config) -> type:
+    """The causal-LM class transformers builds for ``config`` (``object`` when it maps none, e.g. remote code)."""
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return object
 
 
 def job_device(device: str | None, default: str = "cpu") -> str:

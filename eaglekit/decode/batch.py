@@ -27,8 +27,7 @@ from eaglekit.decode.drafters import catch_up_rows
 from eaglekit.decode.loop import GenerateOutput, Step, finish
 from eaglekit.decode.sampling import Sampling, sample
 from eaglekit.decode.stats import BatchStats, DecodeStats
-from eaglekit.decode.tree import additive
-from eaglekit.decode.verify import accept, accepted_rows, verify_batch
+from eaglekit.decode.verify import accept, accepted_rows, layer_masks, verify_batch
 from eaglekit.timing import Stopwatch
 
 
@@ -114,7 +113,7 @@ class BatchDecoder:
         allowed = ((j <= i) & (j >= s)) | ((i < s) & (i == j))
         dev = self.target.device
         pos = (torch.arange(T)[None] - torch.tensor(starts)[:, None]).clamp_min(0)
-        out = self.target.forward(ids.to(dev), attention_mask=additive(allowed.to(dev), self.target.dtype)[:, None],
+        out = self.target.forward(ids.to(dev), attention_mask=layer_masks(self.target, allowed, pos, pos),
                                   position_ids=pos.to(dev), past_key_values=self.cache, kind=self.kind,
                                   layer_ids=self.layer_ids, logits_to_keep=1)
         roots = []

@@ -2,9 +2,11 @@
 
 The target's cache is a transformers ``DynamicCache``. Its per-layer tensors are reached through the
 public attributes that exist on the installed version: ``cache.layers[i].keys/.values`` (transformers
->= 4.56, including 5.17 and 5.24) or ``cache.key_cache[i]/.value_cache[i]`` (older). Only full-attention
-layers are supported: a sliding-window layer that has already dropped tokens cannot be rolled back, so
-it is refused. The head keeps its own ``HeadCache`` (``crop``/``keep``), handled by the drafter.
+>= 4.56, including 5.17 and 5.24) or ``cache.key_cache[i]/.value_cache[i]`` (older). ``new_cache`` keeps every
+entry of every layer, sliding-window ones included; a sliding-window cache layer that has already dropped
+tokens (one built elsewhere) cannot be rolled back, so it is refused. Keys and values may differ in width
+(DeepSeek-V3's MLA caches its compressed latent as keys and its rotary part as values). The head keeps its
+own ``HeadCache`` (``crop``/``keep``), handled by the drafter.
 """
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import torch
 from transformers import DynamicCache
 
 
-def new_cache(model):
-    """An empty ``DynamicCache`` for ``model`` (built from its config so layer types match)."""
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # very old signature without config
-        return DynamicCache()
+def new_cache(model=None):
+    """An empty ``DynamicCache`` for ``model`` whose every layer keeps all its entries, sliding-window layers
+    included: a sliding layer built from the config drops entries past its window as the verify forward
+    appends the tree, and a rejected node's row cannot then be undone. The window is the mask's business
+    instead (``verify.layer_masks``, and transformers' own mask where none is passed)."""
+    return DynamicCache()
 
 
 def cache_length(cache) -> int:
@@ -98,10 +100,10 @@ def keep_rows(cache, past_len: int, lengths: list[int], rows: list[torch.Tensor]
         k, v = get()
         if k is None:
             continue
-        i_src, i_dst = (x.to(k.device)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3]) for x in (src, dst))
         # dst <= src slot by slot and the gather copies first, so no row overwrites an entry it still reads
-        k.scatter_(2, i_dst, k.gather(2, i_src))
-        v.scatter_(2, i_dst, v.gather(2, i_src))
+        for x in (k, v):  # expanded per tensor: MLA caches latents whose keys and values differ in width
+            i_src, i_dst = (i.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]) for i in (src, dst))
+            x.scatter_(2, i_dst, x.gather(2, i_src))
         put(k[..., :end, :], v[..., :end, :])
     return new
 

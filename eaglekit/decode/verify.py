@@ -10,7 +10,7 @@ import torch
 
 from eaglekit.decode import kv
 from eaglekit.decode.sampling import Sampling, rule_for, sample
-from eaglekit.decode.tree import Tree, additive, ancestors, verify_mask
+from eaglekit.decode.tree import Tree, additive, ancestors
 
 
 def verify(target, cache, root: int, tree: Tree, drafter):
@@ -19,11 +19,27 @@ def verify(target, cache, root: int, tree: Tree, drafter):
     past = kv.cache_length(cache)
     dev = target.device
     ids = torch.cat([torch.tensor([root], device=dev), tree.tokens.to(dev)])[None]
-    pos = past + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths.cpu()]).to(dev)[None]
-    mask = None if tree.is_chain else verify_mask(tree, past, target.dtype, dev)
-    out = target.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, kind=drafter.kind,
-                         layer_ids=drafter.layer_ids)
+    pos = past + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths.cpu()])[None]
+    mask = None
+    if not tree.is_chain:  # a chain is causal: transformers' own mask (its windows included) is the same
+        allowed = torch.cat([torch.ones(len(tree) + 1, past, dtype=torch.bool), ancestors(tree.parents.cpu())], 1)
+        mask = layer_masks(target, allowed[None], pos, torch.cat([torch.arange(past)[None], pos], 1))
+    out = target.forward(ids, attention_mask=mask, position_ids=pos.to(dev), past_key_values=cache,
+                         kind=drafter.kind, layer_ids=drafter.layer_ids)
     return out, past
+
+
+def layer_masks(target, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """The additive float masks [B, 1, Q, K] of one forward, from ``allowed`` [B, Q, K] (bool, True = attend)
+    and the positions of its queries [B, Q] and keys [B, K]: per layer type, a sliding-window type also hides
+    keys ``window`` or more positions behind the query (transformers' rule, by position: a node's slot is
+    not its position). One type: one tensor; several: a dict keyed by layer type, which transformers' models
+    that mix types take as it is. Floats, since eager attention (Gemma-2, gpt-oss) adds the mask."""
+    masks = {}
+    for kind, window in getattr(target, "attention_windows", {"full_attention": None}).items():
+        seen = allowed if window is None else allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+        masks[kind] = additive(seen.to(target.device), target.dtype)[:, None]
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 def verify_batch(target, cache, roots: list[int], trees: list[Tree], starts: list[int], lengths: list[int],
@@ -44,7 +60,8 @@ def verify_batch(target, cache, roots: list[int], trees: list[Tree], starts: lis
         pos[b, 1:1 + k] += tree.depths.cpu()
         allowed[b, :, starts[b]:lengths[b]] = True
         allowed[b, :1 + k, past:past + 1 + k] = ancestors(tree.parents.cpu())
-    mask = additive(allowed.to(dev), target.dtype)[:, None]
+    slots = torch.arange(past)[None] - torch.tensor(starts)[:, None]  # row b's text slot s is at position s - start
+    mask = layer_masks(target, allowed, pos, torch.cat([slots, pos], 1))
     out = target.forward(ids.to(dev), attention_mask=mask, position_ids=pos.to(dev), past_key_values=cache,
                          kind=drafter.kind, layer_ids=drafter.layer_ids)
     return out, past

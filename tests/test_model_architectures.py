@@ -1,0 +1,206 @@
+"""The architecture matrix (tests/arch_matrix.py): for a tiny random model of each supported architecture,
+taps equal ``output_hidden_states``, two online training steps give a finite loss, greedy tree decoding with an
+untrained EAGLE-3 head (and with an oracle tree whose nodes are accepted) equals the target's own greedy
+decoding for prompts longer than every sliding window, alone and as a batch of 2, and each export layout is
+written where its engines can serve that architecture and refused, naming the engine, where not. Recurrent
+models are refused before any work; README's table is the matrix's.
+"""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from arch_matrix import MATRIX, REFUSED, WINDOW, config, readme_block, tiny_model
+from helpers import tiny_tokenizer
+
+from eaglekit import decode
+from eaglekit.architectures import UnsupportedArchitecture, check_supported
+from eaglekit.decode.tree import Tree
+from eaglekit.heads import HeadConfig, build_head
+from eaglekit.heads.engines import ENGINES, LAYOUT_ENGINES
+from eaglekit.heads.export import ExportError, export_head
+from eaglekit.target import Target, load_target
+from eaglekit.train.config import LossConfig
+from eaglekit.train.losses import Teacher
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
+NEW = 12  # new tokens per decode
+TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
+_gen = torch.Generator().manual_seed(0)
+PROMPTS = [torch.randint(7, 512, (n,), generator=_gen).tolist() for n in (20, 13)]  # both longer than WINDOW
+_TARGETS: dict = {}
+
+
+def target(name: str) -> Target:
+    if name not in _TARGETS:
+        _TARGETS[name] = Target(tiny_model(name), tiny_tokenizer(512), name=f"tiny-{name}")
+    return _TARGETS[name]
+
+
+def head_for(t: Target, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_head(HeadConfig.from_target(t, kind="eagle3", aux_layer_ids=[0, 1]), t)
+
+
+class Oracle:
+    """Drafts a full binary tree ``depth`` deep from the target itself (its own forwards over each path):
+    every node's children are the target's second choice, then its first. So every step accepts ``depth``
+    nodes, the second child each time, and the output rests on the verify rows of tree nodes, not only the
+    root's (an untrained head's nodes are almost never accepted)."""
+
+    kind, layer_ids = None, None
+
+    def __init__(self, t: Target, depth: int = TREE["depth"]):
+        self.t, self.depth, self.memo = t, depth, {}
+
+    def top2(self, ctx: tuple) -> list[int]:
+        if ctx not in self.memo:
+            order = self.t.model(torch.tensor([ctx])).logits[0, -1].argsort(descending=True)
+            self.memo[ctx] = [int(order[1]), int(order[0])]
+        return self.memo[ctx]
+
+    def prefill(self, prompt, out, root):
+        self.ctx = tuple(prompt[0].tolist()) + (root,)
+
+    def commit(self, tree, path, next_token, out, rows):
+        self.ctx += tuple(tree.tokens[path].tolist()) + (next_token,)
+
+    @torch.no_grad()
+    def draft(self, max_depth: int) -> Tree:
+        tokens, parents, depths, frontier = [], [], [], [(-1, ())]
+        for d in range(1, min(self.depth, max_depth) + 1):
+            nxt = []
+            for parent, suffix in frontier:
+                for x in self.top2(self.ctx + suffix):
+                    tokens.append(x), parents.append(parent), depths.append(d)
+                    nxt.append((len(tokens) - 1, suffix + (x,)))
+            frontier = nxt
+        tokens, parents, depths = (torch.tensor(v, dtype=torch.long) for v in (tokens, parents, depths))
+        return Tree(tokens, parents, depths, torch.ones(len(tokens)))
+
+
+def hf_greedy(t: Target, ids: list[int]) -> list[int]:
+    out = t.model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_matrix_prompts_pass_every_window():
+    assert min(map(len, PROMPTS)) > WINDOW
+    windows = {n: target(n).attention_windows for n in ("mistral", "gemma2", "gpt_oss")}
+    assert all(w.get("sliding_attention") == WINDOW for w in windows.values()), windows
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_taps_equal_output_hidden_states(name):
+    t = target(name)
+    ids = torch.tensor([PROMPTS[0]])
+    feats = t.features(ids, layer_ids=(0, 1))
+    ref = t.model(ids, output_hidden_states=True).hidden_states
+    H = t.hidden_size
+    for k in (0, 1):
+        torch.testing.assert_close(feats.taps[..., k * H:(k + 1) * H], ref[k], rtol=0, atol=0)
+    torch.testing.assert_close(feats.last, ref[-1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_two_online_training_steps(name):
+    """Online: the target's taps computed inside each step, the head's TTT loss, an optimizer step."""
+    t = target(name)
+    head = head_for(t).train()
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    teacher = Teacher.build(t.lm_head.weight, head.t2d)
+    ids = torch.tensor([PROMPTS[0][:16], PROMPTS[1] + PROMPTS[0][:3]])
+    before = [p.detach().clone() for p in head.parameters()]
+    for _ in range(2):
+        out = t.features(ids, layer_ids=head.taps)
+        batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "last": out.last, "taps": out.taps}
+        loss, stats = head.training_loss(teacher, batch, LossConfig(ttt_steps=2), steps=2)
+        assert torch.isfinite(loss) and loss > 0, (name, loss)
+        opt.zero_grad()
+        (loss / sum(stats.total)).backward()
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in head.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, head.parameters())), "the steps changed nothing"
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_greedy_tree_decoding_equals_the_targets_own(name):
+    t = target(name)
+    refs = [hf_greedy(t, p) for p in PROMPTS]
+    head = head_for(t)
+    oracle = [Oracle(t) for _ in PROMPTS]
+    for ids, ref, orc in zip(PROMPTS, refs, oracle):
+        for what, dr in (("head", head), ("oracle", orc)):
+            out = decode.generate(t, dr, torch.tensor([ids]), NEW, eos_token_id=False, tree=TREE)
+            assert out.sequences[0, len(ids):].tolist() == ref, (name, what, len(ids))
+            if what == "oracle":  # every node it drafts on the target's path is accepted: the tree rows decide
+                assert max(out.stats.accept_lengths) == TREE["depth"] + 1, out.stats.accept_lengths
+    oracle = [Oracle(t) for _ in PROMPTS]
+    for what, dr in (("head", head), ("oracle", oracle)):
+        out = decode.generate(t, dr, PROMPTS, NEW, eos_token_id=False, tree=TREE)
+        width = max(map(len, PROMPTS))
+        assert out.sequences[:, width:].tolist() == refs, (name, what, "batch of 2")
+
+
+@pytest.mark.parametrize("name", ["mistral", "gpt_oss"])
+def test_the_window_is_what_keeps_decoding_exact(name, monkeypatch):
+    """The check above can fail: tree masks that ignore the sliding window part from the target's output."""
+    t = target(name)
+    ref = hf_greedy(t, PROMPTS[0])
+    monkeypatch.setattr(t, "attention_windows", {k: None for k in t.attention_windows})
+    out = decode.generate(t, Oracle(t), torch.tensor([PROMPTS[0]]), NEW,
+                          eos_token_id=False, tree=TREE)
+    assert out.sequences[0, len(PROMPTS[0]):].tolist() != ref
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_export_where_an_engine_serves_the_architecture(name, tmp_path):
+    t, arch = target(name), MATRIX[name].model_class
+    head = head_for(t)
+    for layout in ("vllm", "sglang", "speculators"):
+        engines = [ENGINES[e] for e in LAYOUT_ENGINES[layout]]
+        refusing = [e for e in engines if e.targets and arch not in e.targets]
+        kw = {"verifier_architectures": [arch], "verifier": "org/tiny-model"}
+        if refusing:
+            with pytest.raises(ExportError, match=re.escape(refusing[0].version) + f".*{arch}"):
+                export_head(head, tmp_path / layout, layout, **kw)
+            assert not (tmp_path / layout).exists()
+        else:
+            out = export_head(head, tmp_path / layout, layout, **kw)
+            assert json.loads((out / "config.json").read_text())["architectures"]
+
+
+def test_export_refusals_name_the_engines():
+    """Some matrix rows are refused by each engine, some served (the table is not all 'yes')."""
+    for engine in ("vllm", "sglang"):
+        served = {n for n, a in MATRIX.items() if a.model_class in ENGINES[engine].targets}
+        assert {"llama", "qwen3_moe", "gpt_oss", "deepseek_v3"} <= served < set(MATRIX), (engine, served)
+
+
+# ---- refused: recurrent state ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", REFUSED)
+def test_recurrent_models_are_refused_before_any_work(name, tmp_path):
+    cfg = config(REFUSED[name])
+    with pytest.raises(UnsupportedArchitecture, match=f"{cfg.model_type} keeps a recurrent state.*rejected"):
+        check_supported(cfg)
+    cfg.save_pretrained(tmp_path)  # a folder without weights or tokenizer: the refusal comes first
+    with pytest.raises(UnsupportedArchitecture, match=f"{tmp_path}: unsupported target architecture: "
+                                                      f"{cfg.model_type}"):
+        load_target(tmp_path)
+
+
+def test_a_recurrent_model_cannot_become_a_target():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config(REFUSED["mamba"]))
+    with pytest.raises(UnsupportedArchitecture, match="mamba keeps a recurrent state"):
+        Target(model, tiny_tokenizer(512), name="tiny-mamba")
+
+
+# ---- README ---------------------------------------------------------------------------------------------
+def test_readme_table_is_the_matrix():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_block() in readme, "README's architectures table differs: run python scripts/arch_table.py"
