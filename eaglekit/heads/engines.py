@@ -33,6 +33,8 @@ class Engine:
     key_map: dict = field(default_factory=dict)  # file-name prefix -> its module name in the engine
     notes: tuple[str, ...] = ()
     sources: dict = field(default_factory=dict)  # fact -> "file:line"
+    # target (verifier) classes whose layer inputs it can capture for an EAGLE-3 head; () = not checked
+    targets: tuple[str, ...] = ()
 
 
 # EAGLE 3.1's head flags (HeadConfig.fc_norm / norm_output): config.json fields of these names, False when absent
@@ -40,6 +42,20 @@ EAGLE31_FLAGS = {"fc_norm": False, "norm_output": False}
 HEAD_FLAGS = ("norm_before_residual", *EAGLE31_FLAGS)  # the flags an engine runs a head with (read_flag)
 
 VLLM = "vLLM 0.33.0 (vllm-project/vllm, PyPI wheel vllm==0.33.0)"
+# target classes that implement vLLM's SupportsEagle3 (the runner refuses any other, gpu_model_runner.py:5173);
+# Mistral and Phi-3 subclass its Llama, OLMo-2 runs on its Transformers backend (which implements it)
+VLLM_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM")
+# target classes with SGLang's set_eagle3_layers_to_capture (else refused, attention_backend_setup.py:55-60);
+# Mistral and Phi-3 subclass its Llama
+SGLANG_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                  "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM")
+VLLM_TARGET_SOURCES = {
+    "EAGLE-3 targets = SupportsEagle3 classes": "vllm/model_executor/models/llama.py:464, qwen2.py:458, qwen3.py:280, "
+    "qwen3_moe.py:543, gpt_oss.py:1369, deepseek_v2.py:2005, mistral.py:236, phi3.py:10, transformers/base.py:109-117",
+    "OLMo-2 on the Transformers backend": "vllm/model_executor/models/registry.py:762",
+    "others refused": "vllm/v1/worker/gpu_model_runner.py:5173-5177",
+}
 SGLANG = "SGLang 0.5.23 (sgl-project/sglang, PyPI wheel sglang==0.5.23)"
 SPECULATORS = "speculators 0.9.0 (vllm-project/speculators, PyPI speculators==0.9.0)"
 SAFEAILAB = "SafeAILab/EAGLE main @ cb7e084 (eagle/model/cnets1.py, EAGLE-1/2 draft)"
@@ -68,7 +84,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
             "norm_output read (default False): the next step reads the post-norm hidden state":
                 "vllm/model_executor/models/llama_eagle3.py:252,285-286",
             "fc_norm.N.weight loaded as model.fc_norm.N.weight": "vllm/model_executor/models/llama_eagle3.py:443-444",
-        }),
+            **VLLM_TARGET_SOURCES,
+        }, targets=VLLM_TARGETS),
     Engine(
         "sglang", SGLANG, ("LlamaForCausalLMEagle3",),
         tap_offset=-1, tap_ids_at=(EAGLE_CONFIG_TAPS,),
@@ -92,7 +109,11 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
                 "python/sglang/srt/models/llama_eagle3.py:184-196,240-246",
             "norm_output read (default False): the next step reads the post-norm hidden state":
                 "python/sglang/srt/models/llama_eagle3.py:207,267-269",
-        }),
+            "EAGLE-3 targets = classes with set_eagle3_layers_to_capture":
+                "python/sglang/srt/models/llama.py:929,956, mistral.py:33, qwen2.py:781, qwen3.py:778, "
+                "qwen3_moe.py:1128, gpt_oss.py:1337, deepseek_v2.py:3458,3518",
+            "others refused": "python/sglang/srt/model_executor/model_runner_components/attention_backend_setup.py:55-60",
+        }, targets=SGLANG_TARGETS),
     Engine(
         "speculators", SPECULATORS, ("Eagle3Speculator",),
         tap_offset=0, tap_ids_at=(TAP_KEY,), tap_count_at=(TAP_KEY,),
@@ -130,7 +151,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
             "fc width": "vllm/model_executor/models/llama_eagle3.py:209-221",
             "fc_norm / norm_output copied from the top level (default False)":
                 "vllm/transformers_utils/configs/speculators/algos.py:37-38",
-        }),
+            **VLLM_TARGET_SOURCES,
+        }, targets=VLLM_TARGETS),
     Engine(
         "safeailab-eagle", SAFEAILAB, ("",),
         taps_sorted_unique=False, fixed={"fc_norm": False, "norm_output": False},
@@ -152,6 +174,13 @@ LAYOUT_ENGINES: dict[str, tuple[str, ...]] = {
     "speculators": ("speculators", "vllm-speculators"),
     "eagle1": ("safeailab-eagle",),
 }
+
+
+def refusing_engines(layout: str, architectures) -> list[tuple[Engine, str]]:
+    """(engine, target class) for each engine reading ``layout`` that cannot serve a head on a target of one
+    of ``architectures`` (the target config's ``architectures``; empty: nothing to check)."""
+    return [(e, a) for e in (ENGINES[n] for n in LAYOUT_ENGINES[layout]) if e.targets
+            for a in architectures or () if a not in e.targets]
 
 
 # ---- dotted config paths ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from eaglekit.fileio import write_json, write_safetensors
 from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import EAGLE3, HeadConfig, check_target
-from eaglekit.heads.engines import ENGINES, LAYOUT_ENGINES, TAP_KEY, get_path, set_path
+from eaglekit.heads.engines import ENGINES, LAYOUT_ENGINES, TAP_KEY, get_path, refusing_engines, set_path
 from eaglekit.heads.io import (
     CONFIG,
     WEIGHTS,
@@ -134,6 +134,11 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
     name, see heads.verifier); required by the speculators layout.
     """
     layout_engines(layout)
+    refused = refusing_engines(layout, verifier_architectures)
+    if refused:  # an engine that cannot tap this target would load the head and fail when serving it
+        engine, arch = refused[0]
+        raise ExportError(f"layout {layout!r}: {engine.version} cannot capture the taps of a {arch} target, so it "
+                          f"could not serve this head (its EAGLE-3 targets: {', '.join(engine.targets)})")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
