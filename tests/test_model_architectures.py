@@ -180,6 +180,16 @@ def test_export_refusals_name_the_engines():
         assert {"llama", "qwen3_moe", "gpt_oss", "deepseek_v3"} <= served < set(MATRIX), (engine, served)
 
 
+@pytest.mark.parametrize("name,attn", [("gemma2", "eager"), ("gpt_oss", "eager"), ("qwen3", "sdpa")])
+def test_load_target_picks_eager_where_a_model_has_no_sdpa(name, attn, tmp_path):
+    tiny_model(name).save_pretrained(tmp_path)
+    tiny_tokenizer(512).save_pretrained(tmp_path)
+    t = load_target(tmp_path)  # asks for SDPA, the default
+    assert t.model.config._attn_implementation == attn
+    ids = torch.tensor([PROMPTS[0]])
+    torch.testing.assert_close(t.model(ids).logits, target(name).model(ids).logits, rtol=0, atol=0)
+
+
 # ---- refused: recurrent state ------------------------------------------------------------------------
 @pytest.mark.parametrize("name", REFUSED)
 def test_recurrent_models_are_refused_before_any_work(name, tmp_path):
