@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from eaglekit import assets
+from eaglekit import tensor_parallel as tp
 from eaglekit.architectures import attention_implementation, attention_windows, check_supported
 from eaglekit.config import TargetSpec, parse_dtype
 
@@ -55,7 +56,14 @@ class TargetOutput:
 
 
 class Target:
-    """A frozen target model with its tokenizer and the taps heads need."""
+    """A frozen target model with its tokenizer and the taps heads need.
+
+    ``layout`` says how the target is split over processes (``tensor_parallel.Layout``; one process holds it
+    whole by default); ``split`` gives a split target the full copies of the modules heads borrow."""
+
+    layout: tp.Layout = tp.SINGLE
+    _twins: dict | None = None  # under TP: plain full copies of embed_tokens / lm_head (tensor_parallel.replicate)
+    _input_device: torch.device | None = None  # where inputs go when the weights are spread (device_map)
 
     def __init__(self, model: nn.Module, tokenizer, name: str = ""):
         self.model = model.eval().requires_grad_(False)
@@ -81,15 +89,24 @@ class Target:
     # frozen modules that heads and losses borrow
     @property
     def embed_tokens(self) -> nn.Module:
-        return self.model.get_input_embeddings()
+        return self._twins["embed_tokens"] if self._twins else self.model.get_input_embeddings()
 
     @property
     def lm_head(self) -> nn.Module:
-        return self.model.get_output_embeddings()
+        return self._twins["lm_head"] if self._twins else self.model.get_output_embeddings()
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self._input_device or self.embed_tokens.weight.device
+
+    def split(self, layout: tp.Layout) -> Target:
+        """Mark this target as split over ``layout``'s TP group: heads then borrow full copies of its
+        embedding and lm_head (the split model keeps its own DTensor weights)."""
+        self.layout = layout
+        if layout.tp_size > 1:
+            self._twins = {"embed_tokens": tp.replicate(self.model.get_input_embeddings()),
+                           "lm_head": tp.replicate(self.model.get_output_embeddings())}
+        return self
 
     @property
     def dtype(self) -> torch.dtype:
@@ -201,28 +218,59 @@ def resolve(name_or_path: str | Path) -> tuple[str, dict]:
 def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32,
                 device="cpu", adapter: str | Path | None = None, merge_adapter: bool = False,
                 trust_remote_code: bool = False, attn_implementation: str = "sdpa",
-                revision: str | None = None) -> Target:
+                revision: str | None = None, tp_size: int = 1, device_map: str | dict | None = None,
+                max_memory: dict | None = None, offload_folder: str | Path | None = None,
+                only_tp: bool = False) -> Target:
     """Load a target: embedded name, local HF folder, Hub id or .gguf file, plus an optional LoRA.
 
     ``adapter`` is a PEFT adapter folder, kept live (``merge_adapter=False``) or merged into the weights.
     ``dtype``: a torch dtype or its name (``"bfloat16"``).
+    ``tp_size`` > 1 splits the model over each group of ``tp_size`` launched processes with transformers'
+    tensor-parallel plan (eaglekit.tensor_parallel; ``only_tp``: the launch must be exactly one group);
+    ``device`` is then each process's own. ``device_map`` (e.g. ``"auto"``) with ``max_memory`` and
+    ``offload_folder`` spreads it over devices, CPU and disk instead (accelerate's big-model placement).
     """
     path, _ = resolve(name_or_path)
     kw = {"trust_remote_code": trust_remote_code, "revision": revision}
     config = AutoConfig.from_pretrained(path, **kw)
     check_supported(config, where=str(name_or_path))  # before any weight is read
+    layout = _check_split(name_or_path, config, tp_size, device_map, adapter, only_tp)
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), **kw,
-                                                 attn_implementation=attention_implementation(_model_class(config),
-                                                                                              attn_implementation)
-                                                 ).to(device)
+    kw.update(dtype=parse_dtype(dtype), attn_implementation=attention_implementation(_model_class(config),
+                                                                                      attn_implementation))
+    if layout.tp_size > 1:
+        model = AutoModelForCausalLM.from_pretrained(path, **kw, **tp.from_pretrained_kwargs(layout))
+        tp.settle(model)
+    elif device_map is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, device_map=device_map, max_memory=max_memory,
+                                                     offload_folder=offload_folder, **kw)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
     if adapter is not None:
         from peft import PeftModel  # an optional dependency, needed only with an adapter
 
         model = PeftModel.from_pretrained(model, str(adapter)).to(device)
         if merge_adapter:
             model = model.merge_and_unload()
-    return Target(model, tokenizer, name=str(name_or_path))
+    target = Target(model, tokenizer, name=str(name_or_path)).split(layout)
+    if device_map is not None:
+        target._input_device = _first_device(model)
+    return target
+
+
+def _check_split(name, config, tp_size: int, device_map, adapter, only_tp: bool) -> tp.Layout:
+    """The launch layout for ``tp_size``, after refusing what cannot be split so (before any weight is read)."""
+    layout = tp.launch_layout(tp_size, only_tp=only_tp)
+    if tp_size == 1:
+        return layout
+    if device_map is not None:
+        raise ValueError(f"{name}: target.tp_size={tp_size} and target.device_map={device_map!r} are two ways to "
+                         "split a target; give one")
+    if adapter is not None:
+        raise ValueError(f"{name}: an adapter with target.tp_size={tp_size} is not supported; merge it into a saved "
+                         "model first (PeftModel.merge_and_unload, save_pretrained) and load that")
+    tp.check_model(config, tp_size, str(name))
+    return layout
 
 
 def _model_class(config) -> type:
@@ -231,6 +279,17 @@ def _model_class(config) -> type:
         return AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
         return object
+
+
+def _first_device(model) -> torch.device:
+    """Where inputs go for a model spread by a device map: the first placed module's device (a module
+    offloaded to the CPU or disk runs on the CPU)."""
+    for where in getattr(model, "hf_device_map", {}).values():
+        if isinstance(where, int):
+            return torch.device("cuda", where)
+        if where not in ("cpu", "disk"):
+            return torch.device(where)
+    return torch.device("cpu")
 
 
 def job_device(device: str | None, default: str = "cpu") -> str:
@@ -247,4 +306,5 @@ def load_target_from(spec: TargetSpec | str, device=None) -> Target:
     spec = TargetSpec(name=spec) if isinstance(spec, str) else spec
     return load_target(spec.name, dtype=spec.dtype, device=device or job_device(spec.device),
                        adapter=spec.adapter, merge_adapter=spec.merge_adapter,
-                       trust_remote_code=spec.trust_remote_code, revision=spec.revision)
+                       trust_remote_code=spec.trust_remote_code, revision=spec.revision, tp_size=spec.tp_size,
+                       device_map=spec.device_map, max_memory=spec.max_memory, offload_folder=spec.offload_folder)

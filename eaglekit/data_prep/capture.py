@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from eaglekit import __version__
+from eaglekit import tensor_parallel as tp
 from eaglekit.data_prep.template import template_hash
 from eaglekit.fileio import atomic_write, write_json, write_text
 from eaglekit.heads import EAGLE3, tap_layers
@@ -68,6 +69,13 @@ def resolve_taps(target, kind: str, layer_ids) -> tuple[int, ...]:
 def dist_info() -> tuple[int, int]:
     """(rank, world_size) from the launcher's environment (accelerate launch / torchrun); (0, 1) alone."""
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def data_ranks(target) -> tuple[int, int]:
+    """(rank, world_size) over which the shards are split: the launch's processes, or its TP groups when the
+    target is split (the processes of a group capture the same shards together; its first one writes)."""
+    layout = getattr(target, "layout", tp.SINGLE)
+    return (layout.dp_rank, layout.dp_size) if layout.tp_size > 1 else dist_info()
 
 
 def plan_shards(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:
@@ -236,21 +244,27 @@ def capture_features(
     """Write this process's shards of ``samples`` under ``out_dir``; returns the manifest.
 
     Resumable and multi-process safe (see the module docstring). ``on_shard(j)`` is called after each
-    shard is written (progress hooks, tests). ``draft_vocab``: see ``build_manifest``.
+    shard is written (progress hooks, tests). ``draft_vocab``: see ``build_manifest``. A target split over
+    a TP group (``target.layout``): the group's processes run every forward together and its first process
+    alone writes, so the files are those of a run with one process per group.
     """
-    env_rank, env_world = dist_info()
+    layout = getattr(target, "layout", tp.SINGLE)
+    env_rank, env_world = data_ranks(target)
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size
     out = Path(out_dir)
     taps = resolve_taps(target, kind, layer_ids)
     manifest = build_manifest(target, samples, kind, taps, shard_tokens, extra, draft_vocab)
     check_resume(out / MANIFEST, manifest)
-    out.mkdir(parents=True, exist_ok=True)
-    if not (out / MANIFEST).exists():
-        write_json(out / MANIFEST, manifest, indent=1)
+    if layout.writes:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / MANIFEST).exists():
+            write_json(out / MANIFEST, manifest, indent=1)
     mine = [j for j in range(len(manifest["shards"])) if j % world_size == rank]
-    todo = [j for j in mine if not (out / shard_name(j)).exists()]
-    _remove_stale_temps(out, todo)
+    # the group's writer says which shards are left: every process of a group must run the same forwards
+    todo = tp.same_in_group(layout, [j for j in mine if not (out / shard_name(j)).exists()])
+    if layout.writes:
+        _remove_stale_temps(out, todo)
     total = sum(manifest["shards"][j]["num_tokens"] for j in mine)
     done = total - sum(manifest["shards"][j]["num_tokens"] for j in todo)
     bar = tqdm(
@@ -260,12 +274,13 @@ def capture_features(
         sh = manifest["shards"][j]
         part = samples[sh["first_sample"] : sh["first_sample"] + sh["num_samples"]]
         items = compute_features(target, part, kind, taps, batch_tokens)
-        _write_shard(out / shard_name(j), shard_tensors(items), manifest)
+        if layout.writes:
+            _write_shard(out / shard_name(j), shard_tensors(items), manifest)
         bar.update(sh["num_tokens"])
         if on_shard is not None:
             on_shard(j)
     bar.close()
-    return finalize(out, manifest)
+    return finalize(out, manifest) if layout.writes else manifest
 
 
 # a killed writer's leftovers: "shard-00001.safetensors.tmp-<pid>" (before fileio) or fileio's

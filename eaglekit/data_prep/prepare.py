@@ -26,6 +26,7 @@ from eaglekit.data_prep.capture import (
     capture_features,
     check_resume,
     check_same_setup,
+    data_ranks,
     dist_info,
     feature_bytes_per_token,
     resolve_taps,
@@ -106,10 +107,14 @@ def _size(n: float) -> str:
 def run_prepare(cfg: PrepareConfig) -> dict:
     if cfg.kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
-    rank, world = dist_info()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    if cfg.regenerate.enabled and cfg.target.tp_size > 1:
+        raise ValueError(f"regenerate.enabled with target.tp_size={cfg.target.tp_size}: regeneration does not run "
+                         "on a split target yet; regenerate with tp_size=1 (or a server: regenerate.endpoint), "
+                         "then capture with the split target")
+    say = print if dist_info()[0] == 0 else (lambda *a, **k: None)
     out = Path(cfg.output_dir)
     target = load_target_from(cfg.target)
+    rank, world = data_ranks(target)  # TP groups, when the target is split; else the processes
     # every check comes before the first write (regenerated.jsonl, the vocabulary, the shards)
     taps = resolve_taps(target, cfg.kind, cfg.layer_ids)
     bpt = feature_bytes_per_token(target.hidden_size, len(taps))
@@ -150,7 +155,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     extra = {"data": cfg.data, "max_length": cfg.max_length, "regenerated": cfg.regenerate.enabled}
     if cfg.capture:  # the whole plan (these samples) against a capture already there, before the vocab write
         check_resume(out / MANIFEST, build_manifest(target, samples, cfg.kind, taps, shard_tokens, extra, vocab))
-    if rank == 0:
+    if dist_info()[0] == 0:  # one writer of the vocabulary, whatever the layout
         say(f"draft vocabulary ({size} tokens) → {save_draft_vocab(out, d2t, t2d)}")
     result = {"samples": len(samples), "tokens": tokens, "skipped": len(convs.skipped), "empty": len(empty)}
     if not cfg.capture:
@@ -169,10 +174,11 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         draft_vocab=vocab,
     )
     mine = sum(1 for j in range(len(manifest["shards"])) if j % world == rank)
-    print(
-        f"[rank {rank}/{world}] wrote {mine} of {len(manifest['shards'])} shard(s) to {out}"
-        + (" — capture complete" if manifest["complete"] else " — the other processes write the rest")
-    )
+    if target.layout.writes:
+        print(
+            f"[rank {rank}/{world}] wrote {mine} of {len(manifest['shards'])} shard(s) to {out}"
+            + (" — capture complete" if manifest["complete"] else " — the other processes write the rest")
+        )
     return {**result, "complete": manifest["complete"], "shards": len(manifest["shards"])}
 
 

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, is_tensorboard_available, is_wandb_available, set_seed
+from accelerate.utils import (
+    DistributedType,
+    InitProcessGroupKwargs,
+    is_tensorboard_available,
+    is_wandb_available,
+    set_seed,
+)
 
 from eaglekit.heads import DraftHead, HeadConfig, load_head
 from eaglekit.heads import build_head as new_head
@@ -66,6 +72,10 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     acc = Accelerator(gradient_accumulation_steps=cfg.optim.grad_accum,
                       mixed_precision="bf16" if cfg.optim.bf16 else "no", log_with=trackers or None,
                       project_dir=cfg.output_dir, kwargs_handlers=handlers, step_scheduler_with_optimizer=False)
+    if launched and acc.distributed_type == DistributedType.NO:  # e.g. torchrun on a CPU without the variable
+        raise TrainError(f"{os.environ['WORLD_SIZE']} processes were launched, but Accelerate runs each one alone "
+                         "(no gradient exchange between them): on a CPU set ACCELERATE_USE_CPU=1 (accelerate "
+                         "launch --multi_gpu, or torchrun)")
     if (warning := slow_bf16_warning(cfg.optim.bf16, acc.device)):
         acc.print(warning)
     if acc.state.deepspeed_plugin is not None:  # no dataloader goes through prepare: say the sizes here

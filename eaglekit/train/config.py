@@ -142,6 +142,9 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
                           "set loss.objective to lk, lk_alpha or lk_tv (or leave lk_acceptance 'sampled')")
     if cfg.eval_only and not h.init_from:
         raise ConfigError(f"{where}: eval_only=true needs head.init_from=<saved head> to evaluate")
+    if cfg.target.device_map is not None:
+        raise ConfigError(f"{where}: target.device_map={cfg.target.device_map!r} is for offline capture "
+                          "(eaglekit prepare); training splits a target over processes with target.tp_size")
     if cfg.target.device is not None:
         raise ConfigError(f"{where}: target.device={cfg.target.device!r}: training puts the target on each "
                           "process's accelerator device (accelerate launch / --cpu); leave target.device unset")

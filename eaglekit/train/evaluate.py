@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from eaglekit.fileio import write_text
+from eaglekit.tensor_parallel import data_parallel
 from eaglekit.timing import Stopwatch
 from eaglekit.train.build import assemble
 from eaglekit.train.config import TrainConfig
@@ -19,15 +20,17 @@ from eaglekit.train.metrics import Tally, peak_memory_mb
 
 
 @torch.no_grad()
-def evaluate(acc, model, head, teacher, source, cfg: TrainConfig) -> dict:
-    """``eval_*`` metrics of ``model`` (a TTTModel, maybe wrapped) on ``source``, each rank a share."""
+def evaluate(acc, model, head, teacher, source, cfg: TrainConfig, shares: tuple[int, int] | None = None) -> dict:
+    """``eval_*`` metrics of ``model`` (a TTTModel, maybe wrapped) on ``source``, each rank a share
+    (``shares``: (world, rank) to split over, e.g. TP groups that each run one share together)."""
+    world, rank = shares or (acc.num_processes, acc.process_index)
     d = cfg.data
     steps = cfg.eval_ttt_steps or cfg.loss.ttt_steps
     order = sorted(range(len(source)), key=lambda i: source.lengths[i])
     mbs = [order[i:i + d.batch_size] for i in range(0, len(order), d.batch_size)]
     model.eval()
     tally = Tally()
-    for mb in mbs[acc.process_index::acc.num_processes]:
+    for mb in mbs[rank::world]:
         items = fetch_with_top(source, mb, teacher, cfg.loss.chunk_tokens, acc.device)
         _, stats = model(**tensors_to(collate(items, head.reads), acc.device), steps=steps, train=False)
         tally.add(stats)
@@ -62,7 +65,8 @@ def evaluate_only(cfg: TrainConfig) -> dict:
         acc.init_trackers("eaglekit", config={"output_dir": cfg.output_dir})
         model = acc.prepare(TTTModel(parts.head, parts.teacher, cfg.loss))
         watch = Stopwatch(acc.device)
-        final = evaluate(acc, model, parts.head, parts.teacher, parts.sources.eval, cfg)
+        final = evaluate(acc, model, parts.head, parts.teacher, parts.sources.eval, cfg,
+                         data_parallel(acc, parts.target))
         final.update(step=0, eval_seconds=watch.elapsed(), **run_facts(acc))
         append_log(acc, out / "log.jsonl", {**final, "final": True})
         acc.print("[eaglekit.train] held-out " + " ".join(f"{k}={v:.4g}" for k, v in final.items()

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from eaglekit.fileio import write_text
 from eaglekit.heads import build_head, save_head
+from eaglekit.tensor_parallel import data_parallel
 from eaglekit.timing import Stopwatch
 from eaglekit.train import resume as checkpoints
 from eaglekit.train.build import Parts, assemble, build_optimizer
@@ -47,8 +48,8 @@ class Trainer:
         return reduce_sum(self.acc, values)
 
     def _schedule(self, epoch: int):
-        return epoch_schedule(self.cfg, self.src.train.lengths, self.acc.num_processes, self.acc.process_index,
-                              epoch)
+        world, rank = data_parallel(self.acc, self.target)
+        return epoch_schedule(self.cfg, self.src.train.lengths, world, rank, epoch)
 
     def _batches(self, source, micro_batches: list[list[int]]) -> list[dict]:
         return [collate(fetch_with_top(source, mb, self.teacher, self.cfg.loss.chunk_tokens, self.acc.device),
@@ -60,6 +61,9 @@ class Trainer:
         local = [supervised_count(b["loss_mask"]) for b in batches]
         tokens = sum(self.src.train.lengths[i] for mb in micro_batches for i in mb)
         count, tokens = self._reduce([sum(local), tokens])
+        # a TP group's processes train on the same batch: count and tokens hold it tp_size times, and so
+        # does the gradient sum DDP averages over every process, so scale stays right; tokens are reported once
+        tokens /= self.target.layout.tp_size
         scale = self.acc.num_processes * self.cfg.optim.grad_accum / max(count, 1.0)
         tally, grad_norm = Tally(), None
         origins = [self._origins(mb, b) for mb, b in zip(micro_batches, batches)]
@@ -93,7 +97,8 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Top-1 accuracy per TTT step and τ_sim on the held-out split (sharded across ranks)."""
-        return evaluate(self.acc, self.model, self.head, self.teacher, self.src.eval, self.cfg)
+        return evaluate(self.acc, self.model, self.head, self.teacher, self.src.eval, self.cfg,
+                        data_parallel(self.acc, self.target))
 
     # ---- the loop --------------------------------------------------------------------------------
     def log(self, record: dict) -> None:
@@ -203,7 +208,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     optimizer and its schedule, prepared by Accelerate."""
     parts = assemble(cfg)
     try:
-        total_steps, _ = plan_steps(cfg, parts.sources.train.lengths, parts.acc.num_processes, parts.sources.where)
+        total_steps, _ = plan_steps(cfg, parts.sources.train.lengths, data_parallel(parts.acc, parts.target)[0],
+                                    parts.sources.where)
         state = TrainState()
         model = TTTModel(parts.head, parts.teacher, cfg.loss)
         opt, scheduler = build_optimizer(cfg.optim, parts.head, total_steps, state)

@@ -1,0 +1,177 @@
+"""Tensor-parallel targets (eaglekit.tensor_parallel) and device-map placement, on CPU with gloo.
+
+Real processes (torchrun, tests/tp_checks.py): Qwen2.5-Coder-0.5B split 2 ways captures the features one
+process computes (fp32, within FEATURE_TOL: the split matmuls sum in another order), decodes greedily with a
+head tree token for token as the split target's own greedy decoding (the near-tie rule of test_decode_real is
+the only slack), and trains online to the one-process head (HEAD_TOL); a tiny model at dp 2 × tp 2 (4
+processes) trains to the head one process with the same global batch trains. In one process: the refusals
+(launch sizes, heads that do not divide, no TP plan) and a capture through a device map that offloads to
+disk, byte-identical to the whole model's.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import save_tiny, tiny_config, tiny_conversations
+from safetensors.torch import load_file
+
+from eaglekit import tensor_parallel as tp
+from eaglekit.data_prep.capture import capture_features, compute_features
+from eaglekit.target import load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN = "qwen2.5-coder-0.5b-instruct"
+FEATURE_TOL = 1e-4  # relative to the feature's largest magnitude (fp32 sums in another order, 24 layers)
+HEAD_TOL = 1e-5  # the largest weight difference of the trained heads
+
+
+# ---- refusals and the layout (one process) --------------------------------------------------------------
+def test_layout_and_launch_refusals(monkeypatch):
+    lay = tp.Layout(tp_size=2, world_size=4, rank=3)
+    assert (lay.dp_size, lay.dp_rank, lay.tp_rank, lay.writes, lay.group_ranks()) == (2, 1, 1, False, [2, 3])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="this is one process: launch it with torchrun --nproc_per_node 2"):
+        tp.launch_layout(2)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="does not divide the launch's 3 processes"):
+        tp.launch_layout(2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match="needs exactly 2 processes; the launch has 4"):
+        tp.launch_layout(2, only_tp=True)
+    assert tp.launch_layout(2) == tp.Layout(2, 4, 2)
+
+
+def test_models_that_cannot_be_split_are_refused_before_loading(monkeypatch, tmp_path):
+    cfg = tiny_config("qwen2")  # 4 attention heads, 2 KV heads
+    with pytest.raises(ValueError, match="does not divide its num_key_value_heads=2"):
+        tp.check_model(cfg, 4, "tiny")
+    with pytest.raises(ValueError, match="does not divide its num_attention_heads=4"):
+        tp.check_model(cfg, 3, "tiny")
+    cfg.base_model_tp_plan = None
+    with pytest.raises(ValueError, match="has no tensor-parallel plan"):
+        tp.check_model(cfg, 2, "tiny")
+    tp.check_model(tiny_config("qwen2"), 2, "tiny")  # divides: no error
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    save_tiny(tmp_path / "m", num_attention_heads=6, num_key_value_heads=3, hidden=48)
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):  # no process group, no weights read
+        load_target(tmp_path / "m", tp_size=2)
+
+
+# ---- a device map that offloads to disk (one process) ---------------------------------------------------
+def test_device_map_offload_capture_is_byte_identical(tmp_path):
+    path = save_tiny(tmp_path / "tiny", vocab_size=64, hidden=32, layers=6)
+    samples = [{"input_ids": list(range(3, 3 + n)), "loss_mask": [0] * 2 + [1] * (n - 2)} for n in (9, 14, 20, 7)]
+    whole = load_target(path)
+    spread = load_target(path, device_map="auto", max_memory={"cpu": "40KiB"}, offload_folder=str(tmp_path / "off"))
+    places = set(spread.model.hf_device_map.values())
+    assert "disk" in places, places  # the cap forces weights out of memory: offload really happens
+    assert spread.device == torch.device("cpu")
+    a = capture_features(whole, samples, tmp_path / "a", shard_tokens=20, progress=False)
+    b = capture_features(spread, samples, tmp_path / "b", shard_tokens=20, progress=False)
+    assert a["complete"] and len(a["shards"]) > 1
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
+
+
+# ---- real processes ---------------------------------------------------------------------------------------
+def _torchrun(processes: int, out: Path, *checks: str, timeout: int = 400) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TP": "2", "ACCELERATE_USE_CPU": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+           str(ROOT / "tests/tp_checks.py"), str(out), *checks]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+def _said(out: Path, check: str, processes: int) -> list[dict]:
+    return [json.loads((out / f"{check}-rank{r}.json").read_text()) for r in range(processes)]
+
+
+def _train_overrides(target: str, conversations: str, out: Path, **extra) -> list[str]:
+    ov = {"target": target, "data.conversations": conversations, "data.eval_samples": 2, "head.kind": "eagle3",
+          "head.draft_vocab_size": 256, "optim.max_steps": 3, "optim.lr": 3e-3, "optim.warmup_steps": 1,
+          "loss.ttt_steps": 2, "data.batch_size": 2, "progress": "false", "trackers": "[]", "save_interval": 0,
+          "eval_interval": 0, "output_dir": str(out), **extra}
+    return [f"{k}={v}" for k, v in ov.items()]
+
+
+def _one_process_head(overrides: list[str]) -> dict:
+    from eaglekit.train.config import load_train_config
+    from eaglekit.train.trainer import train
+
+    cfg = load_train_config(None, overrides)
+    train(cfg)
+    return load_file(str(Path(cfg.output_dir) / "final/model.safetensors"))
+
+
+def _largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_qwen_split_two_ways_captures_decodes_and_trains_as_one_process(qwen05, tmp_path):
+    from eaglekit.data_prep.conversations import load_sharegpt
+    from eaglekit.data_prep.template import tokenize_conversations
+
+    convs = tmp_path / "convs.jsonl"
+    with open(convs, "w") as fh:
+        for c in list(load_sharegpt(limit=12)):
+            fh.write(json.dumps(c) + "\n")
+    samples, _ = tokenize_conversations(qwen05.tokenizer, [json.loads(x) for x in convs.read_text().splitlines()[:4]],
+                                        max_length=48)
+    (tmp_path / "samples.json").write_text(json.dumps(samples))
+    train_tp = _train_overrides(QWEN, str(convs), tmp_path / "train-tp", **{"data.max_length": 48})
+    (tmp_path / "train.json").write_text(json.dumps(train_tp))
+    out = tmp_path / "out"
+    _torchrun(2, out, "capture", QWEN, str(tmp_path / "samples.json"),
+              "decode", QWEN, "Write a Python function that reverses a list, and explain it.",
+              "train", str(tmp_path / "train.json"))
+
+    # capture: fp32 features as one process computes them; the shards hold their bf16, written by one process
+    ours, ref = torch.load(out / "features-tp.pt"), compute_features(qwen05, samples, dtype=torch.float32)
+    for key in ("taps", "last"):
+        scale = max(r[key].abs().max().item() for r in ref)
+        worst = max((o[key] - r[key]).abs().max().item() for o, r in zip(ours, ref)) / scale
+        assert 0 < worst < FEATURE_TOL, f"{key}: TP features differ from one process by {worst:.2e} of their scale"
+    said = _said(out, "capture", 2)
+    assert [s["layout"] for s in said] == [[0, 0], [0, 1]] and said[0]["complete"] and not said[1]["complete"]
+    assert {s["lm_head_weight"] for s in said} == {"DTensor"} and {s["borrowed_weight"] for s in said} == {"Parameter"}
+    manifest = json.loads((out / "capture/manifest.json").read_text())
+    assert manifest["complete"] and len(manifest["shards"]) > 1
+    shards = [load_file(str(out / "capture" / s["file"])) for s in manifest["shards"]]
+    assert torch.equal(torch.cat([s["taps"] for s in shards]), torch.cat([o["taps"] for o in ours]).to(torch.bfloat16))
+
+    # decode: token for token the split target's own greedy decoding, the same on both processes
+    said = _said(out, "decode", 2)
+    assert said[0]["tokens"] == said[1]["tokens"] and all(s["near_ties"] <= 1 for s in said)
+    assert said[0]["tau"] > 1  # prompt lookup accepted some drafts: the KV rollback under TP was exercised
+
+    # online training: the one-process head, within HEAD_TOL
+    one = _one_process_head([o for o in train_tp if not o.startswith("output_dir=")]
+                            + [f"output_dir={tmp_path / 'train-one'}"])
+    moved = _largest_difference(one, load_file(str(tmp_path / "train-tp/final/model.safetensors")))
+    assert moved < HEAD_TOL, f"TP=2 head differs from one process by {moved:.2e}"
+
+
+@pytest.mark.slow
+def test_tiny_dp2_tp2_trains_the_one_process_head(tmp_path):
+    save_tiny(tmp_path / "tiny", arch="qwen2", vocab_size=64, hidden=32, layers=6)
+    tiny_conversations(tmp_path / "convs.jsonl", n=24)
+    base = _train_overrides(str(tmp_path / "tiny"), str(tmp_path / "convs.jsonl"), tmp_path / "tp",
+                            **{"head.draft_vocab_size": 40, "data.eval_samples": 4})
+    (tmp_path / "train.json").write_text(json.dumps(base))
+    _torchrun(4, tmp_path / "out", "train", str(tmp_path / "train.json"))
+    assert {s["processes"] for s in _said(tmp_path / "out", "train", 4)} == {4}
+    # one process, the same global batch: 2 micro-batches per step (one per TP group there)
+    one = _one_process_head([o for o in base if not o.startswith("output_dir=")]
+                            + [f"output_dir={tmp_path / 'one'}", "optim.grad_accum=2"])
+    half = _one_process_head([o for o in base if not o.startswith("output_dir=")] + [f"output_dir={tmp_path / 'half'}"])
+    tp_head = load_file(str(tmp_path / "tp/final/model.safetensors"))
+    assert _largest_difference(one, tp_head) < HEAD_TOL
+    assert _largest_difference(half, tp_head) > 100 * HEAD_TOL  # half the batch gives another head: not trivial
