@@ -9,12 +9,19 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
   draft vocabulary, TTT with the head's own earlier features — HASS's harmonized context alignment is
   already part of it);
 - ``topk``: HASS's harmonized objective distillation, + ``loss.topk_weight`` × CE over the teacher's top-K;
-- ``layer``: the decoder layer started from the target's last layer (``head.init_layer_from_target``).
+- ``layer``: the decoder layer started from the target's last layer (``head.init_layer_from_target``);
+- ``lk``, ``lk_alpha``, ``lk_tv``: the LK losses (arXiv 2602.23881) instead of the soft CE
+  (``loss.objective``; docs/training.md "Training objectives"), the acceptance of sampling;
+  ``lk_greedy``: ``lk`` against the teacher's argmax (``loss.lk_acceptance=greedy``, what greedy
+  verification and τ_sim count);
+- ``eagle31``: EAGLE 3.1's head options (``head.fc_norm``, ``head.norm_output``);
+  ``lk_eagle31``: both changes at once.
 
     eaglekit prepare --config configs/prepare-smollm2.yaml output_dir=runs/recipes/features \\
         num_conversations=1100 max_length=768 draft_vocab_size=8192
     python benchmarks/bench_recipes.py --features runs/recipes/features --out runs/recipes \\
-        --seeds 0 1 --tokens 500000
+        --seeds 0 1 --tokens 500000                      # base, lk, eagle31, lk_eagle31
+    python benchmarks/bench_recipes.py ... --arms lk_alpha lk_greedy topk   # any other arms, base added
 
 Finished runs (``<out>/<arm>-s<seed>/final``) are reused and a killed run resumes from its last checkpoint
 (one every ~10% of the run), so an interrupted experiment resumes.
@@ -37,11 +44,19 @@ from eaglekit.fileio import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/smollm2-135m-eagle3-long.yaml"
+EAGLE31 = ["head.fc_norm=true", "head.norm_output=true"]
 ARMS = {
     "base": [],
     "topk": ["loss.topk=10", "loss.topk_weight=1.0"],
     "layer": ["head.init_layer_from_target=true"],
+    "lk": ["loss.objective=lk"],
+    "lk_alpha": ["loss.objective=lk_alpha"],
+    "lk_tv": ["loss.objective=lk_tv"],
+    "lk_greedy": ["loss.objective=lk", "loss.lk_acceptance=greedy"],
+    "eagle31": EAGLE31,
+    "lk_eagle31": ["loss.objective=lk", *EAGLE31],
 }
+GRID = ["base", "lk", "eagle31", "lk_eagle31"]  # issue 27's grid (the default --arms); `topk`, `layer`: issue 20's
 
 
 def common(a) -> list[str]:
@@ -151,7 +166,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--features", required=True, help="an `eaglekit prepare` capture directory (EAGLE-3 taps)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=list(GRID), choices=list(ARMS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--tokens", type=int, default=500_000, help="training tokens per run (at least)")
     ap.add_argument("--ttt", type=int, default=3, help="TTT steps, trained and scored")

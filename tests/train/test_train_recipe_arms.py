@@ -1,0 +1,31 @@
+"""benchmarks/bench_recipes.py's arms are valid training configs that set what their names say (a mistyped
+key would otherwise fail hours into a grid, or an arm would silently train today's recipe)."""
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+
+from eaglekit.train.config import load_train_config
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "benchmarks" / "bench_recipes.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+ARGS = types.SimpleNamespace(features="features", ttt=3, eval_samples=64, bf16=False)
+
+
+@pytest.mark.parametrize("arm", list(bench.ARMS))
+def test_train_recipe_arm_is_a_valid_config(arm):
+    cfg = load_train_config(bench.CONFIG, [*bench.common(ARGS), *bench.ARMS[arm]])
+    base = load_train_config(bench.CONFIG, bench.common(ARGS))
+    assert (cfg == base) == (arm == "base")  # every other arm changes the recipe
+    want_lk = arm.startswith("lk")
+    assert (cfg.loss.objective != "kl") == want_lk
+    assert cfg.head.fc_norm == cfg.head.norm_output == ("eagle31" in arm)
+    assert (cfg.loss.lk_acceptance == "greedy") == (arm == "lk_greedy")
+    assert base.loss.objective == "kl" and not base.head.fc_norm  # the defaults stay today's recipe
+
+
+def test_train_recipe_default_grid():
+    assert bench.GRID == ["base", "lk", "eagle31", "lk_eagle31"] and set(bench.GRID) <= set(bench.ARMS)
