@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from test_decode_real import assert_same_or_near_tie, hf_greedy, mt_bench_prompts, random_head
+from test_decode_real import assert_same_or_near_tie, fitted_head, hf_greedy, mt_bench_prompts, random_head
 
 from eaglekit import decode
 from eaglekit.decode.tree import TreeSpec
@@ -73,14 +73,12 @@ def test_decode_batch_real_qwen05(qwen05):
         assert row.tau > 2 and row.path_lengths == [d + 1 for d in row.tree_depths], (b, row.accept_lengths)
 
 
-@pytest.mark.skipif(not os.environ.get("EAGLEKIT_TEST_HEAD"), reason="set EAGLEKIT_TEST_HEAD=<trained head dir>")
-def test_decode_batch_real_trained_head():
-    """A trained head (EAGLEKIT_TEST_HEAD, for EAGLEKIT_TEST_TARGET, default SmolLM2) in a batch of 4:
-    still each row's own greedy output, and tau > 1.5."""
-    from eaglekit.heads import load_head
-    from eaglekit.target import load_target
-
-    t = load_target(os.environ.get("EAGLEKIT_TEST_TARGET", "smollm2-135m-instruct"))
-    stats = run_batch_checks(t, mt_bench_prompts(t, 4), 24, {"head": load_head(os.environ["EAGLEKIT_TEST_HEAD"], t)},
-                             tree=TreeSpec(depth=4, top_k=4, total_tokens=16))
-    assert stats["head"].tau > 1.5, stats["head"].tau
+def test_decode_batch_real_trained_head(smollm2, tmp_path_factory):
+    """The trained head (test_decode_real.fitted_head, trained once per session) in a batch of 4: each row its
+    own greedy output, rows accepting trees to their full depth beside rows that accept less or have ended."""
+    t = smollm2
+    head = fitted_head(t, tmp_path_factory.mktemp("fitted"))
+    stats = run_batch_checks(t, mt_bench_prompts(t, 4), 24, {"head": head}, tree=TreeSpec(depth=4, top_k=4, total_tokens=16))
+    if not os.environ.get("EAGLEKIT_TEST_HEAD"):
+        rows = stats["head"].rows
+        assert max(max(r.path_lengths) for r in rows) == 5 and min(min(r.path_lengths) for r in rows) < 5
