@@ -51,6 +51,11 @@ MATRIX = {
                              qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_group=1, topk_group=1,
                              first_k_dense_replace=1, n_shared_experts=1, **MOE)),
     "glm4": Arch("Glm4Config", "Glm4ForCausalLM", "GLM-4-0414", "post-norms, partial RoPE", {"head_dim": 16}),
+    "gemma3": Arch("Gemma3TextConfig", "Gemma3ForCausalLM", "Gemma 3 (text)", "sliding/full layers, QK norm",
+                   {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}),
+    "glm4_moe": Arch("Glm4MoeConfig", "Glm4MoeForCausalLM", "GLM-4.5, GLM-4.6", "MoE, partial RoPE",
+                     {"head_dim": 16, "n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1,
+                      "topk_group": 1, **MOE}),
 }
 
 # models whose recurrent state cannot drop rejected draft tokens: refused before any work

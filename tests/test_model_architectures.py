@@ -89,7 +89,7 @@ def hf_greedy(t: Target, ids: list[int]) -> list[int]:
 
 def test_matrix_prompts_pass_every_window():
     assert min(map(len, PROMPTS)) > WINDOW
-    windows = {n: target(n).attention_windows for n in ("mistral", "gemma2", "gpt_oss")}
+    windows = {n: target(n).attention_windows for n in ("mistral", "gemma2", "gpt_oss", "gemma3")}
     assert all(w.get("sliding_attention") == WINDOW for w in windows.values()), windows
 
 

@@ -49,7 +49,8 @@ VLLM_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qw
 # target classes with SGLang's set_eagle3_layers_to_capture (else refused, attention_backend_setup.py:55-60);
 # Mistral and Phi-3 subclass its Llama
 SGLANG_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                  "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM")
+                  "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
+                  "Glm4MoeForCausalLM")
 VLLM_TARGET_SOURCES = {
     "EAGLE-3 targets = SupportsEagle3 classes": "vllm/model_executor/models/llama.py:464, qwen2.py:458, qwen3.py:280, "
     "qwen3_moe.py:543, gpt_oss.py:1369, deepseek_v2.py:2005, mistral.py:236, phi3.py:10, transformers/base.py:109-117",
@@ -111,7 +112,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
                 "python/sglang/srt/models/llama_eagle3.py:207,267-269",
             "EAGLE-3 targets = classes with set_eagle3_layers_to_capture":
                 "python/sglang/srt/models/llama.py:929,956, mistral.py:33, qwen2.py:781, qwen3.py:778, "
-                "qwen3_moe.py:1128, gpt_oss.py:1337, deepseek_v2.py:3458,3518",
+                "qwen3_moe.py:1128, gpt_oss.py:1337, deepseek_v2.py:3458,3518, gemma3_causal.py:917, "
+                "glm4_moe.py:1269",
             "others refused": "python/sglang/srt/model_executor/model_runner_components/attention_backend_setup.py:55-60",
         }, targets=SGLANG_TARGETS),
     Engine(
