@@ -13,6 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TAP_KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+class ExportError(ValueError):
+    """An export (or a folder read as one) whose keys, shapes or config do not match its layout, or a head
+    a layout's engines cannot represent (re-exported by heads.layouts and heads.export)."""
+
+
+def need(ok: bool, msg: str) -> None:
+    """Raise ExportError(msg) unless ``ok``."""
+    if not ok:
+        raise ExportError(msg)
+
 EAGLE_CONFIG_TAPS = f"eagle_config.{TAP_KEY}"
 
 

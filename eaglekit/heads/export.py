@@ -15,7 +15,14 @@ import torch
 
 from eaglekit.fileio import write_json, write_safetensors
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.config import EAGLE3, HeadConfig, check_target
+from eaglekit.heads.config import DFLASH, EAGLE3, HeadConfig, check_target
+from eaglekit.heads.dflash_layout import (
+    DFLASH_ENGINES,
+    dflash_config,
+    dflash_state,
+    refuse_dflash,
+    shared_lm_head,
+)
 from eaglekit.heads.engines import ENGINES, LAYOUT_ENGINES, TAP_KEY, get_path, refusing_engines, set_path
 from eaglekit.heads.io import (
     CONFIG,
@@ -55,6 +62,9 @@ def check_finite_head(head: DraftHead, where: str) -> None:
 
 
 def layout_state(head, layout: str, dtype=None, order=None) -> dict[str, torch.Tensor]:
+    if head.config.kind == DFLASH:  # its own names, and the lm_head rows vLLM needs (heads.dflash_layout)
+        return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu()
+                for k, v in dflash_state(head).items()}
     state = {rename(k, layout, True): v for k, v in head.state_dict().items()}
     if order is not None and order != sorted(order):  # fc column blocks in the engines' tap order
         H = head.config.hidden_size
@@ -103,6 +113,9 @@ def export_config(cfg: HeadConfig, layout: str, dtype: str, verifier: str | None
     native = {"eaglekit": cfg.to_dict(),
               EXPORT_BLOCK: {"layout": layout, "verifier": verifier,
                              "engines": [ENGINES[n].version for n in LAYOUT_ENGINES[layout]]}}
+    if cfg.kind == DFLASH:  # one DFlash layout for both engines (heads.dflash_layout)
+        native[EXPORT_BLOCK]["engines"] = [DFLASH_ENGINES[layout].version]
+        return {**dflash_config(cfg, dtype), **native}
     if layout == "eagle1":  # SafeAILab's EConfig reads `bias` for fc (default true)
         return {"architectures": ["LlamaForCausalLM"], **_llama_fields(cfg, dtype), "bias": True, **native}
     if layout in ("sglang", "vllm"):
@@ -134,6 +147,8 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
     name, see heads.verifier); required by the speculators layout.
     """
     layout_engines(layout)
+    if head.config.kind == DFLASH:
+        refuse_dflash(head.config, layout)
     refused = refusing_engines(layout, verifier_architectures)
     if refused:  # an engine that cannot tap this target would load the head and fail when serving it
         engine, arch = refused[0]
@@ -164,9 +179,11 @@ def load_export(path, target, dtype=None, device=None):
     check_target(cfg, target, where=str(path))
     state = {rename(k, layout, False): v for k, v in read_weights(path / WEIGHTS).items()}
     state.pop("embed_tokens.weight", None)  # speculators / eagle1 (and some trainers) save the target's embedding
-    if cfg.kind == EAGLE3 and ("d2t" in state) != ("t2d" in state):
+    if cfg.kind == DFLASH:  # vLLM's layout carries the shared lm_head rows: checked, not loaded
+        shared_lm_head(state, cfg, target, path / WEIGHTS)
+    if cfg.kind in (EAGLE3, DFLASH) and ("d2t" in state) != ("t2d" in state):
         raise ExportError(f"{path / WEIGHTS}: holds only one of d2t / t2d")
-    if cfg.kind == EAGLE3 and "d2t" not in state:  # a full-vocabulary head: identity maps
+    if cfg.kind in (EAGLE3, DFLASH) and "d2t" not in state:  # a full-vocabulary head: identity maps
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(cfg.target_vocab_size, dtype=torch.bool)
     config = read_config(path)

@@ -22,13 +22,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eaglekit.heads.config import EAGLE1, EAGLE3, HeadConfig, target_rope
+from eaglekit.heads.config import DFLASH, EAGLE1, EAGLE3, HeadConfig, target_rope
+from eaglekit.heads.dflash_layout import DFLASH_ARCH, check_dflash_fields, dflash_head_config, dflash_weights
 from eaglekit.heads.engines import (
-    ENGINES,
     EAGLE31_FLAGS,
+    ENGINES,
     HEAD_FLAGS,
     LAYOUT_ENGINES,
     TAP_KEY,
+    ExportError,
+    need,
     read_flag,
     read_tap_count,
     read_taps,
@@ -38,16 +41,6 @@ from eaglekit.heads.io import CONFIG, WEIGHTS, read_config
 LAYOUTS = ("sglang", "vllm", "speculators", "eagle1")
 ENGINE_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EXPORT_BLOCK = "eaglekit_export"  # {"layout", "verifier", "engines"}: what eaglekit wrote, for reading back
-
-
-class ExportError(ValueError):
-    """An export (or a folder read as one) whose keys, shapes or config do not match its layout."""
-
-
-def need(ok: bool, msg: str) -> None:
-    """Raise ExportError(msg) unless ``ok``."""
-    if not ok:
-        raise ExportError(msg)
 
 
 def layout_engines(layout: str):
@@ -83,6 +76,8 @@ def expected_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int],
     """{name: (shape, dtype kind)} with kind "float", "int64" or "bool" — exactly what ``layout`` holds."""
     H, V, Vd = cfg.hidden_size, cfg.target_vocab_size, cfg.draft_vocab_size
     layout_engines(layout)
+    if cfg.kind == DFLASH:  # DFlash's own layout (heads.dflash_layout)
+        return dflash_weights(layout, cfg)
     if layout == "eagle1":
         need(cfg.kind == EAGLE1, "the eagle1 layout holds EAGLE-1 heads; use sglang/vllm/speculators for EAGLE-3")
         keys = {"fc.weight": [H, 2 * H], "fc.bias": [H], "embed_tokens.weight": [V, H]}
@@ -178,6 +173,8 @@ def detect_layout(config: dict, where: str = "config.json") -> str:
         return written
     if config.get("speculators_model_type") == "eagle3" or "Eagle3Speculator" in archs:
         return "speculators"
+    if DFLASH_ARCH in archs:  # another trainer's DFlash folder: SGLang and vLLM read the same one
+        return "sglang"
     if any(a in ENGINE_ARCHS for a in archs):  # tap ids only in eagle_config: SpecForge / SGLang's meaning
         return "vllm" if config.get(TAP_KEY) else "sglang"
     if "LlamaForCausalLM" in archs and config.get("eaglekit", {}).get("kind", EAGLE1) == EAGLE1:
@@ -190,6 +187,8 @@ def head_config_of(config: dict, layout: str, target=None, where: str = "config.
     (a head trained elsewhere, e.g. by SpecForge; then the target fingerprint cannot be checked)."""
     if "eaglekit" in config:
         return HeadConfig.from_dict(config["eaglekit"], where=f"{where}:eaglekit")
+    if DFLASH_ARCH in (config.get("architectures") or []):
+        return dflash_head_config(config, target)
     llama = config.get("transformer_layer_config", config)
     theta, scaling = target_rope(_Obj(llama))
     heads = llama["num_attention_heads"]
@@ -217,6 +216,8 @@ class _Obj:
 
 def check_engine_fields(config: dict, cfg: HeadConfig, layout: str, where) -> None:
     """Each engine of ``layout`` reads back the head's taps, fc width and flags from ``config``."""
+    if cfg.kind == DFLASH:
+        return check_dflash_fields(config, cfg, layout, where)
     for engine in layout_engines(layout):
         if cfg.kind == EAGLE3:
             taps = read_taps(config, engine)

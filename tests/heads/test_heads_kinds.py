@@ -94,7 +94,7 @@ HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lo
     {"eagle1", "eagle3"},
     {"peagle", "dflash"},
     {"registry"},
-    {"io"},
+    {"io", "dflash_layout"},
     {"layouts"},
     {"export"},
     {"hub"},
