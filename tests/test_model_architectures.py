@@ -192,6 +192,27 @@ def test_load_target_picks_eager_where_a_model_has_no_sdpa(name, tmp_path):
     torch.testing.assert_close(t.model(ids).logits, target(name).model(ids).logits, rtol=0, atol=0)
 
 
+def test_online_training_run_on_a_sliding_window_moe_target(tmp_path):
+    """The whole online path (train: load_target_from, capture in the step, evaluation, saving) on gpt-oss."""
+    from helpers import tiny_conversations
+
+    from eaglekit.heads import load_head
+    from eaglekit.train.config import load_train_config
+    from eaglekit.train.trainer import train
+
+    tiny_model("gpt_oss").save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer(512).save_pretrained(tmp_path / "tiny")
+    tiny_conversations(tmp_path / "convs.jsonl", n=12)
+    cfg = load_train_config(None, [
+        f"target={tmp_path / 'tiny'}", f"data.conversations={tmp_path / 'convs.jsonl'}", "data.eval_samples=4",
+        "head.kind=eagle3", "head.aux_layer_ids=[0,1]", "loss.ttt_steps=2", "data.batch_size=2", "optim.max_steps=2",
+        "progress=false", "trackers=[]", "eval_interval=0", "save_interval=0", f"output_dir={tmp_path / 'out'}"])
+    final = train(cfg)
+    assert final["step"] == 2 and 1.0 <= final["eval_tau_sim"] <= 3.0, final
+    head = load_head(tmp_path / "out" / "final", load_target(tmp_path / "tiny"))
+    assert all(torch.isfinite(p).all() for p in head.parameters())
+
+
 # ---- refused: recurrent state ------------------------------------------------------------------------
 @pytest.mark.parametrize("name", REFUSED)
 def test_recurrent_models_are_refused_before_any_work(name, tmp_path):
@@ -202,6 +223,17 @@ def test_recurrent_models_are_refused_before_any_work(name, tmp_path):
     with pytest.raises(UnsupportedArchitecture, match=f"{tmp_path}: unsupported target architecture: "
                                                       f"{cfg.model_type}"):
         load_target(tmp_path)
+
+
+def test_training_on_a_recurrent_target_is_refused_before_any_work(tmp_path):
+    from eaglekit.train.config import load_train_config
+    from eaglekit.train.trainer import train
+
+    config(REFUSED["jamba"]).save_pretrained(tmp_path / "jamba")  # no weights: the refusal must come first
+    cfg = load_train_config(None, [f"target={tmp_path / 'jamba'}", "data.conversations=missing.jsonl",
+                                   f"output_dir={tmp_path / 'out'}", "progress=false", "trackers=[]"])
+    with pytest.raises(UnsupportedArchitecture, match="jamba keeps a recurrent state"):
+        train(cfg)
 
 
 def test_a_recurrent_model_cannot_become_a_target():
