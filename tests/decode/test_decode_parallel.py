@@ -226,3 +226,28 @@ def test_decode_parallel_drafter_refuses_a_non_parallel_head(tiny):
         ParallelDrafter(tiny, tiny_head(tiny, "eagle3", 48), TreeSpec(**TREE))
     assert isinstance(LookupDrafter(ParallelDrafter(tiny, parallel_head(tiny, "peagle"), TreeSpec(**TREE)), 3).inner,
                       ParallelDrafter)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_parallel_cli_generate_and_bench_take_a_parallel_head(kind, tmp_path, capsys):
+    """`eaglekit generate` and `eaglekit bench` load a saved parallel head and decode with it (greedy: every
+    method token-identical to plain decoding)."""
+    import json
+
+    from helpers import save_tiny
+
+    from eaglekit.cli import main
+    from eaglekit.target import load_target
+
+    target_dir = save_tiny(tmp_path / "target", layers=3, max_position_embeddings=4096)
+    parallel_head(load_target(str(target_dir)), kind, block=3).save_pretrained(tmp_path / "head")
+    assert main(["generate", f"target={target_dir}", f"head={tmp_path / 'head'}", "prompt=hello",
+                 "max_new_tokens=6", "tree=3,2,4"]) == 0
+    assert "tau=" in capsys.readouterr().err
+    assert main(["bench", f"target={target_dir}", f"head={tmp_path / 'head'}", "prompts=2", "max_new_tokens=8",
+                 "repeats=1", "temperatures=[0.0]", "tree=3,2,4", "lookup_tokens=3", "hf_baselines=false",
+                 f"out={tmp_path / 'bench'}"]) == 0
+    (path,) = (tmp_path / "bench").glob("*.json")
+    res = json.loads(path.read_text())["results"]["0.0"]
+    assert {"plain", "ours", "ours_lookup"} <= set(res)
+    assert all(r["identical_to_plain"] == "2/2" for r in res.values()), res
