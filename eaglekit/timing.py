@@ -1,7 +1,10 @@
 """Wall-clock timing that counts a device's queued work: CUDA kernels run asynchronously, so each reading
-first waits for them (on a CPU there is nothing to wait for)."""
+first waits for them (on a CPU there is nothing to wait for). And how busy the CPUs are: the load, the
+CPUs other work keeps busy, and the torch threads and OpenMP wait policy that leave a busy machine's
+slowdown in proportion to the CPU taken."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -51,3 +54,54 @@ def load_average() -> list[float] | None:
             return [float(x) for x in fh.read().split()[:3]]
     except OSError:
         return None
+
+
+# ---- CPU threads on a shared machine -----------------------------------------------------------------
+# With more OpenMP threads than free cores, a thread that reaches a barrier spins (libgomp's default
+# OMP_WAIT_POLICY) on the core its preempted peer could have run on, so every parallel region waits for a
+# time slice of a busy core: measured here beside other processes, a training step 0.36 s -> 3.4 s and a
+# decode 4.2 s -> 25 s at 2 threads (benchmarks/RESULTS.md, "Threads on a busy CPU"). Passive waiting
+# gives the core back, and fewer threads than busy cores leave nobody to wait for.
+
+def cpu_ticks(cpus) -> dict[int, tuple[int, int]] | None:
+    """cpu -> (busy, total) clock ticks since boot, from /proc/stat (None where it cannot be read)."""
+    try:
+        with open("/proc/stat") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    out = {}
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+            out[int(name[3:])] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
+    return out
+
+
+def busy_cpus(interval: float = 0.5) -> tuple[float, int] | None:
+    """(how many of this process's CPUs other work kept busy over the next ``interval`` seconds, how many
+    CPUs it may run on): e.g. (1.0, 2) beside one process spinning on one of two cores. None without
+    /proc/stat."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    before = cpu_ticks(cpus)
+    time.sleep(interval)
+    after = cpu_ticks(cpus)
+    if not before or not after:
+        return None
+    busy = sum(after[c][0] - before[c][0] for c in after if c in before)
+    total = sum(after[c][1] - before[c][1] for c in after if c in before)
+    return (len(cpus) * busy / total if total else 0.0), len(cpus)
+
+
+def threads_for(cpus: int, busy: float) -> int:
+    """Torch threads for ``cpus`` CPUs of which ``busy`` are taken by other work: one per free CPU (a CPU
+    more than half free counts), at least one."""
+    return max(1, min(cpus, round(cpus - busy)))
+
+
+def thread_env(threads: int, environ=None) -> dict[str, str]:
+    """Environment for a child process (set before its OpenMP starts): ``threads`` OpenMP threads waiting
+    passively (asleep, not spinning) at barriers, unless the caller's environment chose a wait policy."""
+    environ = os.environ if environ is None else environ
+    return {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": environ.get("OMP_WAIT_POLICY", "PASSIVE")}
