@@ -15,7 +15,7 @@ import torch
 
 from eaglekit.fileio import write_json, write_safetensors
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.config import DFLASH, EAGLE3, HeadConfig, check_target
+from eaglekit.heads.config import DFLASH, PEAGLE, HeadConfig, check_target
 from eaglekit.heads.dflash_layout import (
     DFLASH_ENGINES,
     dflash_config,
@@ -39,6 +39,8 @@ from eaglekit.heads.io import (
 from eaglekit.heads.layouts import (
     EXPORT_BLOCK,
     LAYOUTS,
+    PEAGLE_ARCH,
+    TAPPED,
     ExportError,
     check_weights,
     eagle3_fields,
@@ -69,12 +71,17 @@ def layout_state(head, layout: str, dtype=None, order=None) -> dict[str, torch.T
     if order is not None and order != sorted(order):  # fc column blocks in the engines' tap order
         H = head.config.hidden_size
         state["fc.weight"] = torch.cat([state["fc.weight"][:, i * H:(i + 1) * H] for i in order], dim=1)
+        if "mask_hidden" in state:  # P-EAGLE: its stand-in for the taps lives in fc's input space too
+            m = state["mask_hidden"]
+            state["mask_hidden"] = torch.cat([m[i * H:(i + 1) * H] for i in order])
         if head.config.fc_norm:  # each tap's norm moves with its fc block
             norms = [state[f"fc_norm.{i}.weight"] for i in order]
             state.update({f"fc_norm.{j}.weight": w for j, w in enumerate(norms)})
     if layout in ("speculators", "eagle1"):
         state["embed_tokens.weight"] = head.target_module("embed_tokens").weight
-    if head.config.kind == EAGLE3 and full_vocab(head.config):
+    if "mask_hidden" in state:  # P-EAGLE: speculators' [1, 1, taps * H]
+        state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
+    if head.config.kind in TAPPED and full_vocab(head.config):
         need(not bool(state["d2t"].any()), "a full-vocabulary head must map draft id i to target id i (d2t = 0)")
         state.pop("d2t"), state.pop("t2d")
     return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu()
@@ -122,12 +129,15 @@ def export_config(cfg: HeadConfig, layout: str, dtype: str, verifier: str | None
         config = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype), **eagle3_fields(cfg)}
     else:
         need(bool(verifier), "the speculators layout names its verifier; none given")
+        peagle = cfg.kind == PEAGLE  # one forward drafts block_size tokens: the proposal's length
         config = {
-            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-            "speculators_version": SPECULATORS_VERSION,
+            "architectures": [PEAGLE_ARCH if peagle else "Eagle3Speculator"],
+            "speculators_model_type": cfg.kind, "speculators_version": SPECULATORS_VERSION,
+            **({"mask_token_id": cfg.mask_token_id} if peagle else {}),
             "speculators_config": {
-                "algorithm": "eagle3",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+                "algorithm": cfg.kind,
+                "proposal_methods": [{"proposal_type": "greedy",
+                                      "speculative_tokens": cfg.block_size if peagle else speculative_tokens}],
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
             },
@@ -179,11 +189,13 @@ def load_export(path, target, dtype=None, device=None):
     check_target(cfg, target, where=str(path))
     state = {rename(k, layout, False): v for k, v in read_weights(path / WEIGHTS).items()}
     state.pop("embed_tokens.weight", None)  # speculators / eagle1 (and some trainers) save the target's embedding
+    if "mask_hidden" in state:  # P-EAGLE: speculators' [1, 1, taps * H] -> the head's [taps * H]
+        state["mask_hidden"] = state["mask_hidden"].reshape(-1)
     if cfg.kind == DFLASH:  # vLLM's layout carries the shared lm_head rows: checked, not loaded
         shared_lm_head(state, cfg, target, path / WEIGHTS)
-    if cfg.kind in (EAGLE3, DFLASH) and ("d2t" in state) != ("t2d" in state):
+    if cfg.kind in (*TAPPED, DFLASH) and ("d2t" in state) != ("t2d" in state):
         raise ExportError(f"{path / WEIGHTS}: holds only one of d2t / t2d")
-    if cfg.kind in (EAGLE3, DFLASH) and "d2t" not in state:  # a full-vocabulary head: identity maps
+    if cfg.kind in (*TAPPED, DFLASH) and "d2t" not in state:  # a full-vocabulary head: identity maps
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(cfg.target_vocab_size, dtype=torch.bool)
     config = read_config(path)

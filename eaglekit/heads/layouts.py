@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eaglekit.heads.config import DFLASH, EAGLE1, EAGLE3, HeadConfig, target_rope
+from eaglekit.heads.config import DFLASH, EAGLE1, EAGLE3, PEAGLE, HeadConfig, target_rope
 from eaglekit.heads.dflash_layout import DFLASH_ARCH, check_dflash_fields, dflash_head_config, dflash_weights
 from eaglekit.heads.engines import (
     EAGLE31_FLAGS,
@@ -39,7 +39,9 @@ from eaglekit.heads.engines import (
 from eaglekit.heads.io import CONFIG, WEIGHTS, read_config
 
 LAYOUTS = ("sglang", "vllm", "speculators", "eagle1")
+TAPPED = (EAGLE3, PEAGLE)  # the kinds with EAGLE-3's network: fused taps, midlayer/layers keys, d2t/t2d
 ENGINE_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+PEAGLE_ARCH = "PEagleSpeculator"  # speculators' P-EAGLE class name (speculators/models/peagle/config.py)
 EXPORT_BLOCK = "eaglekit_export"  # {"layout", "verifier", "engines"}: what eaglekit wrote, for reading back
 
 
@@ -84,7 +86,9 @@ def expected_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int],
         for i in range(cfg.num_layers):
             keys.update(_layer_keys(cfg, f"layers.{i}.", False, input_norm=i > 0))
         return {k: (s, "float") for k, s in keys.items()}
-    need(cfg.kind == EAGLE3, f"the {layout} layout holds EAGLE-3 heads; export EAGLE-1 heads with --to eagle1")
+    need(cfg.kind in TAPPED, f"the {layout} layout holds EAGLE-3 heads; export EAGLE-1 heads with --to eagle1")
+    need(cfg.kind != PEAGLE or layout == "speculators", f"the {layout} layout has no P-EAGLE fields (mask_hidden, "
+         "mask_token_id): export a P-EAGLE head with --to speculators (vLLM's parallel drafting reads it)")
     if layout in ("sglang", "vllm"):
         need(cfg.num_layers == 1, f"the {layout} layout has a single midlayer; this head has {cfg.num_layers} "
               "layers (export it with --to speculators)")
@@ -98,6 +102,8 @@ def expected_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int],
         keys.update(_layer_keys(cfg, prefix, first_eagle3=i == 0, input_norm=True))
     if layout == "speculators":
         keys["embed_tokens.weight"] = [V, H]
+    if cfg.kind == PEAGLE:  # speculators' shape; vLLM loads it with view(1, -1)
+        keys["mask_hidden"] = [1, 1, len(cfg.aux_layer_ids) * H]
     out = {k: (s, "float") for k, s in keys.items()}
     if not full_vocab(cfg):  # vLLM has no draft_id_to_target_id (and rejects d2t) when Vd == V
         out.update({"d2t": ([Vd], "int64"), "t2d": ([V], "bool")})
@@ -138,7 +144,7 @@ def engine_head_config(cfg: HeadConfig, layout: str) -> tuple[HeadConfig, list[i
             need(value == only, f"the {layout} layout cannot hold this head: {engine.version} does not read "
                  f"{flag} (it always runs {flag}={only}) and this head was trained with {flag}={value}; "
                  "export it with --to vllm or --to speculators")
-        if cfg.kind != EAGLE3 or not engine.taps_sorted_unique:
+        if cfg.kind not in TAPPED or not engine.taps_sorted_unique:
             continue
         taps = cfg.aux_layer_ids
         dup = sorted({t for t in taps if taps.count(t) > 1})
@@ -171,7 +177,7 @@ def detect_layout(config: dict, where: str = "config.json") -> str:
     written = (config.get(EXPORT_BLOCK) or {}).get("layout")
     if written in LAYOUTS:
         return written
-    if config.get("speculators_model_type") == "eagle3" or "Eagle3Speculator" in archs:
+    if config.get("speculators_model_type") in ("eagle3", "peagle") or {"Eagle3Speculator", PEAGLE_ARCH} & set(archs):
         return "speculators"
     if DFLASH_ARCH in archs:  # another trainer's DFlash folder: SGLang and vLLM read the same one
         return "sglang"
@@ -192,7 +198,7 @@ def head_config_of(config: dict, layout: str, target=None, where: str = "config.
     llama = config.get("transformer_layer_config", config)
     theta, scaling = target_rope(_Obj(llama))
     heads = llama["num_attention_heads"]
-    kind = EAGLE1 if layout == "eagle1" else EAGLE3
+    kind = EAGLE1 if layout == "eagle1" else PEAGLE if config.get("speculators_model_type") == "peagle" else EAGLE3
     n_target = target.num_layers if target is not None else 0
     aux = None if kind == EAGLE1 else read_taps(config, layout_engines(layout)[0])
     aux = aux or (list(target.default_taps) if target is not None else [])
@@ -206,7 +212,14 @@ def head_config_of(config: dict, layout: str, target=None, where: str = "config.
         max_position_embeddings=llama.get("max_position_embeddings", 2048),
         norm_before_residual=bool(config.get("norm_before_residual", False)),
         **{flag: bool(config.get(flag, False)) for flag in EAGLE31_FLAGS},
+        **(peagle_fields_of(config) if kind == PEAGLE else {}),
         target_name=config.get("speculators_config", {}).get("verifier", {}).get("name_or_path", ""))
+
+
+def peagle_fields_of(config: dict) -> dict:
+    """A speculators P-EAGLE config's block (its proposal's speculative tokens) and mask token."""
+    methods = config.get("speculators_config", {}).get("proposal_methods") or [{}]
+    return {"block_size": int(methods[0].get("speculative_tokens", 1)), "mask_token_id": int(config["mask_token_id"])}
 
 
 class _Obj:
@@ -218,8 +231,10 @@ def check_engine_fields(config: dict, cfg: HeadConfig, layout: str, where) -> No
     """Each engine of ``layout`` reads back the head's taps, fc width and flags from ``config``."""
     if cfg.kind == DFLASH:
         return check_dflash_fields(config, cfg, layout, where)
+    if cfg.kind == PEAGLE:
+        check_peagle_fields(config, cfg, where)
     for engine in layout_engines(layout):
-        if cfg.kind == EAGLE3:
+        if cfg.kind in TAPPED:
             taps = read_taps(config, engine)
             need(taps == list(cfg.aux_layer_ids), f"{where}: {engine.name} would read taps {taps} "
                  f"(layer inputs) but the head uses {cfg.aux_layer_ids}")
@@ -229,9 +244,20 @@ def check_engine_fields(config: dict, cfg: HeadConfig, layout: str, where) -> No
             need("norm_before_residual" in config, f"{where}: missing explicit 'norm_before_residual'")
         for flag in HEAD_FLAGS:
             got = read_flag(config, engine, flag)
-            if got is not None and cfg.kind == EAGLE3:
+            if got is not None and cfg.kind in TAPPED:
                 need(got == getattr(cfg, flag), f"{where}: {engine.name} would run {flag}={got}, the head "
                      f"was trained with {getattr(cfg, flag)}")
+
+
+def check_peagle_fields(config: dict, cfg: HeadConfig, where) -> None:
+    """What speculators and vLLM read to run a P-EAGLE head: its model type, the mask token (vLLM's
+    ``pard_token``) and a proposal of ``block_size`` tokens (one forward drafts no more)."""
+    need(config.get("speculators_model_type") == "peagle" and PEAGLE_ARCH in (config.get("architectures") or []),
+         f"{where}: a P-EAGLE export must say speculators_model_type 'peagle' and architectures [{PEAGLE_ARCH!r}]")
+    need(config.get("mask_token_id") == cfg.mask_token_id, f"{where}: mask_token_id {config.get('mask_token_id')!r} "
+         f"but the head was trained with {cfg.mask_token_id}")
+    got = peagle_fields_of(config)["block_size"]
+    need(got == cfg.block_size, f"{where}: speculative_tokens {got} but the head drafts a block of {cfg.block_size}")
 
 
 def validate_export(path, layout: str | None = None, target=None, optional=()) -> tuple[str, HeadConfig]:
@@ -259,7 +285,7 @@ def validate_export(path, layout: str | None = None, target=None, optional=()) -
         raise FileNotFoundError(f"{f}: missing weights")
     with safe_open(str(f), framework="pt") as st:
         shapes = {k: (list(st.get_slice(k).get_shape()), _dtype_kind(st.get_slice(k).get_dtype())) for k in st.keys()}  # noqa: SIM118 (safe_open is not iterable)
-    if cfg.kind == EAGLE3 and full_vocab(cfg):  # other trainers may save identity maps; ours omit them
+    if cfg.kind in TAPPED and full_vocab(cfg):  # other trainers may save identity maps; ours omit them
         optional = (*optional, "d2t", "t2d")
     check_weights(layout, cfg, shapes, where=str(f), optional=optional)
     return layout, cfg

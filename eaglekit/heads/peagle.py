@@ -35,6 +35,8 @@ class PEagleHead(ParallelHead):
         if config.kind != PEAGLE:
             raise ValueError(f"PEagleHead needs kind='peagle', got {config.kind!r}")
         config.validate()
+        if config.fc_norm or config.norm_output:  # vLLM's and speculators' P-EAGLE configs carry neither
+            raise ValueError("PEagleHead: fc_norm / norm_output (EAGLE 3.1) are not P-EAGLE options; leave them off")
         if not 0 <= config.mask_token_id < config.target_vocab_size:
             raise ValueError(f"PEagleHead: mask_token_id {config.mask_token_id} must be a target token id in "
                              f"0..{config.target_vocab_size - 1} (HeadConfig.from_target picks one)")

@@ -1,6 +1,7 @@
 """The parallel drafters (heads.parallel.ParallelHead): P-EAGLE (and DFlash, in its own functions) built
 from a target, saved and loaded, drafting a block in one forward, and their training objectives checked
 against naive references (value and gradient) on tiny random targets."""
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -18,9 +19,9 @@ def target():
     return tiny_target("llama", layers=4, vocab_size=64)
 
 
-def peagle(target, block=4, layers=2, draft_vocab=48, seed=0):
+def peagle(target, block=4, layers=2, draft_vocab=48, seed=0, taps=None):
     cfg = HeadConfig.from_target(target, kind="peagle", num_layers=layers, block_size=block,
-                                 draft_vocab_size=draft_vocab)
+                                 draft_vocab_size=draft_vocab, aux_layer_ids=taps)
     torch.manual_seed(seed)
     return build_head(cfg, target)
 
@@ -252,3 +253,121 @@ def test_dflash_save_load_and_fingerprint(target, tmp_path):
     other = tiny_target("llama", layers=5, vocab_size=64)
     with pytest.raises(ValueError, match="not trained for this target"):
         load_head(tmp_path / "h", other)
+
+
+def _vllm_reads_peagle(config: dict, weights: dict, num_spec: int) -> dict:
+    """What vLLM's speculators path does with a P-EAGLE folder, as read from its source: the config
+    translation (update_peagle) copies draft_vocab_size, target_hidden_size, norm_before_residual (default
+    False), the tap ids, and REQUIRES mask_token_id (KeyError otherwise) as ``pard_token``; the parallel
+    drafting proposer takes ``pard_token`` as the mask slots' token; Eagle3LlamaForCausalLM.load_weights
+    loads ``mask_hidden`` with ``view(1, -1)`` into a [1, fc input] buffer and refuses a folder without it."""
+    out = {"pard_token": config["mask_token_id"], "draft_vocab_size": config.get("draft_vocab_size"),
+           "norm_before_residual": config.get("norm_before_residual", False),
+           "taps": config.get("eagle_aux_hidden_state_layer_ids")}
+    if "mask_hidden" not in weights:
+        raise ValueError("mask_hidden not found in weights (parallel drafting)")
+    fc_in = len(out["taps"]) * config["transformer_layer_config"]["hidden_size"]
+    out["mask_hidden"] = weights["mask_hidden"].view(1, -1)
+    assert out["mask_hidden"].shape == (1, fc_in)
+    out["drafts_per_forward"] = num_spec
+    return out
+
+
+def test_peagle_speculators_export_as_vllm_and_speculators_read_it(target, tmp_path):
+    from safetensors.torch import load_file
+
+    from eaglekit.heads.export import ExportError, export_head
+
+    head = peagle(target, block=3, draft_vocab=48, taps=[3, 0, 1])  # engines capture taps sorted: fc permuted
+    ids = torch.randperm(64)[:48].sort().values
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[ids] = True
+    head.set_draft_vocab(ids - torch.arange(48), t2d)
+    out = export_head(head, tmp_path / "spec", "speculators", verifier="org/tiny")
+    config = json.loads((out / "config.json").read_text())
+    weights = load_file(str(out / "model.safetensors"))
+    # speculators 0.9: PEagleSpeculatorConfig (speculators_model_type 'peagle', mask_token_id) over EAGLE-3's
+    assert config["speculators_model_type"] == "peagle" and config["architectures"] == ["PEagleSpeculator"]
+    assert config["speculators_config"]["algorithm"] == "peagle"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert weights["mask_hidden"].shape == (1, 1, 3 * 32)  # speculators' Parameter shape
+    # fc's column blocks (and mask_hidden's, which lives in fc's input space) follow the sorted taps
+    blocks = head.mask_hidden.detach().view(3, 32)
+    torch.testing.assert_close(weights["mask_hidden"].view(3, 32), blocks[[1, 2, 0]])
+    read = _vllm_reads_peagle(config, weights, config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    assert read["pard_token"] == head.config.mask_token_id and read["taps"] == sorted(head.taps)
+    assert read["norm_before_residual"] is False and read["draft_vocab_size"] == 48
+    # loaded back: the same head (taps sorted), drafting the same block from the same target state
+    back = load_head(out, target)
+    assert type(back) is type(head) and back.taps == (0, 1, 3)
+    assert (back.config.block_size, back.config.mask_token_id) == (3, head.config.mask_token_id)
+    ids = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        drafts = [h.draft(h.new_cache(), ids[:, 1:], h.fuse_output(target.forward(ids[:, :-1], layer_ids=h.taps)),
+                          torch.arange(6)[None]) for h in (head, back)]
+    torch.testing.assert_close(drafts[0], drafts[1])
+    # the EAGLE-3 layouts have no P-EAGLE fields: refused, naming what is missing
+    for layout in ("vllm", "sglang"):
+        with pytest.raises(ExportError, match="no P-EAGLE fields \\(mask_hidden, mask_token_id\\)"):
+            export_head(head, tmp_path / layout, layout)
+    # a folder whose mask token or block disagrees with the head is refused on reading
+    bad = dict(config, mask_token_id=(config["mask_token_id"] + 1) % 64)
+    (out / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ExportError, match="mask_token_id"):
+        load_head(out, target)
+
+
+def test_peagle_export_loads_in_speculators_and_computes_our_logits(tmp_path, monkeypatch):
+    """A real consumer: speculators 0.9's own PEagleDraftModel loads our speculators export and, at every
+    anchor and depth of a sequence, computes the logits our head does (its mask token, mask_hidden, fc,
+    layers, block attention and positions; COD sampling replaced by every anchor at every depth)."""
+    import sys
+
+    from helpers import save_tiny
+
+    from eaglekit.heads.export import export_head
+    from eaglekit.target import load_target
+
+    if sys.version_info < (3, 11):
+        pytest.skip("speculators needs Python >= 3.11")
+    try:
+        import speculators.models.peagle.core as core
+        from speculators.losses import eager
+        from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+    except ImportError as e:  # installed by scripts/setup.sh: a missing one is a broken setup, not a skip
+        pytest.fail(f"speculators is not importable ({e}); run scripts/setup.sh (speculators extra)")
+    tdir = save_tiny(tmp_path / "tiny", layers=6, hidden=32, vocab_size=64)
+    tiny = load_target(tdir)
+    head = peagle(tiny, block=3, draft_vocab=16, taps=[4, 1, 2])
+    keep = torch.arange(16) * 4 + 2
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[keep] = True
+    head.set_draft_vocab(keep - torch.arange(16), t2d)
+    out = export_head(head, tmp_path / "spec", "speculators", verifier=str(tdir))
+    config = PEagleSpeculatorConfig.from_pretrained(str(out))
+    config.transformer_layer_config._attn_implementation = "eager"  # flex attention's block masks need CUDA
+    model = PEagleDraftModel.from_pretrained(str(out), config=config).eval()
+    assert model.mask_token_id == head.config.mask_token_id
+
+    S, D = 8, 3
+    anchors = torch.cat([torch.arange(S - d) for d in range(D)])
+    depths = torch.cat([torch.full((S - d,), d) for d in range(D)])
+    monkeypatch.setattr(core, "generate_cod_sample_indices", lambda **kw: (anchors, depths))
+    torch.manual_seed(2)
+    ids = torch.randint(0, 64, (1, S))
+    hidden = tiny.model(ids, output_hidden_states=True).hidden_states  # [k] = input of layer k
+    aux = torch.cat([hidden[k] for k in model.config.eagle_aux_hidden_state_layer_ids], dim=-1)
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, o: seen.append(o.detach()))
+    with torch.no_grad():
+        model(hidden_states=aux, input_ids=ids, document_ids=torch.zeros_like(ids), position_ids=torch.arange(S)[None],
+              loss_mask=torch.ones(1, S), verifier_last_hidden_states=hidden[-1], num_depths=D,
+              loss_config={"kl": (eager.kl_div_loss, 1.0)})
+    hook.remove()
+    g = head.fuse(tiny.forward(ids, layer_ids=head.taps).taps)  # speculators' element t = (g_t, ids[t])
+    with torch.no_grad():
+        for i, (a, d) in enumerate(zip(anchors.tolist(), depths.tolist())):
+            m_ids, m_g = head.mask_elements(1, d)
+            _, ours = head.step(torch.cat([ids[:, :a + 1], m_ids], 1), torch.cat([g[:, :a + 1], m_g], 1),
+                                torch.arange(a + 1 + d)[None])
+            torch.testing.assert_close(ours[0, -1], seen[0][0, i], rtol=1e-4, atol=1e-4, msg=f"anchor {a} depth {d}")
