@@ -5,6 +5,8 @@ text, whose drafts are accepted (so the exactness is tested where drafted tokens
 
 The drafter is built explicitly: ``decode.plan`` recognises a head by its ``step`` method, which a DFlash head
 does not have (it drafts a block with ``draft``), see the decode note in the DFlash report."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import tiny_target
@@ -18,7 +20,7 @@ from eaglekit.train.losses import Teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35]]
-CHAIN, TREE = dict(depth=4, top_k=1, total_tokens=4), dict(depth=3, top_k=3, total_tokens=9)
+CHAIN, TREE = {"depth": 4, "top_k": 1, "total_tokens": 4}, {"depth": 3, "top_k": 3, "total_tokens": 9}
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +63,8 @@ def trained(tiny):
     out = tiny.features(ids, layer_ids=head.taps)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "last": out.last, "taps": out.taps}
     teacher = Teacher.build(tiny.lm_head.weight, head.t2d)
-    settings = type("L", (), dict(anchors=16, block_gamma=0.0, chunk_tokens=512, cache_teacher_mb=64, topk=0,
-                                  topk_weight=0.0, objective="kl"))()
+    settings = SimpleNamespace(anchors=16, block_gamma=0.0, chunk_tokens=512, cache_teacher_mb=64, topk=0,
+                               topk_weight=0.0, objective="kl")
     opt = torch.optim.Adam(head.parameters(), lr=1e-2)
     for _ in range(200):
         loss, _ = head.training_loss(teacher, batch, settings, steps=4)
@@ -73,10 +75,10 @@ def trained(tiny):
 
 
 def test_decode_dflash_greedy_equals_hf_untrained_and_trained(tiny, trained):
-    head, learned = trained
+    learned_head, learned = trained
     taus = {}
-    for name, head, prompts in (("untrained", dflash(tiny), learned), ("trained", head, learned),
-                                ("trained, other prompts", head, PROMPTS)):
+    for name, head, prompts in (("untrained", dflash(tiny), learned), ("trained", learned_head, learned),
+                                ("trained, other prompts", learned_head, PROMPTS)):
         accepted = []
         for p in prompts:
             ref = hf_greedy(tiny, p, 20)
@@ -104,7 +106,8 @@ def test_decode_dflash_batch_of_two_rows_of_different_lengths(tiny, trained):
 @pytest.mark.real
 def test_decode_dflash_greedy_equals_hf_on_smollm2(smollm2):
     """An untrained DFlash head on SmolLM2 (fp32): chain and tree on an MT-bench prompt, a batch of two."""
-    from test_decode_real import assert_same_or_near_tie, hf_greedy as real_greedy, mt_bench_prompts
+    from test_decode_real import assert_same_or_near_tie, mt_bench_prompts
+    from test_decode_real import hf_greedy as real_greedy
 
     torch.manual_seed(0)
     head = build_head(HeadConfig.from_target(smollm2, kind="dflash", num_layers=2, block_size=5), smollm2)
