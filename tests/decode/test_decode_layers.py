@@ -11,7 +11,7 @@ LAYERS = [  # lowest first
     {"tree", "kv", "sampling", "stats"},
     {"proposers", "verify"},
     {"drafters"},
-    {"cost", "loop", "lookup"},
+    {"cost", "loop", "lookup", "parallel"},
     {"plan", "batch"},
     {"generate"},
     {"cli"},
