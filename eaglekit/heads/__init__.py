@@ -11,8 +11,10 @@ Modules, each importing only modules on the lines below it (tests/test_architect
     hub                     model card, stage, push_head (DraftHead.push_to_hub)
     export                  write the engine layouts; load_head (native or any layout)
     layouts                 the layouts' key sets and renames, what each engine holds; validate_export
-    io                      the native format: save_head (DraftHead.save_pretrained), load_native
+    io, dflash_layout       the native format: save_head (DraftHead.save_pretrained), load_native; the
+                            DFlash layout SGLang and vLLM read (its keys, config, engine facts)
     registry                HEADS by kind, head_class, build_head, tap_layers
+    peagle, dflash          the parallel drafters (one forward drafts a block): P-EAGLE, DFlash
     eagle1, eagle3          the two heads: what each reads, fuses, predicts over and trains with
     base                    DraftHead: borrowed target modules, draft vocabulary, step checks
     layers, cache           Llama-style layers; HeadCache, masks, shift_left
