@@ -166,15 +166,17 @@ class DFlashHead(ParallelHead):
         self._borrowed.pop("draft_lm_head", None)
 
     def draft_lm_head(self) -> torch.Tensor:
-        """The target's lm_head rows of the draft vocabulary [Vd, H], in the head's dtype (cached; frozen)."""
-        w = self._borrowed.get("draft_lm_head")
-        if w is None or w.device != self.device or w.dtype != self.dtype:
-            full = self.target_module("lm_head").weight.detach()
+        """The target's lm_head rows of the draft vocabulary [Vd, H], in the head's dtype: frozen, and cached
+        until the maps, the head's device/dtype or the target's weight change (``load_state_dict`` writes
+        d2t in place, which bumps its version)."""
+        full = self.target_module("lm_head").weight.detach()
+        key = (self.device, self.dtype, self.d2t._version, full.data_ptr(), full._version)
+        cached = self._borrowed.get("draft_lm_head")
+        if cached is None or cached[0] != key:
             ids = (torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t).to(full.device)
-            w = (full if ids.numel() == full.shape[0] and bool((ids == torch.arange(ids.numel(), device=ids.device)).all())
-                 else full[ids]).to(self.device, self.dtype)
-            self._borrowed["draft_lm_head"] = w
-        return w
+            cached = (key, full[ids].to(self.device, self.dtype))
+            self._borrowed["draft_lm_head"] = cached
+        return cached[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.draft_lm_head().T

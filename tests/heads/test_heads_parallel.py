@@ -238,6 +238,10 @@ def test_dflash_draft_vocab_maps_to_target_ids(target):
         hidden = naive_block_logits(head, g, ids, t=6)
     torch.testing.assert_close(logits[0], hidden, rtol=1e-4, atol=1e-5)
     assert set(head.draft_to_target(logits.argmax(-1)).flatten().tolist()) <= set(keep.tolist())
+    state = head.state_dict()  # new maps through load_state_dict (in place): the shared rows follow them
+    state["d2t"], state["t2d"] = torch.full((40,), 5), torch.arange(64).ge(5) & torch.arange(64).lt(45)
+    head.load_state_dict(state)
+    torch.testing.assert_close(head.draft_lm_head(), target.lm_head.weight[5:45])
 
 
 def test_dflash_save_load_and_fingerprint(target, tmp_path):
