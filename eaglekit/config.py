@@ -50,7 +50,8 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the config's dataclass."""
 
 
-Dtype = Literal["float32", "bfloat16", "float16"]  # a target's compute dtype in a config
+Dtype = Literal["float32", "bfloat16", "float16", "float64"]  # a target's compute dtype in a config (float64:
+# for exactness checks, where fp32's summation order would show, e.g. a split target against a whole one)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -13,6 +13,7 @@ TARGET is a model name or folder; every check loads it with target.tp_size from 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,15 +28,26 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def split_target(name: str):
+    """``name`` split TP ways, loaded once per launch (the capture and decode checks share it)."""
+    from eaglekit.target import load_target
+
+    if name not in _TARGETS:
+        _TARGETS[name] = load_target(name, tp_size=TP, only_tp=True)
+    return _TARGETS[name]
+
+
+_TARGETS: dict = {}
+
+
 def dump(out: Path, name: str, record: dict) -> None:
     (out / f"{name}-rank{rank()}.json").write_text(json.dumps(record))
 
 
 def check_capture(out: Path, name: str, samples_file: str) -> None:
     from eaglekit.data_prep.capture import capture_features, compute_features
-    from eaglekit.target import load_target
 
-    target = load_target(name, tp_size=TP)
+    target = split_target(name)
     samples = json.loads(Path(samples_file).read_text())
     items = compute_features(target, samples, dtype=torch.float32)
     if rank() == 0:
@@ -52,11 +64,10 @@ def check_decode(out: Path, name: str, prompt: str) -> None:
 
     from eaglekit.decode import generate
     from eaglekit.decode.tree import TreeSpec
-    from eaglekit.target import load_target
 
-    target = load_target(name, tp_size=TP, only_tp=True)
+    target = split_target(name)
     ids = target.chat_ids(prompt)
-    n = 40
+    n = 16
     ref = target.model.generate(ids, max_new_tokens=n, do_sample=False, num_beams=1, repetition_penalty=1.0,
                                 temperature=None, top_p=None, top_k=None)
     head = tiny_head(target, draft_vocab=min(target.vocab_size, 4096), seed=0)
@@ -81,6 +92,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     while args:
         check, *args = args
+        start = time.perf_counter()
         if check == "capture":
             check_capture(out, args.pop(0), args.pop(0))
         elif check == "decode":
@@ -89,6 +101,7 @@ def main() -> None:
             check_train(out, args.pop(0))
         else:
             raise SystemExit(f"unknown check {check!r}")
+        print(f"[tp_checks rank {rank()}] {check}: {time.perf_counter() - start:.1f} s", flush=True)
         if dist.is_initialized():  # a training run ends its process group (accelerate's end_training): last
             dist.barrier()
     if dist.is_initialized():

@@ -12,7 +12,8 @@ written before format version 3 call it ``hidden``; ``FeatureDataset`` reads bot
 The samples are cut into shards by a *plan* that depends only on the data and ``shard_tokens`` (whole
 samples, in order, until a shard holds ``shard_tokens`` tokens). Shard j is written by process
 ``j % world_size``, so 1 or N processes (``accelerate launch`` / ``torchrun``, read from RANK/WORLD_SIZE)
-produce the same files. Each shard is written to a temporary name and renamed when complete; a rerun
+produce the same files. With a target split over TP groups (``target.tp_size``) the groups take the place
+of the processes: a group's processes run each forward together and its first process writes. Each shard is written to a temporary name and renamed when complete; a rerun
 skips shards that exist (resuming at the first missing one) after checking that the plan in the existing
 manifest is the same (same data, target, taps), and refuses to mix runs otherwise. Whoever finishes the
 last shard marks the manifest complete; readers refuse an incomplete capture.

@@ -8,6 +8,7 @@ Without ``prompt=`` it reads user turns from stdin (an empty line or EOF ends th
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Literal
@@ -43,6 +44,19 @@ class GenerateConfig:
     dtype: DTYPES = "float32"
     device: str = "cpu"
     cpu_linear: CPU_LINEAR = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
+    tp_size: PosInt = 1  # > 1: the target split over tp_size processes (torchrun --nproc_per_node tp_size);
+    # every process runs the same loop, the first prints
+
+
+def check_split(cfg: GenerateConfig) -> None:
+    """What a split target (tp_size > 1) cannot do: every process must take the same decisions."""
+    if cfg.tp_size == 1:
+        return
+    if cfg.prompt is None:
+        raise ValueError(f"tp_size={cfg.tp_size}: give prompt= (an interactive chat reads stdin on one process)")
+    if cfg.tree == "auto":
+        raise ValueError(f"tp_size={cfg.tp_size}: tree=auto sizes the tree from costs each process measures for "
+                         "itself, so processes could pick different trees; give tree=depth,top_k,total_tokens")
 
 
 def add_arguments(p):
@@ -69,9 +83,14 @@ def run(args) -> int:
         branch_lengths(cfg.prompt_lookup)
         if cfg.draft and not cfg.draft_tree:
             raise ValueError(f"prompt_lookup={cfg.prompt_lookup} with draft= and no draft_tree=: {SAMPLED}")
-    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    check_split(cfg)
+    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device, tp_size=cfg.tp_size,
+                         only_tp=True)
+    if target.layout.rank != 0:  # the same loop on every process of the group; one of them speaks
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+        sys.stderr = sys.stdout
     drafter = load_drafter(cfg, target)
-    use_cpu_linear(cfg.cpu_linear, target, drafter)
+    use_cpu_linear("aten" if cfg.tp_size > 1 else cfg.cpu_linear, target, drafter)  # no packing of DTensors
     drafter = with_draft_tree(cfg, target, drafter)
     tree = parse_tree(cfg.tree)
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
