@@ -92,6 +92,24 @@ def test_dflash_objective_takes_every_candidate_and_normalises_per_anchor(target
     assert stats.total[0] == supervised_count(batch["loss_mask"])
 
 
+def test_dflash_loss_of_a_batch_is_the_sum_of_its_rows(target):
+    """A row's blocks, anchors and padding-free context do not depend on its batch, so the loss over a batch
+    is the sum over any split of it: gradient accumulation and DDP take the step one big batch takes."""
+    head = _head(target)
+    teacher = Teacher.build(target.lm_head.weight, head.t2d)
+    whole = _batch(target, lengths=(14, 9, 30, 12), seed=6)
+    settings = _loss(anchors=8)
+    total, stats = head.training_loss(teacher, whole, settings, steps=3, train=False)
+    parts = []
+    for rows in ([0, 1], [2, 3]):
+        S = max((14, 9, 30, 12)[r] for r in rows)  # each micro-batch padded to its own longest row
+        part = {k: v[rows][:, :S] for k, v in whole.items()}
+        parts.append(head.training_loss(teacher, part, settings, steps=3, train=False))
+    torch.testing.assert_close(total, parts[0][0] + parts[1][0], rtol=1e-5, atol=1e-5)
+    assert stats.total == [a + b for a, b in zip(parts[0][1].total, parts[1][1].total)]
+    assert stats.chain == [a + b for a, b in zip(parts[0][1].chain, parts[1][1].chain)]
+
+
 def test_dflash_anchor_sampling_is_reproducible_and_moves_between_epochs(target):
     batch = _batch(target, lengths=(30, 30), seed=4)
     a, b = _head(target), _head(target)
