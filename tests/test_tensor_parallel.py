@@ -189,8 +189,27 @@ def test_tiny_dp2_tp2_trains_the_one_process_head(tmp_path):
     base = _train_overrides(str(tmp_path / "tiny"), str(tmp_path / "convs.jsonl"), tmp_path / "tp",
                             **{"head.draft_vocab_size": 40, "data.eval_samples": 4})
     (tmp_path / "train.json").write_text(json.dumps(base))
-    _torchrun(4, tmp_path / "out", "train", str(tmp_path / "train.json"))
+    prep = [f"target={tmp_path / 'tiny'}", f"data={tmp_path / 'convs.jsonl'}", "draft_vocab_size=40", "shard_mb=0.01",
+            "progress=false"]
+    (tmp_path / "prepare.json").write_text(json.dumps(prep + [f"output_dir={tmp_path / 'prep-tp'}"]))
+    _torchrun(4, tmp_path / "out", "prepare", str(tmp_path / "prepare.json"), "train", str(tmp_path / "train.json"))
     assert {s["processes"] for s in _said(tmp_path / "out", "train", 4)} == {4}
+
+    # the capture at dp 2 x tp 2: the files one process writes (bf16 features within one rounding step)
+    from eaglekit.config import load_config
+    from eaglekit.data_prep.prepare import PrepareConfig, run_prepare
+
+    run_prepare(load_config(PrepareConfig, None, prep + [f"output_dir={tmp_path / 'prep-one'}"]))
+    a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("prep-one", "prep-tp"))
+    assert b["complete"] and len(b["shards"]) >= 4 and a["plan_hash"] == b["plan_hash"]
+    for sh in a["shards"]:
+        x, y = (load_file(str(tmp_path / d / sh["file"])) for d in ("prep-one", "prep-tp"))
+        for key in ("input_ids", "loss_mask", "offsets"):
+            assert torch.equal(x[key], y[key])
+        for key in ("taps", "last"):
+            torch.testing.assert_close(x[key].float(), y[key].float(), rtol=2**-7, atol=1e-6)
+    v1, v2 = (load_file(str(tmp_path / d / "draft_vocab.safetensors")) for d in ("prep-one", "prep-tp"))
+    assert v1.keys() == v2.keys() and all(torch.equal(v1[k], v2[k]) for k in v1)
     # one process, the same global batch: 2 micro-batches per step (one per TP group there)
     one = _one_process_head([o for o in base if not o.startswith("output_dir=")]
                             + [f"output_dir={tmp_path / 'one'}", "optim.grad_accum=2"])

@@ -7,6 +7,7 @@ compares them with one process. Checks:
   capture TARGET SAMPLES.json   fp32 features of the samples (compute_features) and a bf16 capture (shards)
   decode TARGET PROMPT          greedy speculative decoding (untrained EAGLE-3 head tree + prompt lookup)
                                 against the same split target's own greedy decoding (transformers generate)
+  prepare OVERRIDES.json        eaglekit prepare (run_prepare) with the given key=value overrides
   train OVERRIDES.json          online training (eaglekit.train) with the given key=value overrides
 TARGET is a model name or folder; every check loads it with target.tp_size from TP (environment, default 2).
 """
@@ -77,6 +78,14 @@ def check_decode(out: Path, name: str, prompt: str) -> None:
                          "tokens": got.sequences[0].tolist(), "tau": float(got.stats.tau)})
 
 
+def check_prepare(out: Path, overrides_file: str) -> None:
+    from eaglekit.config import load_config
+    from eaglekit.data_prep.prepare import PrepareConfig, run_prepare
+
+    overrides = json.loads(Path(overrides_file).read_text()) + [f"target.tp_size={TP}"]
+    dump(out, "prepare", run_prepare(load_config(PrepareConfig, None, overrides)))
+
+
 def check_train(out: Path, overrides_file: str) -> None:
     from eaglekit.train.config import load_train_config
     from eaglekit.train.trainer import train
@@ -97,6 +106,8 @@ def main() -> None:
             check_capture(out, args.pop(0), args.pop(0))
         elif check == "decode":
             check_decode(out, args.pop(0), args.pop(0))
+        elif check == "prepare":
+            check_prepare(out, args.pop(0))
         elif check == "train":
             check_train(out, args.pop(0))
         else:
