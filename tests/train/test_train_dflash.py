@@ -166,3 +166,13 @@ def test_dflash_trains_offline_on_an_eagle3_capture(tmp_path):
     assert final["step"] == 3 and {"eval_acc_0", "eval_acc_1", "eval_tau_sim"} <= set(final)
     head = load_head(tmp_path / "out" / "final", tiny)
     assert head.config.kind == "dflash" and head.config.block_size == 3 and head.taps == tuple(tiny.default_taps)
+
+
+def test_dflash_shipped_config_loads():
+    from pathlib import Path
+
+    from eaglekit.train.config import load_train_config
+
+    cfg = load_train_config(Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m-dflash.yaml")
+    assert (cfg.head.kind, cfg.head.block_size, cfg.head.num_layers, cfg.loss.anchors) == ("dflash", 8, 2, 64)
+    assert cfg.loss.ttt_steps == cfg.head.block_size - 1  # the held-out stats report every block depth
