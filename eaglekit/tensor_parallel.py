@@ -101,7 +101,7 @@ def check_model(config, tp_size: int, name: str) -> None:
                              f"whole heads): use a tp_size that divides {n}")
 
 
-def init_distributed(layout: Layout) -> None:
+def init_distributed() -> None:
     """The default process group (gloo on CPU, nccl on CUDA), unless a launcher's library already made it."""
     import torch.distributed as dist
 
@@ -120,11 +120,11 @@ def from_pretrained_kwargs(layout: Layout) -> dict:
         return {}
     from transformers.distributed import DistributedConfig
 
-    init_distributed(layout)
+    init_distributed()
     fields = DistributedConfig.__dataclass_fields__
     if layout.dp_size == 1:
         return {"distributed_config": DistributedConfig(tp_size=layout.tp_size)}
-    if "dp_replicate_size" in fields:  # transformers >= 5.2x
+    if "dp_replicate_size" in fields:  # 5.24 has it, 5.17 does not
         return {"distributed_config": DistributedConfig(tp_size=layout.tp_size, dp_replicate_size=layout.dp_size)}
     from torch.distributed import init_device_mesh
 
