@@ -109,14 +109,15 @@ def training_record(run: Path) -> dict:
 
 
 @torch.no_grad()
-def per_sample(head_dir: Path, a) -> list[dict]:
-    """Per held-out sample: supervised positions and top-1 hits per TTT step."""
+def per_sample(head_dir: Path, a, arm: str) -> list[dict]:
+    """Per held-out sample: supervised positions and top-1 hits per TTT step (under the arm's own settings:
+    head.init_from refuses a head whose options, e.g. EAGLE 3.1's, differ from the config's)."""
     from eaglekit.train.build import assemble
     from eaglekit.train.config import load_train_config
     from eaglekit.train.data import collate, fetch_with_top, tensors_to
     from eaglekit.train.losses import TTTModel
 
-    cfg = load_train_config(CONFIG, [*common(a), f"head.init_from={head_dir}", "eval_only=true",
+    cfg = load_train_config(CONFIG, [*common(a), *ARMS[arm], f"head.init_from={head_dir}", "eval_only=true",
                                      f"output_dir={head_dir.parent / 'eval'}"])
     parts = assemble(cfg)
     try:
@@ -190,7 +191,7 @@ def main() -> None:
     for (arm, seed), head in heads.items():
         cached = head.parent / "per_sample.json"
         if not cached.exists():
-            write_json(cached, per_sample(head, a))  # atomic: a killed scoring leaves no half file to reuse
+            write_json(cached, per_sample(head, a, arm))  # atomic: a killed scoring leaves no half file to reuse
         scores.setdefault(arm, {})[seed] = json.loads(cached.read_text())
     seen = {f"{arm}-s{seed}": training_record(head.parent) for (arm, seed), head in heads.items()}
     report = {"runs": seen, "steps": steps, "ttt": a.ttt, "seeds": a.seeds, "held_out": len(scores["base"][a.seeds[0]]),
