@@ -1,7 +1,8 @@
 """Lossless speculative decoding: EAGLE-2 trees from a head, a draft model's chain or tree, prompt lookup,
 or plain decoding; one loop for every drafter.
 
-``decode.generate(target, drafter, input_ids, ...)`` with ``drafter`` an EAGLE head, another Target
+``decode.generate(target, drafter, input_ids, ...)`` with ``drafter`` an EAGLE head (a parallel one, P-EAGLE
+or DFlash, drafts its tree in one forward: ``ParallelDrafter``), another Target
 sharing the tokenizer (a chain of ``gamma`` tokens; ``ModelTreeDrafter`` for a tree), any ``Drafter``,
 or None; ``prompt_lookup=N`` grafts a prompt-lookup branch onto the tree (``LookupDrafter``). A list of
 prompts (or [B, T] with ``attention_mask``) decodes as a batch, each row exactly as it would alone.
@@ -11,7 +12,8 @@ Modules, each importing only modules on the lines below it:
     generate                the public call: plan.make_drafter, then loop.run (a batch: batch.run_batch)
     plan, batch             which drafter: make_drafter, tree="auto" (Plan), the CLIs' option helpers;
                             the batch loop (BatchDecoder: rows in one target forward, a drafter per row)
-    cost, loop, lookup      measured costs; the loop (Decoder.step); the prompt-lookup wrapper
+    cost, loop, lookup,     measured costs; the loop (Decoder.step); the prompt-lookup wrapper;
+    parallel                a parallel head's drafter (one forward per step, a tree from per-depth top-k)
     drafters                Drafter protocol: PlainDrafter, ModelDrafter (chain), TreeDrafter
     proposers, verify       HeadProposer / ModelProposer; verify forward and the acceptance walk
     tree, kv, sampling, stats   Tree + EAGLE-2 expand; KV keep; Sampling + rules; DecodeStats, BatchStats
@@ -20,6 +22,7 @@ from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelTreeDrafter, Pl
 from eaglekit.decode.generate import generate
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput
+from eaglekit.decode.parallel import ParallelDrafter
 from eaglekit.decode.plan import Plan, auto_plan, make_drafter
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.stats import BatchStats, DecodeStats
@@ -33,6 +36,7 @@ __all__ = [
            "GenerateOutput",
            "LookupDrafter",
            "ModelTreeDrafter",
+           "ParallelDrafter",
            "PlainDrafter",
            "Plan",
            "Sampling",
