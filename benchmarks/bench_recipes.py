@@ -23,6 +23,9 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
         --seeds 0 1 --tokens 500000                      # base, lk, eagle31, lk_eagle31
     python benchmarks/bench_recipes.py ... --arms lk_alpha lk_greedy topk   # any other arms, base added
 
+Then each head decodes the first ``--decode-questions`` MT-bench questions greedily (a chain of ``--ttt``
+drafted tokens per verify step): τ per verify step, mean over the arm's seeds, beside τ_sim.
+
 Finished runs (``<out>/<arm>-s<seed>/final``) are reused and a killed run resumes from its last checkpoint
 (one every ~10% of the run), so an interrupted experiment resumes.
 """
@@ -132,6 +135,41 @@ def per_sample(head_dir: Path, a, arm: str) -> list[dict]:
         parts.lock.release()
 
 
+@torch.no_grad()
+def decode_tau(target, head, prompts: list, depth: int, max_new_tokens: int) -> dict:
+    """Greedy decoding of ``prompts`` with a chain of ``depth`` drafts per step: τ = emitted tokens per
+    verify forward over all of them (the prompts' steps pooled), and per prompt."""
+    from eaglekit import decode
+    from eaglekit.decode.tree import TreeSpec
+
+    chain = TreeSpec(depth=depth, top_k=1, total_tokens=depth)
+    lengths, per_prompt = [], []
+    for ids in prompts:
+        out = decode.generate(target, head, ids, max_new_tokens=max_new_tokens, tree=chain)
+        lengths += out.stats.accept_lengths
+        per_prompt.append(out.stats.tau)
+    return {"tau": sum(lengths) / len(lengths), "per_prompt": per_prompt, "steps": len(lengths)}
+
+
+def decode_all(heads: dict, a) -> dict:
+    """``decode_tau`` of every head on the first ``a.decode_questions`` MT-bench questions (cached per head)."""
+    from eaglekit import assets
+    from eaglekit.heads import load_head
+    from eaglekit.target import load_target
+
+    from eaglekit.train.config import load_train_config
+
+    target = load_target(load_train_config(CONFIG, common(a)).target.name)  # the runs' own target
+    prompts = [target.chat_ids(q["turns"][0]) for q in assets.load_mt_bench()[:a.decode_questions]]
+    out = {}
+    for (arm, seed), head_dir in heads.items():
+        cached = head_dir.parent / f"decode-{a.decode_questions}q-{a.decode_tokens}t.json"
+        if not cached.exists():
+            write_json(cached, decode_tau(target, load_head(head_dir, target), prompts, a.ttt, a.decode_tokens))
+        out.setdefault(arm, {})[seed] = json.loads(cached.read_text())["tau"]
+    return {arm: {"tau": sum(t.values()) / len(t), "per_seed": t} for arm, t in out.items()}
+
+
 def tau_sim(rows: list[dict], idx: list[int]) -> float:
     from eaglekit.train.metrics import tau_sim as tau
 
@@ -175,6 +213,8 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="autocast (fast only with avx512_bf16/AMX or a GPU)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per training run")
     ap.add_argument("--parallel", type=int, default=1, help="training runs at once")
+    ap.add_argument("--decode-questions", type=int, default=8, help="MT-bench questions each head decodes (0: none)")
+    ap.add_argument("--decode-tokens", type=int, default=128, help="new tokens per decoded question")
     ap.add_argument("--train-only", action="store_true",
                     help="train the listed arms and seeds only (no base added, no scoring): to split a grid over "
                          "cores or machines; a later run without it reuses the finished heads and scores them")
@@ -196,6 +236,10 @@ def main() -> None:
     seen = {f"{arm}-s{seed}": training_record(head.parent) for (arm, seed), head in heads.items()}
     report = {"runs": seen, "steps": steps, "ttt": a.ttt, "seeds": a.seeds, "held_out": len(scores["base"][a.seeds[0]]),
               "arms": compare(scores)}
+    if a.decode_questions:
+        for arm, d in decode_all(heads, a).items():
+            report["arms"][arm]["decode_tau"], report["arms"][arm]["decode_tau_per_seed"] = d["tau"], d["per_seed"]
+        report["decode"] = {"questions": a.decode_questions, "new_tokens": a.decode_tokens, "chain_depth": a.ttt}
     write_json(Path(a.out) / "report.json", report, indent=1)
     print(json.dumps(report, indent=1))
 

@@ -29,3 +29,18 @@ def test_train_recipe_arm_is_a_valid_config(arm):
 
 def test_train_recipe_default_grid():
     assert bench.GRID == ["base", "lk", "eagle31", "lk_eagle31"] and set(bench.GRID) <= set(bench.ARMS)
+
+
+def test_train_recipe_decode_tau_counts_tokens_per_verify_step():
+    import torch
+    from helpers import tiny_target
+
+    from eaglekit.heads import HeadConfig, build_head
+
+    target = tiny_target(vocab_size=64, hidden=32, layers=6)
+    torch.manual_seed(0)
+    head = build_head(HeadConfig.from_target(target, kind="eagle3", draft_vocab_size=64), target)
+    prompts = [torch.randint(3, 64, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 7)]
+    got = bench.decode_tau(target, head, prompts, depth=2, max_new_tokens=9)
+    assert got["steps"] >= 2 * 3 and len(got["per_prompt"]) == 2  # >= 3 steps each: at most 3 tokens a step
+    assert 1.0 <= got["tau"] <= 3.0
