@@ -148,3 +148,22 @@ def test_heads_eagle31_refusals(target, tmp_path):
     assert cfg.head.fc_norm and cfg.head.norm_output
     with pytest.raises(ConfigError, match=r"head.fc_norm / head.norm_output with head.kind='eagle1'"):
         load_train_config(None, base + ["head.kind=eagle1", "head.norm_output=true"])
+
+
+def test_heads_eagle31_foreign_checkpoint_reads_the_engine_fields(target, tmp_path):
+    """A 3.1 head another trainer wrote (no eaglekit block) is read from the fields engines read."""
+    head = make(target, fc_norm=True, norm_output=True)
+    out = export_head(head, tmp_path / "x", "sglang")
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("eaglekit", "eaglekit_export"):
+        del cfg[key]
+    (out / "config.json").write_text(json.dumps(cfg))
+    back = load_head(out, target)
+    assert back.config.fc_norm and back.config.norm_output
+    ids = torch.randint(0, V, (1, 6))
+    g = features(target, back, ids)
+    torch.testing.assert_close(torch.cat([lg for _, _, lg in ttt_unroll(back, ids, g, 2)]),
+                               torch.cat([lg for _, _, lg in ttt_unroll(head, ids, features(target, head, ids), 2)]))
+    del cfg["norm_output"]  # absent = off, for every engine and for eaglekit
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert not load_head(out, target).config.norm_output
