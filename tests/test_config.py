@@ -140,8 +140,8 @@ def test_target_section_nested_or_as_a_name_and_older_flat_keys(tmp_path):
     assert cfg.target == TargetSpec(name="other", dtype="float16")
     assert load_train_config(nested, ["target.name=third"]).target.dtype == "bfloat16"
     with pytest.raises(ConfigError, match=r"override: target_dtype \(now target.dtype\) must be one of 'float32', "
-                                          r"'bfloat16', 'float16', got 'float64'"):
-        load_train_config(nested, ["target_dtype=float64"])
+                                          r"'bfloat16', 'float16', 'float64', got 'int8'"):
+        load_train_config(nested, ["target_dtype=int8"])
     both = tmp_path / "both.yaml"
     both.write_text("target:\n  name: m\n  dtype: float16\ntarget_dtype: bfloat16\ndata:\n  conversations: x\n")
     with pytest.raises(ConfigError, match=rf"^{both}: target_dtype and target.dtype are the same setting"):
