@@ -114,6 +114,9 @@ def measure(target, head, prefix_len: int = 128, repeats: int = 5, batch_size: i
     taps = HeadProposer(target, head)  # the verify forward returns what this head reads
     verify_s = verify_costs(target, prefix, repeats, batch_verify_sizes(target.device, batch_size), kind=taps.kind,
                             layer_ids=taps.layer_ids)
+    if getattr(head, "parallel", False):  # one drafting forward whatever the tree: no per-level cost
+        draft_s = block_cost(head, prefix_len, repeats)
+        return Costs(device_name(target.device), verify_s, dict.fromkeys(LEVEL_SIZES, draft_s), batch_size, draft_s)
     hdev, H = head.device, head.config.hidden_size
     hcache = HeadCache()
     prefix = prefix[:1]
@@ -133,8 +136,7 @@ def measure(target, head, prefix_len: int = 128, repeats: int = 5, batch_size: i
             hcache.crop(prefix_len - 1)
         return step
     level_s = _medians({k: level(k) for k in LEVEL_SIZES}, repeats)
-    draft_s = block_cost(head, prefix_len, repeats) if getattr(head, "parallel", False) else None
-    return Costs(device_name(target.device), verify_s, level_s, batch_size, draft_s)
+    return Costs(device_name(target.device), verify_s, level_s, batch_size)
 
 
 @torch.no_grad()

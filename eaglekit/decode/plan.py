@@ -139,7 +139,8 @@ def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, 
 
 
 def _is_head(drafter) -> bool:
-    return hasattr(drafter, "step") and hasattr(drafter, "config")  # an EAGLE head
+    """An EAGLE head (it steps) or a parallel one (it drafts a block: P-EAGLE, DFlash)."""
+    return (hasattr(drafter, "step") or getattr(drafter, "parallel", False)) and hasattr(drafter, "config")
 
 
 def _max_depth(head) -> int:

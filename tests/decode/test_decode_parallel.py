@@ -18,7 +18,7 @@ from eaglekit.heads import HeadCache, HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
-KINDS = ["peagle"]  # every parallel head kind (heads.parallel.ParallelHead subclasses)
+KINDS = ["peagle", "dflash"]  # every parallel head kind (heads.parallel.ParallelHead subclasses)
 PROMPTS = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35]]
 CHAIN, TREE = dict(depth=4, top_k=1, total_tokens=4), dict(depth=3, top_k=3, total_tokens=9)
 
@@ -129,9 +129,10 @@ def test_decode_parallel_oracle_block_is_accepted_as_predicted(tiny, kind):
         tree = decode.generate(tiny, head, torch.tensor([p]), 30, tree=dict(depth=4, top_k=2, total_tokens=14),
                                eos_token_id=False)
         assert torch.equal(chain.sequences, ref) and torch.equal(tree.sequences, ref)
-        # every full step: the chain takes depths 1..2 and the bonus, the tree all 4 depths and the bonus
+        # every full step: the chain takes depths 1..2 and the bonus, the tree every depth and the bonus
         assert chain.stats.accept_lengths[:-2] == [3] * (len(chain.stats.accept_lengths) - 2)
-        assert tree.stats.accept_lengths[:-2] == [5] * (len(tree.stats.accept_lengths) - 2)
+        full = head.draft_depths + 1
+        assert tree.stats.accept_lengths[:-2] == [full] * (len(tree.stats.accept_lengths) - 2)
 
 
 def test_decode_parallel_block_tree_shape():
@@ -173,7 +174,9 @@ def test_decode_parallel_sampling_law_at_temperature_1(law_setup, kind, shape):
     oracle block (the target's greedy continuation: often right, so the walk goes deep); for the tree the
     wrong rule (min(1, p/q) on chosen tokens) must fail the same check."""
     target, exact = law_setup
-    head = oracle(parallel_head(target, kind, block=2, draft_vocab=12, layers=1), target, PROMPT[0], hard=False)
+    block = 2 if parallel_head(target, kind, block=2, draft_vocab=12, layers=1).draft_depths >= 2 else 3
+    head = oracle(parallel_head(target, kind, block=block, draft_vocab=12, layers=1), target, PROMPT[0], hard=False)
+    assert head.draft_depths == 2  # a block of 2 depths: the walk can descend twice
     tree = dict(depth=2, top_k=1, total_tokens=2) if shape == "chain" else dict(depth=2, top_k=4, total_tokens=8)
     counts, stats = sample_counts(target, head, LAW_CFG, 800, 1, PROMPT, NEW + 1, counted=NEW, tree=tree)
     assert chi2_pvalue([(counts, exact)]) > ALPHA, (kind, shape)
