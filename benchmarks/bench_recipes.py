@@ -118,7 +118,7 @@ def per_sample(head_dir: Path, a, arm: str) -> list[dict]:
     from eaglekit.train.build import assemble
     from eaglekit.train.config import load_train_config
     from eaglekit.train.data import collate, fetch_with_top, tensors_to
-    from eaglekit.train.losses import TTTModel
+    from eaglekit.heads.objectives import TTTModel
 
     cfg = load_train_config(CONFIG, [*common(a), *ARMS[arm], f"head.init_from={head_dir}", "eval_only=true",
                                      f"output_dir={head_dir.parent / 'eval'}"])

@@ -39,7 +39,7 @@ def teacher_variant(variant: str, tokens: int, hidden: int, vocab: int, draft: i
     """One loss forward+backward; returns the peak memory it added over its inputs (MB)."""
     import torch
 
-    from eaglekit.train.losses import Teacher, soft_cross_entropy, teacher_probs
+    from eaglekit.heads.objectives import Teacher, soft_cross_entropy, teacher_probs
 
     torch.manual_seed(0)
     last = torch.randn(1, tokens, hidden).bfloat16()
@@ -107,7 +107,7 @@ def step_speed(args) -> dict:
     from eaglekit.heads import HeadConfig, build_head
     from eaglekit.target import load_target_from
     from eaglekit.train.config import load_train_config
-    from eaglekit.train.losses import Teacher, TTTModel
+    from eaglekit.heads.objectives import Teacher, TTTModel
 
     torch.manual_seed(0)
     cfg = load_train_config(args.config, ["data.conversations=unused", *args.overrides])

@@ -1,7 +1,7 @@
 """Training memory and time per token of the EAGLE-3 TTT loss against sequence length, on a tiny head.
 
 Each length runs in a fresh process (the kernel's high-water mark, VmHWM, never goes down): one batch of
-one sequence, ``--ttt`` steps, forward and backward of ``train.losses.ttt_loss``, a warm-up pass first.
+one sequence, ``--ttt`` steps, forward and backward of ``heads.objectives.ttt_loss``, a warm-up pass first.
 Reported: peak RSS above the process's RSS before the first pass, seconds per pass, and the size of the
 largest TTT attention mask (``heads.cache.ttt_mask``: [S, (k+1)·S] floats at step k), which is what grows
 with the square of the length.
@@ -32,7 +32,7 @@ def run_one(S: int, ttt: int, hidden: int, vocab: int) -> dict:
     from eaglekit.heads.config import HeadConfig
     from eaglekit.heads.eagle3 import Eagle3Head
     from eaglekit.train.config import LossConfig
-    from eaglekit.train.losses import Teacher, ttt_loss
+    from eaglekit.heads.objectives import Teacher, ttt_loss
 
     torch.manual_seed(0)
     heads = max(1, hidden // 16)

@@ -22,7 +22,7 @@ from eaglekit.heads.engines import ENGINES, LAYOUT_ENGINES
 from eaglekit.heads.export import ExportError, export_head
 from eaglekit.target import Target, load_target
 from eaglekit.train.config import LossConfig
-from eaglekit.train.losses import Teacher
+from eaglekit.heads.objectives import Teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,6 +11,7 @@ from torch import nn
 
 from eaglekit.heads.config import HeadConfig, check_target
 from eaglekit.heads.layers import Rotary
+from eaglekit.heads.objectives import ttt_loss
 
 
 class DraftHead(nn.Module):
@@ -129,9 +130,8 @@ class DraftHead(nn.Module):
     def training_loss(self, teacher, batch: dict, loss, *, steps: int, train: bool = True):
         """This kind's training objective over a padded batch → (loss_sum, ``StepStats``), the stats' step k
         being draft depth k+1 for every kind (so held-out accuracy and τ_sim mean the same thing). The base
-        is the training-time-test unroll (EAGLE-1/3, ``train.losses.ttt_loss``); a parallel drafter
+        is the training-time-test unroll (EAGLE-1/3, ``heads.objectives.ttt_loss``); a parallel drafter
         overrides it with its own block objective. ``steps`` = the depths scored (``loss.ttt_steps``)."""
-        from eaglekit.train.losses import ttt_loss  # train/ imports heads/, not the other way at import time
         return ttt_loss(self, teacher, batch, loss, steps=steps, train=train)
 
     def init_from_target(self, target) -> None:

@@ -15,7 +15,7 @@ What makes it DFlash, all here (docs/design.md, "DFlash"):
   SGLang's and vLLM's DFlash loaders read; a final ``norm``, then the TARGET's lm_head (shared and frozen,
   restricted to the draft vocabulary rows ``d2t``) — the head owns no embedding and no lm_head.
 - Training (``training_loss``): blocks at anchor positions sampled per sequence, a soft CE per block
-  position through ``train.losses.position_loss`` weighted by the paper's decay exp(-(k-1)/gamma).
+  position through ``heads.objectives.position_loss`` weighted by the paper's decay exp(-(k-1)/gamma).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from torch import nn
 from eaglekit.heads.cache import HeadCache, shift_left
 from eaglekit.heads.config import DFLASH, HeadConfig
 from eaglekit.heads.layers import MLP, RMSNorm, apply_rope
+from eaglekit.heads.objectives import StepStats, position_loss, teacher_probs
 from eaglekit.heads.parallel import ParallelHead
 
 PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # the paper's suggested decay per block size (SpecForge's help text)
@@ -228,7 +229,7 @@ class DFlashHead(ParallelHead):
         """(anchors [B, N] element indices, keep [B, N], scale [B]) for ``batch``.
 
         A candidate anchor is an element t whose first drafted token x_{t+2} is supervised (the positions
-        ``train.losses.supervised_count`` counts). A row with at most ``cap`` candidates takes them all;
+        ``heads.objectives.supervised_count`` counts). A row with at most ``cap`` candidates takes them all;
         otherwise ``cap`` of them drawn without replacement by a generator seeded from the sequence's own
         tokens and (training) how many times this head has trained on it, so a run is reproducible and the
         anchors move from epoch to epoch, whatever the batch or the number of processes; evaluation
@@ -277,8 +278,6 @@ class DFlashHead(ParallelHead):
         over positions of its decayed sum over depths. A depth counts in the stats where its token is
         supervised; ``chain`` where every earlier depth of the block was right too.
         """
-        from eaglekit.train.losses import position_loss, teacher_probs
-
         ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
         B, S = ids.shape
         D, bs = self.draft_depths, self.config.block_size
@@ -316,8 +315,6 @@ class DFlashHead(ParallelHead):
 
     @staticmethod
     def _stats(logits, want, valid, per_depth):
-        from eaglekit.train.losses import StepStats
-
         stats = StepStats()
         with torch.no_grad():
             right = logits.argmax(-1) == want

@@ -23,6 +23,7 @@ from eaglekit.heads.cache import HeadCache, shift_left, ttt_mask
 from eaglekit.heads.config import PEAGLE, HeadConfig
 from eaglekit.heads.eagle3 import Eagle3FirstLayer, Eagle3Head
 from eaglekit.heads.layers import DecoderLayer, RMSNorm
+from eaglekit.heads.objectives import StepStats, position_loss, teacher_probs
 from eaglekit.heads.parallel import ParallelHead
 
 
@@ -96,7 +97,6 @@ class PEagleHead(ParallelHead):
         (``supervised_count``), as it does the TTT sum, so a depth's weight relative to depth 1 is its decay
         times its share of supervised positions, the same for every kind. StepStats has ``steps`` entries;
         depths past the block (``steps > block_size``) are scored as misses: a block cannot propose them."""
-        from eaglekit.train.losses import StepStats, position_loss, teacher_probs  # train/ imports heads/
         ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
         chunk, decay = loss.chunk_tokens, loss.step_decay
         cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20

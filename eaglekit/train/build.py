@@ -31,7 +31,7 @@ from eaglekit.heads import build_head as new_head
 from eaglekit.target import Target, load_target_from
 from eaglekit.train.config import TrainConfig
 from eaglekit.train.finite import reduce_sum
-from eaglekit.train.losses import Teacher
+from eaglekit.heads.objectives import Teacher
 from eaglekit.train.runguard import OutputDirLock, TrainError, exit_with_launcher
 from eaglekit.train.sources import Sources, build_sources
 

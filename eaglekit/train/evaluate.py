@@ -15,7 +15,7 @@ from eaglekit.train.build import assemble
 from eaglekit.train.config import TrainConfig
 from eaglekit.train.data import collate, fetch_with_top, tensors_to
 from eaglekit.train.finite import reduce_sum
-from eaglekit.train.losses import TTTModel
+from eaglekit.heads.objectives import TTTModel
 from eaglekit.train.metrics import Tally, peak_memory_mb
 
 

@@ -27,7 +27,7 @@ from eaglekit.train.config import TrainConfig
 from eaglekit.train.data import collate, epoch_schedule, fetch_with_top, plan_steps, tensors_to
 from eaglekit.train.evaluate import append_log, evaluate, evaluate_only, run_facts
 from eaglekit.train.finite import reduce_sum, refuse_non_finite_weights, stop_if_not_finite
-from eaglekit.train.losses import TTTModel, supervised_count
+from eaglekit.heads.objectives import TTTModel, supervised_count
 from eaglekit.train.metrics import Tally
 
 

@@ -17,7 +17,7 @@ from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.parallel import ParallelDrafter
 from eaglekit.decode.tree import TreeSpec
 from eaglekit.heads import HeadConfig, build_head
-from eaglekit.train.losses import Teacher
+from eaglekit.heads.objectives import Teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35]]

@@ -14,7 +14,7 @@ from eaglekit.decode.tree import TreeSpec
 from eaglekit.heads import HeadCache, HeadConfig, build_head, export_head, load_head
 from eaglekit.heads.export import ExportError
 from eaglekit.train.config import load_train_config
-from eaglekit.train.losses import shift_left, ttt_unroll
+from eaglekit.heads.objectives import shift_left, ttt_unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, H = 64, 32

@@ -25,7 +25,7 @@ from eaglekit.heads.engines import (
 )
 from eaglekit.heads.export import ExportError
 from eaglekit.heads.io import check_finite
-from eaglekit.train.losses import ttt_unroll
+from eaglekit.heads.objectives import ttt_unroll
 
 H, V, VD, N = 32, 64, 16, 12  # hidden, vocab, draft vocab, target layers (default taps [2, 6, 9])
 pytestmark = pytest.mark.usefixtures("one_thread")

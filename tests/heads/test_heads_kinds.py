@@ -88,7 +88,7 @@ def test_heads_base_imports_no_saving_or_hub():
 
 HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lower layers
     {"config", "engines", "verifier", "cache"},
-    {"layers"},
+    {"layers", "objectives"},
     {"base"},
     {"parallel"},
     {"eagle1", "eagle3"},

@@ -125,7 +125,7 @@ def _naive_peagle_loss(head, teacher, batch, steps, decay):
 
 
 def test_peagle_objective_matches_naive_reference_value_and_gradient(target):
-    from eaglekit.train.losses import Teacher
+    from eaglekit.heads.objectives import Teacher
 
     head = peagle(target, block=3, draft_vocab=40)
     ids = torch.randperm(64)[:40].sort().values  # a non-trivial draft vocabulary: some argmaxes fall outside

@@ -10,7 +10,7 @@ from helpers import save_tiny, tiny_conversations, tiny_target
 
 from eaglekit.heads import HeadConfig, build_head, load_head
 from eaglekit.heads.dflash import decay_gamma, position_weights
-from eaglekit.train.losses import Teacher, supervised_count
+from eaglekit.heads.objectives import Teacher, supervised_count
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, VD = 64, 40

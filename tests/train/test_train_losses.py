@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eaglekit.train.losses import (
+from eaglekit.heads.objectives import (
     Teacher,
     shift_left,
     soft_cross_entropy,

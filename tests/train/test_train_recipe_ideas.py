@@ -6,7 +6,7 @@ from helpers import tiny_target
 
 from eaglekit.heads import HeadConfig, build_head
 from eaglekit.train.config import load_train_config
-from eaglekit.train.losses import soft_cross_entropy, topk_cross_entropy
+from eaglekit.heads.objectives import soft_cross_entropy, topk_cross_entropy
 
 
 def _inputs(seed=0, N=13, H=8, Vd=20):

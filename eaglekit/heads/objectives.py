@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from eaglekit.heads import HeadCache, ttt_mask
-from eaglekit.heads.cache import shift_left
+from eaglekit.heads.cache import HeadCache, shift_left, ttt_mask
 
 __all__ = ["OBJECTIVES", "AcceptanceLoss", "SoftCrossEntropy", "StepStats", "TTTModel", "Teacher", "acceptance_loss",
            "shift_left", "soft_cross_entropy", "position_loss", "supervised_count", "teacher_argmax", "teacher_probs",
