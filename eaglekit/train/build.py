@@ -3,7 +3,7 @@
     acc = make_accelerator(cfg); lock = lock_output_dir(acc, cfg.output_dir)
     target = build_target(cfg, acc.device)           # frozen, whole on every rank (ZeRO-3 included)
     sources = build_sources(cfg, target)             # train / held-out items, the data's draft vocabulary
-    head = build_head(cfg, target, sources)          # shaped from both; head.init_from / init_from_target
+    head = build_train_head(cfg, target, sources)    # shaped from both; head.init_from / init_from_target
     optimizer, scheduler = build_optimizer(cfg.optim, head, total_steps, state)
 
 ``assemble`` runs the first four (and the teacher) for both entry points, ``trainer.train`` and
@@ -26,13 +26,11 @@ from accelerate.utils import (
     set_seed,
 )
 
-from eaglekit.heads import DraftHead, HeadConfig, load_head
-from eaglekit.heads import build_head as new_head
+from eaglekit.heads import DraftHead, HeadConfig, build_head, load_head
+from eaglekit.heads.objectives import Teacher
 from eaglekit.target import Target, load_target_from
 from eaglekit.train.config import TrainConfig
-from eaglekit.train.finite import reduce_sum
-from eaglekit.heads.objectives import Teacher
-from eaglekit.train.runguard import OutputDirLock, TrainError, exit_with_launcher
+from eaglekit.train.processes import OutputDirLock, TrainError, exit_with_launcher, reduce_sum
 from eaglekit.train.sources import Sources, build_sources
 
 
@@ -57,7 +55,7 @@ def assemble(cfg: TrainConfig) -> Parts:
         set_seed(cfg.seed)
         target = build_target(cfg, acc.device)
         sources = build_sources(cfg, target)
-        head = build_head(cfg, target, sources)
+        head = build_train_head(cfg, target, sources)
         teacher = Teacher.build(target.lm_head.weight, head.t2d)  # a head without draft vocab: all of it
     except BaseException:
         lock.release()
@@ -146,7 +144,7 @@ def build_target(cfg: TrainConfig, device) -> Target:
         return load_target_from(cfg.target, device=device)
 
 
-def build_head(cfg: TrainConfig, target: Target, sources: Sources) -> DraftHead:
+def build_train_head(cfg: TrainConfig, target: Target, sources: Sources) -> DraftHead:
     """The fp32 head ``cfg.head`` describes, shaped like the target, with the taps and draft vocabulary of the
     data; ``head.init_from`` starts it from a saved head (its weights and its draft vocabulary, which then
     replaces the data's — ``sources`` stay as they are), else ``head.init_from_target`` from the target's
@@ -158,7 +156,7 @@ def build_head(cfg: TrainConfig, target: Target, sources: Sources) -> DraftHead:
                                     draft_vocab_size=vocab[0].numel() if vocab is not None else None,
                                     aux_layer_ids=list(sources.layer_ids) or None, block_size=h.block_size or None,
                                     fc_norm=h.fc_norm, norm_output=h.norm_output)
-    head = new_head(config, target, dtype=torch.float32)
+    head = build_head(config, target, dtype=torch.float32)
     if vocab is not None:
         head.set_draft_vocab(*vocab)
     if start is not None:

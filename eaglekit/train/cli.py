@@ -6,7 +6,7 @@ import os
 import sys
 
 from eaglekit.cli import EXIT_ERROR, error_line
-from eaglekit.train.runguard import TrainError, exit_with_launcher
+from eaglekit.train.processes import TrainError, exit_with_launcher
 
 
 def run(args) -> int:

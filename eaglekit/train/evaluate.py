@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from eaglekit.fileio import write_text
+from eaglekit.heads.objectives import TTTModel
 from eaglekit.tensor_parallel import data_parallel
 from eaglekit.timing import Stopwatch
 from eaglekit.train.build import assemble
 from eaglekit.train.config import TrainConfig
 from eaglekit.train.data import collate, fetch_with_top, tensors_to
-from eaglekit.train.finite import reduce_sum
-from eaglekit.heads.objectives import TTTModel
 from eaglekit.train.metrics import Tally, peak_memory_mb
+from eaglekit.train.processes import reduce_sum
 
 
 @torch.no_grad()

@@ -18,17 +18,17 @@ from tqdm.auto import tqdm
 
 from eaglekit.fileio import write_text
 from eaglekit.heads import build_head, save_head
+from eaglekit.heads.objectives import TTTModel, supervised_count
 from eaglekit.tensor_parallel import data_parallel
 from eaglekit.timing import Stopwatch
-from eaglekit.train import resume as checkpoints
 from eaglekit.train.build import Parts, assemble, build_optimizer
-from eaglekit.train.checkpoint import TrainState
+from eaglekit.train.checkpoint_trainer import TrainState, resume_trainer, save_trainer, zero_engine
 from eaglekit.train.config import TrainConfig
 from eaglekit.train.data import collate, epoch_schedule, fetch_with_top, plan_steps, tensors_to
 from eaglekit.train.evaluate import append_log, evaluate, evaluate_only, run_facts
-from eaglekit.train.finite import reduce_sum, refuse_non_finite_weights, stop_if_not_finite
-from eaglekit.heads.objectives import TTTModel, supervised_count
 from eaglekit.train.metrics import Tally
+from eaglekit.train.nonfinite import refuse_non_finite_weights, stop_if_not_finite
+from eaglekit.train.processes import reduce_sum
 
 
 class Trainer:
@@ -77,7 +77,7 @@ class Trainer:
                 if self.acc.sync_gradients:
                     grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
                     stop_if_not_finite(self.acc, "gradient norm", grad_norm, [o for os_ in origins for o in os_],
-                                       self.state.step, step_taken=checkpoints.zero_engine(self) is not None)
+                                       self.state.step, step_taken=zero_engine(self) is not None)
                 self.opt.step()
                 self.opt.zero_grad()
             tally.add(stats)
@@ -115,7 +115,7 @@ class Trainer:
     def _fit(self) -> dict:
         cfg = self.cfg
         self.acc.init_trackers("eaglekit", config={"output_dir": cfg.output_dir})
-        changes = checkpoints.resume(self)
+        changes = resume_trainer(self)
         bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not (cfg.progress and self.acc.is_local_main_process),
                    desc="train", dynamic_ncols=True)
         watch, tok0, last_eval = Stopwatch(self.acc.device), self.state.tokens, {}
@@ -149,7 +149,7 @@ class Trainer:
             if cfg.save_interval and self.state.step % cfg.save_interval == 0:
                 weights = refuse_non_finite_weights(self.acc, self._full_state(), self.state.step,
                                                     f"checkpoint step-{self.state.step}")
-                checkpoints.save(self, weights)
+                save_trainer(self, weights)
             if self._out_of_time():
                 self.acc.print(f"[eaglekit.train] optim.max_minutes={cfg.optim.max_minutes} spent at step "
                                f"{self.state.step}/{self.total_steps}: stopping early")

@@ -5,8 +5,8 @@ import torch
 from helpers import tiny_target
 
 from eaglekit.heads import HeadConfig, build_head
-from eaglekit.train.config import load_train_config
 from eaglekit.heads.objectives import soft_cross_entropy, topk_cross_entropy
+from eaglekit.train.config import load_train_config
 
 
 def _inputs(seed=0, N=13, H=8, Vd=20):
@@ -51,11 +51,11 @@ def test_layer_from_target_is_the_targets_last_layer_on_g():
 
 
 def test_layer_from_target_is_eagle3_only():
-    from eaglekit.train.build import build_head as build_run_head
+    from eaglekit.train.build import build_train_head
     from eaglekit.train.sources import Sources
 
     cfg = load_train_config(None, ["data.conversations=x.jsonl", "head.kind=eagle1", "head.init_layer_from_target=true"])
     target = tiny_target()
     sources = Sources(train=None, eval=None, d2t=None, t2d=None, layer_ids=(), where="test")
     with pytest.raises(ValueError, match="EAGLE-3 only"):
-        build_run_head(cfg, target, sources)
+        build_train_head(cfg, target, sources)

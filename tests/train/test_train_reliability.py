@@ -19,9 +19,14 @@ from safetensors.torch import load_file
 
 import eaglekit.train.data as data_mod
 from eaglekit.train.build import lr_lambda
-from eaglekit.train.checkpoint import PICKLE_SUFFIXES, CheckpointError, list_checkpoints, verify_checkpoint
+from eaglekit.train.checkpoint_files import (
+    PICKLE_SUFFIXES,
+    CheckpointError,
+    list_checkpoints,
+    verify_checkpoint,
+)
 from eaglekit.train.config import load_train_config
-from eaglekit.train.runguard import LOCK_NAME, OutputDirLock, TrainError
+from eaglekit.train.processes import LOCK_NAME, OutputDirLock, TrainError
 from eaglekit.train.trainer import build_trainer, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: one thread, see conftest

@@ -67,9 +67,9 @@ def test_a_checkpoint_config_in_the_older_flat_shape_is_compared_as_today(tmp_pa
     """A checkpoint written before the ``target:`` section (``target: NAME``, ``target_dtype``) resumes
     without a reported change; a real change in it is still reported under today's key."""
     from eaglekit.config import to_dict
-    from eaglekit.train.checkpoint import config_changes
+    from eaglekit.train.checkpoint_files import config_changes
+    from eaglekit.train.checkpoint_trainer import stored_config
     from eaglekit.train.config import load_train_config
-    from eaglekit.train.resume import stored_config
 
     cfg = load_train_config(None, ["data.conversations=x", "target=some/model", "target.dtype=bfloat16"])
     old = {k: v for k, v in to_dict(cfg).items() if k != "target"}

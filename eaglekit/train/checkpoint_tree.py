@@ -1,5 +1,5 @@
-"""Nested state (optimizer / scheduler / RNG state dicts) as one safetensors file plus one JSON file —
-no pickle anywhere, so loading a checkpoint can never run code.
+"""A checkpoint's nested state (optimizer / scheduler / RNG state dicts) as one safetensors file plus one
+JSON file — no pickle anywhere, so loading a checkpoint can never run code.
 
 Tensors go to ``NAME.safetensors`` and everything else to ``NAME.json``, where the tree keeps its shape
 with a few tagged nodes: ``{"$tensor": key}``, ``{"$tuple": [...]}``, ``{"$items": [[k, v], ...]}`` (a

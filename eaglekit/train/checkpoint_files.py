@@ -1,5 +1,7 @@
-"""Full-state checkpoints without pickle: head weights, optimizer (ZeRO partitions included), scheduler,
-the trainer's position in the data, every rank's RNG states and the resolved run config.
+"""A checkpoint's files: how one is laid out, written atomically, checked, chosen and read — head weights,
+optimizer (ZeRO partitions included), scheduler, the trainer's position in the data, every rank's RNG
+states and the resolved run config, without pickle. What the trainer puts in and takes out is
+``checkpoint_trainer``; how nested state becomes safetensors + JSON is ``checkpoint_tree``.
 
 Layout of ``checkpoints/step-N/``::
 
@@ -24,12 +26,11 @@ import json
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eaglekit.fileio import publish_dir, write_json, write_safetensors, write_text
-from eaglekit.train.runguard import TrainError
-from eaglekit.train.statefile import from_json, load_tree, rng_state, save_tree, to_json
+from eaglekit.train.checkpoint_tree import from_json, load_tree, rng_state, save_tree, to_json
+from eaglekit.train.processes import TrainError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 FORMAT = "eaglekit-checkpoint/1"
@@ -43,23 +44,6 @@ RESUME_FREE_FIELDS = ("resume", "resume_allow_changes", "output_dir", "progress"
 
 class CheckpointError(TrainError):
     """A checkpoint that cannot be resumed from (incomplete, altered, holding pickles)."""
-
-
-@dataclass
-class TrainState:
-    """What the loop needs to continue exactly: optimizer steps done and the data position."""
-    step: int = 0  # optimizer steps completed
-    epoch: int = 0
-    step_in_epoch: int = 0  # optimizer steps done within ``epoch``
-    tokens: int = 0  # supervised tokens seen (all ranks)
-    seconds: float = 0.0  # wall time spent in the loop, counted only under optim.max_minutes
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

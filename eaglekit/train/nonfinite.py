@@ -1,14 +1,13 @@
 """Non-finite values stop a run: a NaN/Inf loss or gradient norm on any rank stops every rank at the same
 step with one message (from the main process) naming the step and where each bad batch came from; a head
-with NaN/Inf weights is never written (checkpoint or ``final/``). Also the two cross-rank helpers this
-needs (``reduce_sum``, ``gather_text``)."""
+with NaN/Inf weights is never written (checkpoint or ``final/``)."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from eaglekit.train.runguard import TrainError
+from eaglekit.train.processes import TrainError, gather_text
 
 
 def as_float(value) -> float:
@@ -36,24 +35,6 @@ def stop_if_not_finite(acc, what: str, value, origins: list[str], step: int, ste
     kept = f"the newest checkpoint is at or before step {step}" if step else "none was"
     raise TrainError(f"non-finite {what} at step {step + 1} ({'; '.join(seen)}): {done}; no checkpoint or final/ "
                      f"is written with these weights ({kept})", quiet=not acc.is_main_process)
-
-
-def reduce_sum(acc, values: list[float]) -> list[float]:
-    """``values`` summed over every rank (float64), as a list; as they are in one process."""
-    t = torch.tensor(values, dtype=torch.float64, device=acc.device)
-    return acc.reduce(t, reduction="sum").tolist() if acc.num_processes > 1 else t.tolist()
-
-
-def gather_text(acc, text: str) -> list[str]:
-    """Every rank's ``text`` on every rank (as padded byte tensors: no pickle between processes)."""
-    if acc.num_processes == 1:
-        return [text]
-    data = torch.tensor(list(text.encode()), dtype=torch.int64, device=acc.device)
-    sizes = acc.gather(torch.tensor([data.numel()], device=acc.device)).tolist()
-    padded = torch.zeros(max(1, max(sizes)), dtype=torch.int64, device=acc.device)
-    padded[:data.numel()] = data
-    rows = acc.gather(padded[None]).tolist()
-    return [bytes(row[:n]).decode(errors="replace") for row, n in zip(rows, sizes)]
 
 
 def refuse_non_finite_weights(acc, state: dict, step: int, what: str) -> dict:

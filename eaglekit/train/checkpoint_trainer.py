@@ -1,5 +1,6 @@
-"""The trainer's side of checkpoints: what it writes (head, optimizer — ZeRO partitions per rank —,
-scheduler, loop position, RNG, config) and how a run continues from one.
+"""A Trainer into a checkpoint and back: what it writes (head, optimizer — ZeRO partitions per rank —,
+scheduler, loop position ``TrainState``, RNG, config) and how a run continues from one (the files
+themselves: ``checkpoint_files``).
 
 Resume rules: the newest checkpoint that passes its checksums (``resume=auto``; a damaged one is named and
 passed over); the config it was written with must match this run's except the fields in
@@ -11,12 +12,13 @@ of ``log.jsonl`` after the resumed step are dropped, so no step is logged twice.
 from __future__ import annotations
 
 import functools
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from eaglekit.config import ConfigError, load_config, to_dict
-from eaglekit.train.checkpoint import (
+from eaglekit.train.checkpoint_files import (
     CheckpointError,
     checkpoint_root,
     choose_checkpoint,
@@ -29,10 +31,26 @@ from eaglekit.train.checkpoint import (
     trim_log,
     write_rank_files,
 )
+from eaglekit.train.checkpoint_tree import set_rng_state
 from eaglekit.train.config import TrainConfig
-from eaglekit.train.finite import reduce_sum
-from eaglekit.train.runguard import TrainError
-from eaglekit.train.statefile import set_rng_state
+from eaglekit.train.processes import TrainError, reduce_sum
+
+
+@dataclass
+class TrainState:
+    """What the loop needs to continue exactly: optimizer steps done and the data position."""
+    step: int = 0  # optimizer steps completed
+    epoch: int = 0
+    step_in_epoch: int = 0  # optimizer steps done within ``epoch``
+    tokens: int = 0  # supervised tokens seen (all ranks)
+    seconds: float = 0.0  # wall time spent in the loop, counted only under optim.max_minutes
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
 
 
 def zero_engine(tr):
@@ -45,7 +63,7 @@ def _zero_stage(tr) -> int:
     return plugin.zero_stage if plugin is not None else 0
 
 
-def save(tr, weights: dict) -> Path:
+def save_trainer(tr, weights: dict) -> Path:
     """Write checkpoint ``step-N`` of trainer ``tr`` (every rank calls this); ``weights`` is the whole
     head, already checked finite."""
     engine = zero_engine(tr)
@@ -57,7 +75,7 @@ def save(tr, weights: dict) -> Path:
     return save_checkpoint(tr.acc, tr.out, tr.state.step, tr.cfg.keep_last, write)
 
 
-def resume(tr) -> dict:
+def resume_trainer(tr) -> dict:
     """Continue from the checkpoint ``cfg.resume`` names, if any; returns the config changes applied
     ({key: [old, new]}, empty when none)."""
     path = _choose(tr)

@@ -1,4 +1,11 @@
-"""One training run per output directory, and workers that die with their launcher.
+"""A run's processes: the error every rank raises together, what ranks exchange, one run per output
+directory, and workers that die with their launcher. Light on purpose (no torch at import): ``train.cli``
+imports it before anything heavy, so a worker can arm ``exit_with_launcher`` first.
+
+``TrainError``: a deliberate stop, raised by every rank at the same point, told by one.
+
+``reduce_sum`` / ``gather_text``: numbers summed over ranks, text gathered from every rank (byte tensors:
+no pickle between processes).
 
 ``OutputDirLock``: an exclusive ``flock`` on ``<output_dir>/.eaglekit-train.lock``, taken by the main
 process for the whole run; the OS drops it when that process ends, however it ends (kill -9 included),
@@ -34,6 +41,28 @@ class TrainError(RuntimeError):
     def __init__(self, message: str, quiet: bool = False):
         super().__init__(message)
         self.quiet = quiet
+
+
+def reduce_sum(acc, values: list[float]) -> list[float]:
+    """``values`` summed over every rank (float64), as a list; as they are in one process."""
+    import torch  # here, not at the top: see the module's docstring
+
+    t = torch.tensor(values, dtype=torch.float64, device=acc.device)
+    return acc.reduce(t, reduction="sum").tolist() if acc.num_processes > 1 else t.tolist()
+
+
+def gather_text(acc, text: str) -> list[str]:
+    """Every rank's ``text`` on every rank (as padded byte tensors: no pickle between processes)."""
+    if acc.num_processes == 1:
+        return [text]
+    import torch
+
+    data = torch.tensor(list(text.encode()), dtype=torch.int64, device=acc.device)
+    sizes = acc.gather(torch.tensor([data.numel()], device=acc.device)).tolist()
+    padded = torch.zeros(max(1, max(sizes)), dtype=torch.int64, device=acc.device)
+    padded[:data.numel()] = data
+    rows = acc.gather(padded[None]).tolist()
+    return [bytes(row[:n]).decode(errors="replace") for row, n in zip(rows, sizes)]
 
 
 class OutputDirLock:
