@@ -18,11 +18,11 @@ from eaglekit import decode
 from eaglekit.architectures import UnsupportedArchitecture, check_supported
 from eaglekit.decode.tree import Tree
 from eaglekit.heads import HeadConfig, build_head
-from eaglekit.heads.engines import ENGINES, LAYOUT_ENGINES
 from eaglekit.heads.export import ExportError, export_head
+from eaglekit.heads.export_engines import ENGINES, LAYOUT_ENGINES
+from eaglekit.heads.objectives import Teacher
 from eaglekit.target import Target, load_target
 from eaglekit.train.config import LossConfig
-from eaglekit.heads.objectives import Teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]

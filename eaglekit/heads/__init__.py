@@ -19,7 +19,8 @@ Modules, each importing only modules on the lines below it (tests/test_architect
     base                    DraftHead: borrowed target modules, draft vocabulary, step checks
     layers, cache           Llama-style layers; HeadCache, masks, shift_left
     config                  HeadConfig, EAGLE1/EAGLE3, check_target
-    engines, verifier       data: how each engine reads an export; the verifier id
+    export_engines          data: how each engine's loader reads an export
+    export_verifier         the verifier (target) id an export or model card names
 """
 from eaglekit.heads.base import DraftHead
 from eaglekit.heads.cache import HeadCache, causal_mask, ttt_mask

@@ -23,7 +23,15 @@ from eaglekit.heads.dflash_layout import (
     refuse_dflash,
     shared_lm_head,
 )
-from eaglekit.heads.engines import ENGINES, LAYOUT_ENGINES, TAP_KEY, get_path, refusing_engines, set_path
+from eaglekit.heads.export_engines import (
+    ENGINES,
+    LAYOUT_ENGINES,
+    TAP_KEY,
+    get_path,
+    refusing_engines,
+    set_path,
+)
+from eaglekit.heads.export_verifier import resolve_verifier
 from eaglekit.heads.io import (
     CONFIG,
     WEIGHTS,
@@ -52,7 +60,6 @@ from eaglekit.heads.layouts import (
     tensor_kind,
     validate_export,
 )
-from eaglekit.heads.verifier import resolve_verifier
 
 __all__ = ["EXPORT_BLOCK", "LAYOUTS", "ExportError", "export_config", "export_head", "export_to", "layout_state",
            "load_export", "load_head", "validate_export"]  # the first three and the last also live in heads.layouts
@@ -154,7 +161,7 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
     """Write ``head`` as ``layout`` into ``out_dir`` (config.json + model.safetensors), validated.
 
     ``verifier``: the target's id written where engines read it (default: from the head's target
-    name, see heads.verifier); required by the speculators layout.
+    name, see heads.export_verifier); required by the speculators layout.
     """
     layout_engines(layout)
     if head.config.kind == DFLASH:

@@ -22,8 +22,8 @@ from huggingface_hub import HfApi, constants, get_token
 from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import EAGLE1, HeadConfig, check_target
 from eaglekit.heads.export import check_finite_head, export_head, load_head
+from eaglekit.heads.export_verifier import default_verifier, resolve_verifier
 from eaglekit.heads.io import CONFIG, WEIGHTS, save_head, target_name_of
-from eaglekit.heads.verifier import default_verifier, resolve_verifier
 from eaglekit.target import Target, load_target
 
 log = logging.getLogger(__name__)

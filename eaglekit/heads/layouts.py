@@ -10,7 +10,7 @@ them, which heads each can hold, and reading a layout folder back into a HeadCon
 - ``eagle1``: SafeAILab/EAGLE's EAGLE-1 draft (``fc`` with bias, ``layers.N.*``, no input norm on
   layer 0, the target's ``embed_tokens.weight``).
 
-Where each engine reads what is data in ``heads.engines``. Engines skip weight names they do not know,
+Where each engine reads what is data in ``heads.export_engines``. Engines skip weight names they do not know,
 so every layout is checked against the exact expected key set, shapes and dtypes (from the config
 alone); heads.export writes them, ``validate_export`` checks a written folder.
 """
@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from eaglekit.heads.config import DFLASH, EAGLE1, EAGLE3, PEAGLE, HeadConfig, target_rope
 from eaglekit.heads.dflash_layout import DFLASH_ARCH, check_dflash_fields, dflash_head_config, dflash_weights
-from eaglekit.heads.engines import (
+from eaglekit.heads.export_engines import (
     EAGLE31_FLAGS,
     ENGINES,
     HEAD_FLAGS,
@@ -46,7 +46,7 @@ EXPORT_BLOCK = "eaglekit_export"  # {"layout", "verifier", "engines"}: what eagl
 
 
 def layout_engines(layout: str):
-    """The engines that read ``layout`` (heads.engines), refusing an unknown layout."""
+    """The engines that read ``layout`` (heads.export_engines), refusing an unknown layout."""
     if layout not in LAYOUT_ENGINES:
         raise ExportError(f"unknown export layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     return [ENGINES[n] for n in LAYOUT_ENGINES[layout]]

@@ -1,4 +1,4 @@
-"""Exports read the way each engine's loader reads them (heads.engines), for 3 and 4 taps and custom taps.
+"""Exports read the way each engine's loader reads them (heads.export_engines), for 3 and 4 taps and custom taps.
 
 ``engine_logits`` plays an engine from the exported files alone: it takes the tap ids from where the
 engine reads them, captures the target's hidden states the way the engine does (HF
@@ -14,7 +14,8 @@ from helpers import tiny_target
 from safetensors.torch import load_file
 
 from eaglekit.heads import HeadConfig, build_head, export_head, load_head
-from eaglekit.heads.engines import (
+from eaglekit.heads.export import ExportError
+from eaglekit.heads.export_engines import (
     ENGINES,
     LAYOUT_ENGINES,
     TAP_KEY,
@@ -23,7 +24,6 @@ from eaglekit.heads.engines import (
     read_flag,
     read_tap_count,
 )
-from eaglekit.heads.export import ExportError
 from eaglekit.heads.io import check_finite
 from eaglekit.heads.objectives import ttt_unroll
 
@@ -146,7 +146,7 @@ def test_heads_engines_config_fields_written_out(target, tmp_path, taps):
 
 
 def test_heads_engines_table_matches_the_engine_sources():
-    """The facts the exporter relies on, as read in each engine's source (see heads.engines.sources)."""
+    """The facts the exporter relies on, as read in each engine's source (see heads.export_engines.sources)."""
     vllm, sgl, spec, vspec = (ENGINES[n] for n in ("vllm", "sglang", "speculators", "vllm-speculators"))
     assert vllm.tap_offset == 0 and vllm.tap_ids_at == (TAP_KEY, f"eagle_config.{TAP_KEY}")
     assert sgl.tap_offset == -1 and sgl.tap_ids_at == (f"eagle_config.{TAP_KEY}",)

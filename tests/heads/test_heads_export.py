@@ -216,7 +216,7 @@ def test_heads_load_head_refuses_non_finite_weights(target, tmp_path):
 
 
 def test_heads_export_verifier(target, tmp_path):
-    from eaglekit.heads.verifier import default_verifier
+    from eaglekit.heads.export_verifier import default_verifier
 
     assert default_verifier("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert default_verifier("qwen2.5-coder-0.5b-instruct") == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
