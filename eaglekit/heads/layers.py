@@ -1,4 +1,5 @@
-"""Small Llama-style layers for the heads: RMSNorm, RoPE, attention over a HeadCache, SwiGLU MLP.
+"""Small Llama-style layers for the heads: RMSNorm, RoPE, attention over a HeadCache (decoding) or a
+TTTCache (training's unroll, ``heads.ttt_attention``), SwiGLU MLP.
 
 Weight names and layouts follow the Llama convention (``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,
 down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, rotate-half RoPE) so exports load in
@@ -13,6 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eaglekit.heads.cache import HeadCache, causal_mask
 from eaglekit.heads.config import HeadConfig
+from eaglekit.heads.ttt_attention import TTTCache
 
 
 class RMSNorm(nn.Module):
@@ -78,6 +80,10 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(cache, TTTCache):  # training's unroll: its step structure, no mask (linear memory)
+            if mask is not None:
+                raise ValueError("Attention: a TTTCache takes no attn_mask (its steps' pattern is fixed)")
+            return self.o_proj(cache.attend(layer, q, k, v).transpose(1, 2).reshape(B, S, -1))
         if cache is not None:
             k, v = cache.update(layer, k, v)
         if mask is None:

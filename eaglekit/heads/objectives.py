@@ -9,7 +9,8 @@ chunk in both forward and backward, so the loss holds only ``chunk x Vd`` floats
 
 TTT semantics (shared with decode): head element t = (g_t, x_{t+1}) predicts x_{t+2}. At step k element t
 takes token x_{t+1+k}, feature g_t (k=0) or the head's own step-(k-1) ``hidden`` at t, position id t+k,
-and attends step-0 keys at indices <= t plus the step-j keys (1 <= j <= k) at index t. Its target is the
+and attends step-0 keys at indices <= t plus the step-j keys (1 <= j <= k) at index t (``heads.ttt_attention``:
+no [S, (k+1)S] mask, memory linear in S). Its target is the
 teacher at position t+1+k (the target's distribution over x_{t+2+k}); the position counts when
 ``loss_mask`` is 1 at the predicted token x_{t+2+k} (which also stops at the sequence end) and, for
 the CE, when the teacher's full-vocabulary argmax lies in the draft vocabulary.
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from eaglekit.heads.cache import HeadCache, shift_left, ttt_mask
+from eaglekit.heads.cache import shift_left
+from eaglekit.heads.ttt_attention import TTTCache
 
 __all__ = ["OBJECTIVES", "AcceptanceLoss", "SoftCrossEntropy", "StepStats", "TTTModel", "Teacher", "acceptance_loss",
            "shift_left", "soft_cross_entropy", "position_loss", "supervised_count", "teacher_argmax", "teacher_probs",
@@ -255,15 +257,15 @@ def ttt_unroll(head, input_ids: torch.Tensor, g: torch.Tensor, steps: int):
     """Yield ``(k, hidden, logits)`` for TTT steps k = 0..steps-1 over a whole (right-padded) batch.
 
     Step k: element t takes x_{t+1+k}, position t+k, and (k > 0) the head's step-(k-1) hidden as g;
-    one HeadCache carries every step's keys so ``ttt_mask(S, k)`` can expose step-0 keys <= t and the
-    step-j keys at index t — exactly what chain drafting from prefix t sees at depth k.
+    one TTTCache carries every step's keys, and its attention exposes step-0 keys <= t and the step-j
+    keys at index t (``ttt_mask(S, k)``'s pattern, computed without the mask, in memory linear in S) —
+    exactly what chain drafting from prefix t sees at depth k.
     """
     B, S = input_ids.shape
-    cache = HeadCache()
+    cache = TTTCache()
     pos0 = torch.arange(S, device=input_ids.device).expand(B, S)
     for k in range(steps):
-        mask = None if k == 0 else ttt_mask(S, k, g.dtype, input_ids.device)
-        hidden, logits = head.step(shift_left(input_ids, 1 + k), g, pos0 + k, cache=cache, attn_mask=mask)
+        hidden, logits = head.step(shift_left(input_ids, 1 + k), g, pos0 + k, cache=cache)
         yield k, hidden, logits
         g = hidden
 

@@ -12,19 +12,20 @@ of their own block, and sit at the positions of the elements they stand for (rot
 Training scores every anchor t at every depth (no down-sampling: the block is short on a CPU): depth 1
 is the causal pass over the real elements; depth k+1 is a mask element of anchor t at position t+k that
 sees the real elements <= t and the anchor's mask elements of depths 2..k+1 — ``ttt_mask``'s pattern,
-so one HeadCache carries the depths as it carries TTT's steps.
+so one TTTCache carries the depths as it carries TTT's steps.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from eaglekit.heads.cache import HeadCache, shift_left, ttt_mask
+from eaglekit.heads.cache import HeadCache, shift_left
 from eaglekit.heads.config import PEAGLE, HeadConfig
 from eaglekit.heads.eagle3 import Eagle3FirstLayer, Eagle3Head
 from eaglekit.heads.layers import DecoderLayer, RMSNorm
 from eaglekit.heads.objectives import StepStats, position_loss, teacher_probs
 from eaglekit.heads.parallel import ParallelHead
+from eaglekit.heads.ttt_attention import TTTCache
 
 
 class PEagleHead(ParallelHead):
@@ -130,13 +131,13 @@ class PEagleHead(ParallelHead):
     def block_unroll(self, input_ids: torch.Tensor, g: torch.Tensor, depths: int):
         """Yield ``(k, logits)`` for depths k+1 = 1..``depths`` of every anchor of a (right-padded) batch:
         k = 0 is the causal pass over the real elements; k >= 1 are the anchors' mask elements at positions
-        t+k, under ``ttt_mask(S, k)`` (real elements <= t, the anchor's own mask elements)."""
+        t+k, under ``ttt_mask(S, k)``'s pattern (real elements <= t, the anchor's own mask elements), which
+        a TTTCache computes without the mask, in memory linear in S."""
         B, S = input_ids.shape
-        cache = HeadCache()
+        cache = TTTCache()
         pos0 = torch.arange(S, device=input_ids.device).expand(B, S)
         m_ids, m_g = self.mask_elements(B, S)
         for k in range(depths):
-            mask = None if k == 0 else ttt_mask(S, k, g.dtype, input_ids.device)
             tok, feat = (shift_left(input_ids, 1), g) if k == 0 else (m_ids, m_g)
-            _, logits = self.step(tok, feat, pos0 + k, cache=cache, attn_mask=mask)
+            _, logits = self.step(tok, feat, pos0 + k, cache=cache)
             yield k, logits

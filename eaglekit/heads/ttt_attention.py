@@ -1,0 +1,130 @@
+"""Training-time-test attention in memory linear in the sequence length.
+
+At TTT step k, element t attends the step-0 keys at indices <= t (causal) and the step-j keys
+(1 <= j <= k) at exactly index t (a diagonal: its own drafted chain). ``heads.cache.ttt_mask`` spells
+this as an additive ``[S, (k+1)·S]`` mask, which costs memory quadratic in S (and is kept for the
+backward pass). Here the same softmax is computed without any mask:
+
+- step 0 is plain causal attention (``scaled_dot_product_attention(is_causal=True)``);
+- step k >= 1 (``ttt_attention``) takes the queries ``chunk`` rows at a time: the rows' scores against
+  the step-0 keys up to the chunk's end (causal inside the chunk's own columns) and their k diagonal
+  scores, computed elementwise, share one softmax. Only the output and each row's log-sum-exp are kept;
+  the backward pass recomputes the chunk's probabilities from them (the flash-attention recipe), so the
+  memory beyond the inputs is ``chunk x S`` per head at any time, never ``S x S``.
+
+Decoding does not use this: its tree masks go through ``HeadCache`` and ``Attention``'s mask path.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ELEMENTS = 2 ** 23  # scores held at once (B x heads x rows x keys fp32, 32 MiB); sets the row chunk
+
+
+def _rows_per_chunk(batch: int, heads: int, keys: int) -> int:
+    """Query rows per chunk so that one chunk's scores stay near ``CHUNK_ELEMENTS``."""
+    return max(16, CHUNK_ELEMENTS // max(1, batch * heads * keys))
+
+
+def _chunk_scores(q, k0, kd, a: int, b: int, scale: float) -> torch.Tensor:
+    """fp32 scores of query rows a..b-1: [.., rows, b + steps], step-0 keys 0..b-1 (causal) then diagonals."""
+    qb = q[:, :, a:b]
+    s0 = (qb @ k0[:, :, :b].transpose(-1, -2)) * scale
+    rows = torch.arange(a, b, device=q.device)[:, None]
+    s0 = s0.masked_fill(torch.arange(b, device=q.device)[None, :] > rows, float("-inf"))
+    sd = (qb[:, :, None] * kd[:, :, :, a:b]).sum(-1).movedim(2, -1) * scale  # [B, h, rows, steps]
+    return torch.cat([s0, sd], dim=-1)
+
+
+class _TTTAttention(torch.autograd.Function):
+    """softmax over (causal step-0 keys, diagonal step-j keys); inputs fp32, already GQA-expanded.
+
+    q, k0, v0 [B, h, S, d]; kd, vd [B, h, steps, S, d]: the step-1..k keys/values."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, kd, vd):
+        S, scale, steps = q.shape[2], 1.0 / math.sqrt(q.shape[-1]), kd.shape[2]
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:3])
+        chunk = _rows_per_chunk(q.shape[0], q.shape[1], S)
+        for a in range(0, S, chunk):
+            b = min(S, a + chunk)
+            s = _chunk_scores(q, k0, kd, a, b, scale)
+            lse[:, :, a:b] = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - lse[:, :, a:b, None])
+            p0, pd = p.split([b, steps], dim=-1)
+            out[:, :, a:b] = p0 @ v0[:, :, :b] + (pd.movedim(-1, 2)[..., None] * vd[:, :, :, a:b]).sum(2)
+        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k0, v0, kd, vd, out, lse = ctx.saved_tensors
+        S, scale, steps = q.shape[2], 1.0 / math.sqrt(q.shape[-1]), kd.shape[2]
+        dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
+        dkd, dvd = torch.zeros_like(kd), torch.zeros_like(vd)
+        d_out = d_out.contiguous()
+        for a in range(0, S, ctx.chunk):
+            b = min(S, a + ctx.chunk)
+            p = torch.exp(_chunk_scores(q, k0, kd, a, b, scale) - lse[:, :, a:b, None])
+            p0, pd = p.split([b, steps], dim=-1)
+            pd = pd.movedim(-1, 2)  # [B, h, steps, rows]
+            g, qb = d_out[:, :, a:b], q[:, :, a:b]
+            row = (g * out[:, :, a:b]).sum(-1)  # sum_j p_j dP_j: the softmax's backward subtracts it
+            # causal part
+            dv0[:, :, :b] += p0.transpose(-1, -2) @ g
+            ds0 = p0 * (g @ v0[:, :, :b].transpose(-1, -2) - row[..., None]) * scale
+            dq[:, :, a:b] += ds0 @ k0[:, :, :b]
+            dk0[:, :, :b] += ds0.transpose(-1, -2) @ qb
+            # diagonal part: each row's own step-j key/value
+            dvd[:, :, :, a:b] = pd[..., None] * g[:, :, None]
+            dsd = pd * ((g[:, :, None] * vd[:, :, :, a:b]).sum(-1) - row[:, :, None]) * scale
+            dq[:, :, a:b] += (dsd[..., None] * kd[:, :, :, a:b]).sum(2)
+            dkd[:, :, :, a:b] = dsd[..., None] * qb[:, :, None]
+        return dq, dk0, dv0, dkd, dvd
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Step-k TTT attention of ``q`` [B, h, S, d] over ``keys``/``values`` of steps 0..k, each
+    [B, kv_heads, S, d] (after RoPE): causal over step 0, the diagonal over steps 1..k. Equal to
+    ``scaled_dot_product_attention`` under ``ttt_mask(S, k)`` within fp32 rounding; returns q's dtype."""
+    rep = q.shape[1] // keys[0].shape[1]
+
+    def expand(t, dtype=torch.float32):  # grouped-query heads → one key/value head per query head
+        return t.repeat_interleave(rep, dim=1).to(dtype)
+
+    if len(keys) == 1:  # step 0: plain causal attention, the fused kernel keeps no mask either
+        return F.scaled_dot_product_attention(q, expand(keys[0], q.dtype), expand(values[0], q.dtype), is_causal=True)
+    kd = torch.stack([expand(k) for k in keys[1:]], dim=2)
+    vd = torch.stack([expand(v) for v in values[1:]], dim=2)
+    return _TTTAttention.apply(q.float(), expand(keys[0]), expand(values[0]), kd, vd).to(q.dtype)
+
+
+class TTTCache:
+    """What one TTT unroll keeps per layer: each step's keys and values, in step order.
+
+    ``Attention`` hands a layer's new keys to ``attend``, which stores them as the next step and returns
+    the attention of that step (``ttt_attention``). Used only by training's unrolls (EAGLE's TTT,
+    P-EAGLE's block depths); it takes no mask and holds no decoding state.
+    """
+
+    def __init__(self):
+        self.keys: dict[int, list[torch.Tensor]] = {}
+        self.values: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def length(self) -> int:
+        """Keys held per layer, over every step so far (what ``HeadCache.length`` counts)."""
+        return sum(k.shape[2] for k in self.keys.get(min(self.keys, default=0), []))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.keys.setdefault(layer, []), self.values.setdefault(layer, [])
+        if keys and keys[0].shape != k.shape:
+            raise ValueError(f"TTTCache: step {len(keys)} of layer {layer} has keys {list(k.shape)}, "
+                             f"step 0 had {list(keys[0].shape)} (every TTT step covers the same S positions)")
+        keys.append(k)
+        values.append(v)
+        return ttt_attention(q, keys, values)
