@@ -58,7 +58,7 @@ def batch_methods(cfg, target, drafter, tree) -> dict:
 
 
 def run_batch_bench(cfg) -> dict:
-    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     drafter = load_drafter(cfg, target)
     packed = use_cpu_linear(cfg.cpu_linear, target, drafter)
     tree = parse_tree(cfg.tree)

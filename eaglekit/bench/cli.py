@@ -72,7 +72,7 @@ class BenchConfig:
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     drafter = load_drafter(cfg, target)
     packed = use_cpu_linear(cfg.cpu_linear, target, drafter)  # HF baselines run the same packed modules
     tree, plan = parse_tree(cfg.tree), None

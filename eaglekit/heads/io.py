@@ -16,6 +16,7 @@ import huggingface_hub
 import torch
 from safetensors.torch import load_file
 
+from eaglekit.config import parse_dtype
 from eaglekit.fileio import write_json, write_safetensors
 from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import HeadConfig, check_target
@@ -90,7 +91,10 @@ def load_native(path: Path, target, dtype=None, device=None) -> DraftHead:
 def saved_dtype(data: dict, target) -> torch.dtype:
     """The dtype a config.json records (``torch_dtype`` or ``dtype``), else the target's."""
     name = data.get("torch_dtype") or data.get("dtype")
-    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else target.dtype
+    try:
+        return parse_dtype(name) if isinstance(name, str) else target.dtype
+    except ValueError:  # another writer's value ("auto"): the dtype is then the target's, as when absent
+        return target.dtype
 
 
 def check_finite(tensors: dict, where) -> None:
