@@ -2,9 +2,10 @@
 
 Each length runs in a fresh process (the kernel's high-water mark, VmHWM, never goes down): one batch of
 one sequence, ``--ttt`` steps, forward and backward of ``heads.objectives.ttt_loss``, a warm-up pass first.
-Reported: peak RSS above the process's RSS before the first pass, seconds per pass, and the size of the
-largest TTT attention mask (``heads.cache.ttt_mask``: [S, (k+1)·S] floats at step k), which is what grows
-with the square of the length.
+Reported: peak RSS above the process's RSS before the first pass, seconds per pass, and the size the
+largest TTT attention mask would have (``heads.cache.ttt_mask``: [S, (k+1)·S] floats at step k). The unroll
+used to build and keep those masks (memory quadratic in S); ``heads.ttt_attention`` needs none, so run this
+file from an earlier checkout (PYTHONPATH) for the "before" numbers.
 
     python benchmarks/bench_ttt_memory.py --lengths 512 1024 2048 4096 --ttt 3
 """
@@ -53,7 +54,7 @@ def run_one(S: int, ttt: int, hidden: int, vocab: int) -> dict:
         total, _ = ttt_loss(head, teacher, batch, loss, steps=ttt)
         total.backward()
         times.append(time.perf_counter() - t0)
-    mask_mb = S * ttt * S * 4 / 2**20  # the last step's mask, fp32
+    mask_mb = S * ttt * S * 4 / 2**20  # the last step's mask, fp32, on the mask path
     return {"seq_len": S, "ttt": ttt, "peak_rss_mb": (vm("VmHWM") - base) / 2**20, "seconds": times[-1],
             "tokens_per_s": S / times[-1], "largest_mask_mb": mask_mb}
 
