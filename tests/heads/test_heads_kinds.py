@@ -87,7 +87,7 @@ def test_heads_base_imports_no_saving_or_hub():
 
 
 HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lower layers
-    {"config", "export_engines", "export_verifier", "cache"},
+    {"config", "export_engines", "export_verifier", "cache", "ttt_attention"},
     {"layers", "objectives"},
     {"base"},
     {"parallel"},
