@@ -27,6 +27,7 @@ from eaglekit.decode.drafters import catch_up_rows
 from eaglekit.decode.loop import GenerateOutput, Step, finish
 from eaglekit.decode.sampling import Sampling, sample
 from eaglekit.decode.stats import BatchStats, DecodeStats
+from eaglekit.decode.tree import fetch
 from eaglekit.decode.verify import accept, accepted_rows, layer_masks, verify_batch
 from eaglekit.timing import Stopwatch
 
@@ -132,9 +133,12 @@ class BatchDecoder:
         trees = [d.draft(m) for d, m in zip(self.drafters, max_depths)]
         draft_s = clock.lap()
         out, past = verify_batch(self.target, self.cache, roots, trees, self.starts, self.lengths, self)
+        # one read from the device for the whole batch: every tree's nodes and (greedy) every row's argmax
+        best = fetch(trees, out.logits.argmax(-1) if self.sampling.greedy else None)
         steps = []
         for b, tree in enumerate(trees):
-            path, next_token = accept(out.logits[b, :1 + len(tree)], tree, self.sampling, self.generator)
+            path, next_token = accept(out.logits[b, :1 + len(tree)], tree, self.sampling, self.generator,
+                                      argmax=None if best is None else best[b])
             steps.append(Step(tree, path, next_token))
         rows = [accepted_rows(s.path) for s in steps]
         self.lengths = kv.keep_rows(self.cache, past, self.lengths, rows)

@@ -70,7 +70,7 @@ def graft_chain(tree: Tree, chain: list[int]) -> Tree:
         raise ValueError(SAMPLED)
     if not chain:
         return tree
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens, parents, depths = tree.host()
     node, i = -1, 0
     while i < len(chain):
         child = next((c for c, (p, t) in enumerate(zip(parents, tokens)) if p == node and t == chain[i]), None)
@@ -80,7 +80,7 @@ def graft_chain(tree: Tree, chain: list[int]) -> Tree:
     rest = chain[i:]
     if not rest:
         return tree
-    n, top = len(tokens), int(tree.depths[node]) if node >= 0 else 0
+    n, top = len(tokens), depths[node] if node >= 0 else 0
     like = {"device": tree.tokens.device, "dtype": tree.tokens.dtype}
     return Tree(tokens=torch.cat([tree.tokens, torch.tensor(rest, **like)]),
                 parents=torch.cat([tree.parents, torch.tensor([node] + list(range(n, n + len(rest) - 1)), **like)]),

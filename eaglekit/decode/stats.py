@@ -44,7 +44,7 @@ class DecodeStats:
         self.accept_lengths.append(emitted)
         self.path_lengths.append(len(path) + 1)
         self.tree_sizes.append(len(tree))
-        self.tree_depths.append(int(tree.depths.max()) if len(tree) else 0)
+        self.tree_depths.append(tree.depth)
         self.draft_s += draft_s
         self.verify_s += verify_s
 

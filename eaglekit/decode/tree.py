@@ -9,7 +9,7 @@ is the root and row ``i + 1`` is node ``i``; a node's position id is ``past_len 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,9 @@ class Tree:
     q_token: torch.Tensor  # [n] drafter probability of the token given its parent
     q_full: torch.Tensor | None = None  # [n, V] proposal distribution each token was sampled from
     sampled: bool = False  # True: tokens sampled from q (Leviathan rule); False: chosen (one-hot rule)
+    # (tokens, parents, depths) as Python lists, read from the device once (``host``): the acceptance walk,
+    # the stats and the drafter's commit all need them, and every read of a device tensor waits for it
+    _host: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -51,28 +54,66 @@ class Tree:
         ar = torch.arange(n, device=tokens.device)
         return Tree(tokens, ar - 1, ar + 1, q_token, q_full, sampled)
 
+    def host(self) -> tuple[list[int], list[int], list[int]]:
+        """(tokens, parents, depths) as lists: one device read for the tree's life (``fetch`` reads several)."""
+        if self._host is None:
+            fetch([self])
+        return self._host
+
     @property
     def is_chain(self) -> bool:
-        return bool(torch.equal(self.parents.cpu(), torch.arange(len(self)) - 1))
+        return self.host()[1] == list(range(-1, len(self) - 1))
+
+    @property
+    def depth(self) -> int:
+        return max(self.host()[2], default=0)
 
     def path_tokens(self, path: list[int]) -> list[int]:
         """Token ids of the nodes ``path`` (e.g. an accepted path), in order."""
-        return self.tokens[path].tolist() if path else []
+        tokens = self.host()[0]
+        return [tokens[i] for i in path]
 
     def children(self) -> list[list[int]]:
         """Children node indices of each verify row (row 0 = root, row i+1 = node i), in draft order."""
         kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
-        for i, p in enumerate(self.parents.tolist()):
+        for i, p in enumerate(self.host()[1]):
             kids[p + 1].append(i)
         return kids
 
 
+def fetch(trees: list[Tree], extra: torch.Tensor | None = None) -> list | None:
+    """Read every tree's (tokens, parents, depths) not read yet, and ``extra`` (e.g. the verify rows'
+    argmax), in one device-to-host copy: one sync for a whole batch. Returns ``extra.tolist()``."""
+    todo = [t for t in trees if t._host is None]
+    dev = extra.device if extra is not None else todo[0].tokens.device if todo else None
+    parts = [x.long().to(dev) for t in todo for x in (t.tokens, t.parents, t.depths)]
+    if extra is not None:
+        parts.append(extra.long().flatten())
+    if not parts:
+        return None
+    flat = torch.cat(parts).tolist()
+    at = 0
+    for t in todo:
+        n = len(t)
+        t._host = flat[at:at + n], flat[at + n:at + 2 * n], flat[at + 2 * n:at + 3 * n]
+        at += 3 * n
+    if extra is None:
+        return None
+    rest = flat[at:]
+    width = extra.shape[-1] if extra.dim() > 1 else len(rest)
+    return [rest[i:i + width] for i in range(0, len(rest), width)] if extra.dim() > 1 else rest
+
+
 def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """Bool [n+1, n+1] over verify rows: ``a[i, j]`` = row j is row i or one of its ancestors."""
-    n = len(parents)
-    a = torch.eye(n + 1, dtype=torch.bool)
-    for i, p in enumerate(parents.tolist()):
-        a[i + 1] |= a[p + 1]
+    """Bool [n+1, n+1] over verify rows: ``a[i, j]`` = row j is row i or one of its ancestors. Built where
+    ``parents`` lives, from index tensors (no read back to the host): a row's parent edge, then the
+    transitive closure by repeated squaring (after s squarings paths up to 2^s long are covered)."""
+    n, dev = len(parents), parents.device
+    a = torch.eye(n + 1, dtype=torch.bool, device=dev)
+    a[torch.arange(1, n + 1, device=dev), parents.long() + 1] = True
+    for _ in range(max(n, 1).bit_length()):
+        f = a.float()
+        a = (f @ f) > 0
     return a
 
 
@@ -84,25 +125,24 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def verify_mask(tree: Tree, past_len: int, dtype, device) -> torch.Tensor:
     """[1, 1, n+1, past_len + n+1]: every row sees the whole prefix, then only its ancestors (and itself)."""
-    a = ancestors(tree.parents)
-    prefix = torch.ones(len(a), past_len, dtype=torch.bool)
-    return additive(torch.cat([prefix, a], dim=1).to(device), dtype)[None, None]
+    a = ancestors(tree.parents.to(device))
+    prefix = torch.ones(len(a), past_len, dtype=torch.bool, device=device)
+    return additive(torch.cat([prefix, a], dim=1), dtype)[None, None]
 
 
 def select_best(scores: torch.Tensor, parents: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the ``total`` best nodes of a pool (scores = log path probability), in pool order.
 
     A child never scores above its parent and a stable sort ranks a parent before an equal child, so
-    the kept set is closed under ancestors. Returns (kept pool indices, their parents re-indexed).
+    the kept set is closed under ancestors (tests check it; not re-checked here, which would read the
+    device). Returns (kept pool indices, their parents re-indexed), on the pool's device.
     """
+    dev = scores.device
     order = torch.sort(scores, descending=True, stable=True).indices[:total]
     kept = torch.sort(order).values
-    new_index = torch.full((len(scores) + 1,), -1, dtype=torch.long)
-    new_index[kept.cpu() + 1] = torch.arange(len(kept))
-    new_parents = new_index[parents[kept].cpu() + 1]
-    if bool(((new_parents < 0) & (parents[kept].cpu() >= 0)).any()):
-        raise AssertionError("select_best: kept set not closed under ancestors")
-    return kept, new_parents.to(parents.device)
+    new_index = torch.full((len(scores) + 1,), -1, dtype=torch.long, device=dev)
+    new_index[kept + 1] = torch.arange(len(kept), device=dev)
+    return kept, new_index[parents.to(dev)[kept] + 1]
 
 
 def prune(tree: Tree, total: int) -> Tree:
@@ -129,52 +169,38 @@ def expand(proposer, root_hidden, root_logits: torch.Tensor, spec: TreeSpec, dep
     proposer that reads none) come from the proposer's last committed element, which sits at position
     ``proposer.length - 1``. Each level is one ``proposer.step`` over the frontier on top of the committed
     elements (a tree mask: committed elements, the node's ancestors and itself); the caller crops the
-    proposer's cache back to the committed elements afterwards.
+    proposer's cache back to the committed elements afterwards. Everything stays on the proposer's device
+    (the pool, the masks): no read back to the host while the tree grows.
     """
-    committed = proposer.length
+    dev, committed = proposer.device, proposer.length
     k = min(spec.top_k, root_logits.shape[-1])
     top = torch.log_softmax(root_logits.float(), -1).topk(k)
-    # the candidate pool (all levels; pool order = parents before children), bookkept on the CPU
-    tokens, logq = [top.indices.cpu()], [top.values.cpu()]
-    parents, depths, scores = [torch.full((k,), -1)], [torch.ones(k, dtype=torch.long)], [logq[0]]
-    frontier = torch.arange(k)  # pool indices expanded at the next level
+    # the candidate pool over all levels, parents before children
+    tokens, logq, scores = [top.indices.to(dev)], [top.values.to(dev)], [top.values.to(dev)]
+    parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
+    depths = [torch.ones(k, dtype=torch.long, device=dev)]
+    frontier = torch.arange(k, device=dev)  # pool indices expanded at the next level
     feed = None if root_hidden is None else root_hidden.expand(k, -1)  # a child takes its parent's output
-    slots: dict[int, int] = {}  # pool index -> proposer cache slot of the node's element
+    eye = torch.eye(k, dtype=torch.bool, device=dev)
+    sees = None  # [k, this draft's elements so far]: the frontier's ancestors' elements (and their own)
     for d in range(2, depth + 1):
-        pool_tokens, pool_parents = torch.cat(tokens), torch.cat(parents)
-        ids = proposer.to_target(pool_tokens[frontier].to(proposer.device))
-        pos = torch.full((len(frontier),), committed - 1 + d - 1, device=proposer.device)
-        mask = _level_mask(proposer, committed, frontier, pool_parents, slots)
-        for i, f in enumerate(frontier.tolist()):
-            slots[f] = proposer.length + i
-        hidden, lg = proposer.step(ids[None], None if feed is None else feed[None], pos[None], mask)
-        lp = torch.log_softmax(lg[0].float(), -1).topk(k)  # [len(frontier), k]
-        values, indices = lp.values.cpu(), lp.indices.cpu()
-        cand = (torch.cat(scores)[frontier][:, None] + values).flatten()
-        base = len(pool_tokens)
-        tokens.append(indices.flatten())
-        logq.append(values.flatten())
+        ids = proposer.to_target(torch.cat(tokens)[frontier])
+        pos = torch.full((k,), committed + d - 2, dtype=torch.long, device=dev)
+        sees = eye if sees is None else torch.cat([sees, eye], 1)  # this level's elements: one per node
+        allowed = torch.cat([torch.ones(k, committed, dtype=torch.bool, device=dev), sees], 1)
+        hidden, lg = proposer.step(ids[None], None if feed is None else feed[None], pos[None],
+                                   additive(allowed, proposer.dtype)[None, None])
+        lp = torch.log_softmax(lg[0].float(), -1).topk(k)  # [k, k]
+        cand = (torch.cat(scores)[frontier][:, None] + lp.values).flatten()
+        base = sum(len(t) for t in tokens)
+        tokens.append(lp.indices.flatten())
+        logq.append(lp.values.flatten())
         parents.append(frontier.repeat_interleave(k))
-        depths.append(torch.full((len(cand),), d, dtype=torch.long))
+        depths.append(torch.full((len(cand),), d, dtype=torch.long, device=dev))
         scores.append(cand)
-        best = cand.topk(min(k, len(cand))).indices
-        frontier = base + best
-        feed = None if hidden is None else hidden[0][(best // k).to(proposer.device)]
+        best = cand.topk(k).indices
+        frontier, sees = base + best, sees[best // k]  # a child sees what its parent saw, then itself
+        feed = None if hidden is None else hidden[0][best // k]
     kept, new_parents = select_best(torch.cat(scores), torch.cat(parents), spec.total_tokens)
-    draft_ids = torch.cat(tokens)[kept].to(proposer.device)
-    return Tree(tokens=proposer.to_target(draft_ids).long(), parents=new_parents.to(proposer.device),
-                depths=torch.cat(depths)[kept].to(proposer.device), q_token=torch.cat(logq)[kept].exp())
-
-
-def _level_mask(proposer, committed: int, frontier, pool_parents, slots) -> torch.Tensor:
-    """Frontier elements see every committed element, their ancestors' elements and themselves."""
-    kf, before = len(frontier), proposer.length
-    allowed = torch.zeros(kf, before + kf, dtype=torch.bool)
-    allowed[:, :committed] = True
-    for i, f in enumerate(frontier.tolist()):
-        allowed[i, before + i] = True
-        a = int(pool_parents[f])
-        while a >= 0:
-            allowed[i, slots[a]] = True
-            a = int(pool_parents[a])
-    return additive(allowed.to(proposer.device), proposer.dtype)[None, None]
+    return Tree(tokens=proposer.to_target(torch.cat(tokens)[kept]).long(), parents=new_parents,
+                depths=torch.cat(depths)[kept], q_token=torch.cat(logq)[kept].exp())

@@ -15,16 +15,18 @@ from eaglekit.decode.tree import Tree, additive, ancestors
 
 def verify(target, cache, root: int, tree: Tree, drafter):
     """One target forward over the root and every tree node (tree mask, position = past + depth), with
-    the taps ``drafter`` reads. Returns (its ``TargetOutput``, the cache length before it)."""
+    the taps ``drafter`` reads. Returns (its ``TargetOutput``, the cache length before it). The ids,
+    positions and mask are built on the target's device from the tree's index tensors."""
     past = kv.cache_length(cache)
     dev = target.device
     ids = torch.cat([torch.tensor([root], device=dev), tree.tokens.to(dev)])[None]
-    pos = past + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths.cpu()])[None]
+    pos = past + torch.cat([torch.zeros(1, dtype=torch.long, device=dev), tree.depths.to(dev)])[None]
     mask = None
     if not tree.is_chain:  # a chain is causal: transformers' own mask (its windows included) is the same
-        allowed = torch.cat([torch.ones(len(tree) + 1, past, dtype=torch.bool), ancestors(tree.parents.cpu())], 1)
-        mask = layer_masks(target, allowed[None], pos, torch.cat([torch.arange(past)[None], pos], 1))
-    out = target.forward(ids, attention_mask=mask, position_ids=pos.to(dev), past_key_values=cache,
+        allowed = torch.cat([torch.ones(len(tree) + 1, past, dtype=torch.bool, device=dev),
+                             ancestors(tree.parents.to(dev))], 1)
+        mask = layer_masks(target, allowed[None], pos, torch.cat([torch.arange(past, device=dev)[None], pos], 1))
+    out = target.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          kind=drafter.kind, layer_ids=drafter.layer_ids)
     return out, past
 
@@ -50,48 +52,52 @@ def verify_batch(target, cache, roots: list[int], trees: list[Tree], starts: lis
     position (its text length) + depth. Returns (the ``TargetOutput``, the cache length before it)."""
     past, dev = kv.cache_length(cache), target.device
     n = max(len(t) for t in trees)
-    ids = torch.tensor(roots)[:, None].repeat(1, 1 + n)
-    pos = torch.tensor([m - s for s, m in zip(starts, lengths)])[:, None].repeat(1, 1 + n)
-    allowed = torch.zeros(len(trees), 1 + n, past + 1 + n, dtype=torch.bool)
-    allowed[:, :, past:] = torch.eye(1 + n, dtype=torch.bool)
+    ids = torch.tensor(roots, device=dev)[:, None].repeat(1, 1 + n)
+    pos = torch.tensor([m - s for s, m in zip(starts, lengths)], device=dev)[:, None].repeat(1, 1 + n)
+    allowed = torch.zeros(len(trees), 1 + n, past + 1 + n, dtype=torch.bool, device=dev)
+    allowed[:, :, past:] = torch.eye(1 + n, dtype=torch.bool, device=dev)
     for b, tree in enumerate(trees):
         k = len(tree)
-        ids[b, 1:1 + k] = tree.tokens.cpu()
-        pos[b, 1:1 + k] += tree.depths.cpu()
+        ids[b, 1:1 + k] = tree.tokens.to(dev)
+        pos[b, 1:1 + k] += tree.depths.to(dev)
         allowed[b, :, starts[b]:lengths[b]] = True
-        allowed[b, :1 + k, past:past + 1 + k] = ancestors(tree.parents.cpu())
-    slots = torch.arange(past)[None] - torch.tensor(starts)[:, None]  # row b's text slot s is at position s - start
+        allowed[b, :1 + k, past:past + 1 + k] = ancestors(tree.parents.to(dev))
+    # row b's text slot s is at position s - start
+    slots = torch.arange(past, device=dev)[None] - torch.tensor(starts, device=dev)[:, None]
     mask = layer_masks(target, allowed, pos, torch.cat([slots, pos], 1))
-    out = target.forward(ids.to(dev), attention_mask=mask, position_ids=pos.to(dev), past_key_values=cache,
+    out = target.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          kind=drafter.kind, layer_ids=drafter.layer_ids)
     return out, past
 
 
 def accept(logits: torch.Tensor, tree: Tree, sampling: Sampling, generator=None,
-           rule=None) -> tuple[list[int], int]:
+           rule=None, argmax: list[int] | None = None) -> tuple[list[int], int]:
     """Walk down from the root: (accepted node indices, next token sampled from what is left).
 
-    ``logits`` [n + 1, V] are the verify rows. Greedy: follow the child equal to the row's argmax. Else
-    ``rule`` (default ``sampling.rule_for(tree)``) decides at each row among its children."""
+    ``logits`` [n + 1, V] are the verify rows. Greedy: follow the child equal to the row's argmax (every
+    row's argmax read from the device at once; ``argmax`` if the caller read them already, with other
+    rows). Else ``rule`` (default ``sampling.rule_for(tree)``) decides at each row among its children."""
+    kids, tokens = tree.children(), tree.host()[0]
+    if sampling.greedy:
+        best = logits.argmax(-1).tolist() if argmax is None else argmax
+        row, path = 0, []
+        while True:
+            hit = [c for c in kids[row] if tokens[c] == best[row]]
+            if not hit:
+                return path, best[row]
+            path.append(hit[0])
+            row = hit[0] + 1
     rule = rule or rule_for(tree)
-    kids, tokens = tree.children(), tree.tokens.tolist()
     q_full = tree.q_full
     row, path = 0, []
     while True:
         ch = kids[row]
-        if sampling.greedy:
-            best = int(logits[row].argmax())
-            hit = [c for c in ch if tokens[c] == best]
-            if not hit:
-                return path, best
-            node = hit[0]
-        else:
-            p = sampling.probs(logits[row])
-            q = None if q_full is None else q_full[ch]
-            i, left = rule(p, [tokens[c] for c in ch], tree.q_token[ch], q, generator) if ch else (None, p)
-            if i is None:
-                return path, sample(left, generator)
-            node = ch[i]
+        p = sampling.probs(logits[row])
+        q = None if q_full is None else q_full[ch]
+        i, left = rule(p, [tokens[c] for c in ch], tree.q_token[ch], q, generator) if ch else (None, p)
+        if i is None:
+            return path, sample(left, generator)
+        node = ch[i]
         path.append(node)
         row = node + 1
 
