@@ -103,3 +103,19 @@ def shared_greedy(model, ids: torch.Tensor, n: int, compute, at_least: int = 0) 
         m = max(n, at_least)
         memo[key] = (m, compute(ids, m))
     return memo[key][1][:, :ids.shape[1] + n]
+
+
+def random_draft_vocab(head, draft_vocab: int) -> None:
+    """Give ``head`` a non-trivial draft vocabulary: ``draft_vocab`` target ids drawn at random (sorted), so
+    d2t has offsets other than 0 (uses the global torch RNG: seed it first)."""
+    vocab = head.config.target_vocab_size
+    ids = torch.randperm(vocab)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    head.set_draft_vocab(ids - torch.arange(draft_vocab), t2d)
+
+
+def hf_greedy(target, ids: list[int], n: int) -> torch.Tensor:
+    """transformers' own greedy decoding of ``n`` new tokens after ``ids`` (no EOS stop): the reference."""
+    return target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)

@@ -2,7 +2,7 @@
 bad input. The real-model exactness tests are in test_decode_real.py, sampling in test_decode_sampling.py."""
 import pytest
 import torch
-from helpers import tiny_target
+from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
 from eaglekit.decode import kv, loop
@@ -24,16 +24,8 @@ def tiny_head(target, kind="eagle3", draft_vocab=None, seed=0):
     torch.manual_seed(seed)
     head = build_head(cfg, target)
     if kind == "eagle3" and draft_vocab and draft_vocab < target.vocab_size:
-        ids = torch.randperm(target.vocab_size)[:draft_vocab].sort().values  # a non-trivial d2t
-        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        head.set_draft_vocab(ids - torch.arange(draft_vocab), t2d)
+        random_draft_vocab(head, draft_vocab)
     return head
-
-
-def hf_greedy(target, ids, n):
-    return target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
 
 
 @pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa")])

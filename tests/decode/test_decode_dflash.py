@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import tiny_target
+from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
 from eaglekit.decode.lookup import LookupDrafter
@@ -34,16 +34,8 @@ def dflash(target, block=5, draft_vocab=48, seed=0):
     head = build_head(HeadConfig.from_target(target, kind="dflash", num_layers=2, block_size=block,
                                              draft_vocab_size=draft_vocab, aux_layer_ids=[0, 1, 2]), target)
     if draft_vocab < target.vocab_size:
-        ids = torch.randperm(target.vocab_size)[:draft_vocab].sort().values
-        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        head.set_draft_vocab(ids - torch.arange(draft_vocab), t2d)
+        random_draft_vocab(head, draft_vocab)
     return head
-
-
-def hf_greedy(target, ids, n):
-    return target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
 
 
 def run(target, head, prompts, n, tree, lookup=0):

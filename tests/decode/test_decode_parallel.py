@@ -6,7 +6,7 @@ caught), and tree="auto" planning one forward per step. Parametrised over the pa
 import pytest
 import torch
 from exact_law import ALPHA, acceptance_rule, chi2_pvalue, exact_joint, sample_counts
-from helpers import tiny_target
+from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
 from eaglekit.decode import cost, plan
@@ -30,16 +30,8 @@ def parallel_head(target, kind, block=4, draft_vocab=48, layers=2, seed=0):
     torch.manual_seed(seed)
     head = build_head(cfg, target)
     if draft_vocab < target.vocab_size:
-        ids = torch.randperm(target.vocab_size)[:draft_vocab].sort().values
-        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        head.set_draft_vocab(ids - torch.arange(draft_vocab), t2d)
+        random_draft_vocab(head, draft_vocab)
     return head
-
-
-def hf_greedy(target, ids, n):
-    return target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
