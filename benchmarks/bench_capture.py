@@ -117,7 +117,7 @@ def disk_check(target, samples, batch_tokens) -> dict:
         )
         rows = [shard_feature_bytes(Path(d) / s["file"]) for s in m["shards"]]
     tokens = sum(r[0] for r in rows)
-    bpt = feature_bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
+    bpt = feature_bytes_per_token(target.hidden_size, len(target.default_taps))
     feat = sum(r[1] for r in rows)
     assert feat == tokens * bpt, (feat, tokens * bpt)
     return {

@@ -39,8 +39,6 @@ def default_taps(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-default_aux_layers = default_taps  # the older name
-
 
 @dataclass
 class TargetOutput:
@@ -48,11 +46,6 @@ class TargetOutput:
     last: torch.Tensor  # [B, S, H] the final-norm output lm_head reads (EAGLE-1 feature, teacher)
     taps: torch.Tensor | None  # [B, S, len(layer_ids)*H] the tapped layer inputs, concatenated (EAGLE-3)
     past_key_values: object = None
-
-    @property
-    def aux(self) -> torch.Tensor | None:
-        """The older name of ``taps``."""
-        return self.taps
 
 
 class Target:
@@ -80,11 +73,6 @@ class Target:
         self.hidden_size = self.config.hidden_size
         self.vocab_size = causal.get_output_embeddings().weight.shape[0]
         self.default_taps = default_taps(self.num_layers)
-
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        """The older name of ``default_taps``."""
-        return self.default_taps
 
     # frozen modules that heads and losses borrow
     @property

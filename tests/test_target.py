@@ -32,12 +32,12 @@ def test_custom_layer_ids_and_eagle1_kind():
     assert t.features(ids, layer_ids=()).taps is None  # a head without taps (EAGLE-1's head.taps) taps none
 
 
-def test_default_taps_and_older_names():
+def test_default_taps():
     assert default_taps(30) == (2, 15, 27)
     assert default_taps(24) == (2, 12, 21)
     t = tiny_target("llama", layers=6)
     out = t.forward(torch.randint(0, 64, (1, 5)))
-    assert t.aux_layer_ids == t.default_taps and out.aux is out.taps is not None  # the names before `taps`
+    assert t.default_taps == (2, 3, 3) and out.taps.shape[-1] == 3 * t.hidden_size  # layer_ids=None: the defaults
 
 
 def test_lora_changes_taps_and_merge_equals_live(tmp_path):

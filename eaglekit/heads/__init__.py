@@ -28,11 +28,11 @@ from eaglekit.heads.config import EAGLE1, EAGLE3, KINDS, HeadConfig, check_targe
 from eaglekit.heads.eagle1 import Eagle1Head
 from eaglekit.heads.eagle3 import Eagle3Head
 from eaglekit.heads.export import export_head, load_export, load_head
-from eaglekit.heads.hub import model_card, push_head, push_to_hub
+from eaglekit.heads.hub import model_card, push_head
 from eaglekit.heads.io import save_head
 from eaglekit.heads.layouts import LAYOUTS, validate_export
 from eaglekit.heads.registry import HEADS, build_head, head_class, tap_layers
 
 __all__ = ["EAGLE1", "EAGLE3", "HEADS", "KINDS", "LAYOUTS", "DraftHead", "Eagle1Head", "Eagle3Head", "HeadCache", "HeadConfig",
            "build_head", "causal_mask", "check_target", "export_head", "head_class", "load_export", "load_head",
-           "model_card", "push_head", "push_to_hub", "save_head", "tap_layers", "ttt_mask", "validate_export"]
+           "model_card", "push_head", "save_head", "tap_layers", "ttt_mask", "validate_export"]

@@ -5,7 +5,7 @@ finite and it matches its target (fingerprint), and a token is known. The token 
 huggingface_hub only (argument, ``HF_TOKEN`` or its saved login); nothing here prints or logs it.
 ``HF_ENDPOINT`` is read at call time, so a local mirror (or a test server) works.
 
-``push_head`` (also ``push_to_hub``, and the method ``DraftHead.push_to_hub``, given to the class here).
+``push_head``, and the method ``DraftHead.push_to_hub`` (given to the class here) that calls it.
 """
 from __future__ import annotations
 
@@ -274,9 +274,6 @@ def push_head(head_or_dir, repo_id: str, private: bool = False, token: str | Non
                                 "mirror)") from e
             raise
         return {"repo_id": repo_id, "files": files, "card": card, "url": str(getattr(commit, "commit_url", repo))}
-
-
-push_to_hub = push_head  # the older name
 
 
 def _push_to_hub(self: DraftHead, repo_id: str, private: bool = False, token: str | None = None, **kw) -> dict:

@@ -10,7 +10,7 @@ import torch
 import yaml
 from helpers import save_tiny, tiny_target
 
-from eaglekit.heads import HeadConfig, build_head, model_card, push_to_hub
+from eaglekit.heads import HeadConfig, build_head, model_card, push_head
 
 SECRET = "hf_eaglekitTESTtoken0123456789abcdef"
 
@@ -122,7 +122,7 @@ def test_heads_model_card_yaml(saved_head):
 def test_heads_push_uploads_files_and_hides_token(fake_hub, saved_head, capsys, caplog):
     caplog.set_level(logging.DEBUG)
     target, _, d = saved_head
-    res = push_to_hub(d, "me/smol-eagle3", private=True, token=SECRET, datasets=["me/data"], target=target)
+    res = push_head(d, "me/smol-eagle3", private=True, token=SECRET, datasets=["me/data"], target=target)
     assert sorted(fake_hub.files) == ["README.md", "config.json", "model.safetensors"] == res["files"]
     assert fake_hub.files["model.safetensors"] == (d / "model.safetensors").read_bytes()
     assert fake_hub.files["config.json"] == (d / "config.json").read_bytes()
@@ -188,7 +188,7 @@ def test_heads_push_without_token_fails_before_any_request(fake_hub, saved_head,
 
     target, _, d = saved_head
     with pytest.raises(PushError, match="no Hugging Face token: set HF_TOKEN or run `hf auth login`"):
-        push_to_hub(d, "me/h", target=target)
+        push_head(d, "me/h", target=target)
     assert main(["push", "--head", str(d), "--repo-id", "me/h"]) == 2  # before loading the target
     assert NO_TOKEN in capsys.readouterr().err
     assert fake_hub.requests == []
@@ -208,7 +208,7 @@ def test_heads_push_refused_connection_names_the_endpoint(saved_head, monkeypatc
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     target, _, d = saved_head
     with pytest.raises(PushError, match=rf"cannot reach the Hugging Face Hub at http://127.0.0.1:{port}"):
-        push_to_hub(d, "me/h", token=SECRET, target=target)
+        push_head(d, "me/h", token=SECRET, target=target)
 
 
 def test_heads_push_reads_and_checks_the_head_before_any_request(fake_hub, saved_head, tmp_path):
@@ -217,7 +217,7 @@ def test_heads_push_reads_and_checks_the_head_before_any_request(fake_hub, saved
     target, head, d = saved_head
     other = tiny_target(layers=10, hidden=32, vocab_size=64)
     with pytest.raises(ValueError, match="not trained for this target.*layer count"):
-        push_to_hub(d, "me/h", token=SECRET, target=other)
+        push_head(d, "me/h", token=SECRET, target=other)
     bad = tmp_path / "bad"
     head.save_pretrained(bad)
     w = load_file(str(bad / "model.safetensors"))
@@ -225,11 +225,11 @@ def test_heads_push_reads_and_checks_the_head_before_any_request(fake_hub, saved
     save_file(w, str(bad / "model.safetensors"))
     for layout in ("native", "vllm"):  # native uploads the files as they are: they are read first
         with pytest.raises(ValueError, match=rf"{bad}/model.safetensors: tensor 'fc.weight' holds 1 non-finite"):
-            push_to_hub(bad, "me/h", token=SECRET, target=target, layout=layout)
+            push_head(bad, "me/h", token=SECRET, target=target, layout=layout)
     with pytest.raises(ValueError, match="not a Hugging Face repo id"):  # a published card needs a Hub id
-        push_to_hub(d, "me/h", token=SECRET, target=target, verifier=str(tmp_path))
+        push_head(d, "me/h", token=SECRET, target=target, verifier=str(tmp_path))
     assert fake_hub.requests == []
-    res = push_to_hub(d, "me/h", token=SECRET, target=target, layout="speculators", verifier="org/base")
+    res = push_head(d, "me/h", token=SECRET, target=target, layout="speculators", verifier="org/base")
     cfg = json.loads(fake_hub.files["config.json"])
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/base"
     assert front_matter(res["card"])[0]["base_model"] == "org/base"
@@ -238,10 +238,10 @@ def test_heads_push_reads_and_checks_the_head_before_any_request(fake_hub, saved
 def test_heads_push_module_is_checked_before_any_request(fake_hub, saved_head):
     target, head, _ = saved_head
     with pytest.raises(ValueError, match="push: this head was not trained for this target"):
-        push_to_hub(head, "me/h", token=SECRET, target=tiny_target(layers=10, hidden=32, vocab_size=64))
+        head.push_to_hub("me/h", token=SECRET, target=tiny_target(layers=10, hidden=32, vocab_size=64))
     nan_head = build_head(head.config, target)
     with torch.no_grad():
         nan_head.norm.weight[0] = float("nan")
     with pytest.raises(ValueError, match="push: tensor 'norm.weight' holds 1 non-finite"):
-        push_to_hub(nan_head, "me/h", token=SECRET, target=target)
+        push_head(nan_head, "me/h", token=SECRET, target=target)
     assert fake_hub.requests == []
