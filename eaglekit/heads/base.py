@@ -57,11 +57,31 @@ class DraftHead(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+        """The dtype of the head's floating-point weights (read in the decode hot path: cached, see _apply)."""
+        return self._placement()[0]
 
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device
+        """Where the head's weights live (cached like ``dtype``)."""
+        return self._placement()[1]
+
+    def _placement(self) -> tuple[torch.dtype, torch.device]:
+        # scanning the parameters on every read costs a Python loop per step; the answer changes only when
+        # the weights are converted or moved, which nn.Module does through _apply (below)
+        where = self.__dict__.get("_where")
+        if where is None:
+            dtype = next(p.dtype for p in self.parameters() if p.is_floating_point())
+            where = dtype, next(self.parameters()).device
+            self.__dict__["_where"] = where
+        return where
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()`` / ``.float()`` / ``.half()`` / ``.cuda()`` (and a parent module's, which recurse here) go
+        through this: forget the cached dtype and device."""
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self.__dict__["_where"] = None
 
     # ---- draft vocabulary ----------------------------------------------------------------------
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:

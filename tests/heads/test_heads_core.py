@@ -270,3 +270,22 @@ def test_heads_wrong_kind_and_unbound(target):
     head = Eagle1Head(cfg)
     with pytest.raises(RuntimeError, match="bind"):
         head.step(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, 32), torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_heads_dtype_and_device_cached_and_kept_under_conversions(target):
+    """``head.dtype`` / ``.device`` are read every decode step: cached, not a scan of the parameters per read,
+    and still right after ``.to()`` / ``.half()`` / ``.float()`` and a parent module's ``.to()``."""
+    head = make_head(target, "eagle3", 1)
+    assert (head.dtype, head.device) == (torch.float32, torch.device("cpu"))
+    head.parameters = lambda *a, **k: pytest.fail("head.dtype scanned the parameters again")
+    assert head.dtype == torch.float32 and head.device == torch.device("cpu")  # from the cache
+    del head.parameters
+    head.to(torch.float64)
+    assert head.dtype == torch.float64 == head.fc.weight.dtype
+    head.half()
+    assert head.dtype == torch.float16
+    torch.nn.ModuleList([head]).float()  # a wrapper's conversion reaches the head's _apply too
+    assert head.dtype == torch.float32
+    ids = torch.randint(0, 64, (1, 4))
+    _, logits = head.step(ids, features(target, head, ids), torch.arange(4)[None])
+    assert logits.dtype == torch.float32
