@@ -16,9 +16,10 @@ import torch
 
 from eaglekit.bench.prompts import load_prompts
 from eaglekit.decode import generate
+from eaglekit.decode.cli import use_cpu_linear
+from eaglekit.decode.cost import auto_plan
 from eaglekit.decode.drafters import EagleDrafter
 from eaglekit.decode.lookup import LookupDrafter
-from eaglekit.decode.plan import auto_plan, use_cpu_linear
 from eaglekit.heads import load_head
 from eaglekit.target import load_target
 

@@ -35,8 +35,9 @@ from transformers.utils import logging as hf_logging
 from eaglekit import assets, decode
 from eaglekit.bench.methods import run_in_order
 from eaglekit.bench.prompts import load_questions
+from eaglekit.decode.cli import parse_tree, use_cpu_linear
+from eaglekit.decode.cost import auto_plan
 from eaglekit.decode.lookup import branch_lengths
-from eaglekit.decode.plan import auto_plan, parse_tree, use_cpu_linear
 from eaglekit.fileio import write_json
 from eaglekit.heads import load_head
 from eaglekit.target import load_target

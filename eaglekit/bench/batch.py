@@ -29,9 +29,9 @@ from eaglekit.bench.plots import plot_batch
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates
 from eaglekit.bench.theory import expectations, memory, memory_lines
-from eaglekit.decode import plan as planner
-from eaglekit.decode.generate import generate
-from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear, with_draft_tree
+from eaglekit.decode import cost
+from eaglekit.decode.api import generate
+from eaglekit.decode.cli import load_drafter, parse_tree, use_cpu_linear, with_draft_tree
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.fileio import write_text
 from eaglekit.target import load_target
@@ -63,7 +63,7 @@ def run_batch_bench(cfg) -> dict:
     packed = use_cpu_linear(cfg.cpu_linear, target, drafter)
     tree = parse_tree(cfg.tree)
     if tree == "auto" and cfg.head:  # "ours" always drafts: the one-row plan's tree
-        tree = planner.auto_plan(target, drafter)
+        tree = cost.auto_plan(target, drafter)
     sizes = sorted({int(b) for b in cfg.batch_sizes})
     if sizes[0] < 1:
         raise ValueError(f"batch_sizes must be >= 1, got {cfg.batch_sizes}")
@@ -75,7 +75,7 @@ def run_batch_bench(cfg) -> dict:
         for fn in fns.values():
             fn([p[:16] for p in prompts[:b]], 0.0, 0)
         if "auto" in fns:
-            made = planner.auto_plan(target, drafter, batch_size=b)
+            made = cost.auto_plan(target, drafter, batch_size=b)
             plans[b] = {"tree": str(made.spec), "drafting_pays": made.drafting_pays,
                         "expected_tokens_per_s": made.expected_tokens_per_s,
                         "plain_tokens_per_s": made.plain_tokens_per_s}

@@ -34,9 +34,8 @@ from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates, speedup_per_category, summarise, table, write
 from eaglekit.bench.theory import memory
 from eaglekit.config import NonNegFloat, NonNegInt, PosInt, load_config
-from eaglekit.decode import plan as planner
-from eaglekit.decode.cli import CPU_LINEAR, DTYPES
-from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear
+from eaglekit.decode import cost
+from eaglekit.decode.cli import CPU_LINEAR, DTYPES, load_drafter, parse_tree, use_cpu_linear
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.target import load_target
 from eaglekit.timing import load_average
@@ -77,7 +76,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     packed = use_cpu_linear(cfg.cpu_linear, target, drafter)  # HF baselines run the same packed modules
     tree, plan = parse_tree(cfg.tree), None
     if tree == "auto" and cfg.head:
-        plan = planner.auto_plan(target, drafter)
+        plan = cost.auto_plan(target, drafter)
     questions = load_questions(cfg.dataset, cfg.prompts, cfg.prompt_order)
     prompts = [target.chat_ids(text) for _, text in questions]
     fns = methods(cfg, target, drafter, plan or tree)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from eaglekit.decode.generate import generate
-from eaglekit.decode.plan import with_draft_tree
+from eaglekit.decode.api import generate
+from eaglekit.decode.cli import with_draft_tree
 from eaglekit.timing import timed
 
 

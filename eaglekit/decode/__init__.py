@@ -8,22 +8,23 @@ or None; ``prompt_lookup=N`` grafts a prompt-lookup branch onto the tree (``Look
 prompts (or [B, T] with ``attention_mask``) decodes as a batch, each row exactly as it would alone.
 Modules, each importing only modules on the lines below it:
 
-    cli                     eaglekit generate (the bench is eaglekit.bench, beside it)
-    generate                the public call: plan.make_drafter, then loop.run (a batch: batch.run_batch)
-    plan, batch             which drafter: make_drafter, tree="auto" (Plan), the CLIs' option helpers;
-                            the batch loop (BatchDecoder: rows in one target forward, a drafter per row)
-    cost, loop, lookup,     measured costs; the loop (Decoder.step); the prompt-lookup wrapper;
-    parallel                a parallel head's drafter (one forward per step, a tree from per-depth top-k)
+    cli                     eaglekit generate, and the options every decode CLI spells alike (parse_tree, ...)
+    api                     the public call generate: which drafter (make_drafter, make_row_drafters), then
+                            loop.run (a batch: batch.run_batch)
+    cost, batch             measured costs and tree="auto"'s plan (auto_plan, Plan); the batch loop
+                            (BatchDecoder: rows in one target forward, a drafter per row)
+    loop, lookup, parallel  the loop (Decoder.step); the prompt-lookup wrapper; a parallel head's drafter
+                            (one forward per step, a tree from per-depth top-k)
     drafters                Drafter protocol: PlainDrafter, ModelDrafter (chain), TreeDrafter
     proposers, verify       HeadProposer / ModelProposer; verify forward and the acceptance walk
     tree, kv, sampling, stats   Tree + EAGLE-2 expand; KV keep; Sampling + rules; DecodeStats, BatchStats
 """
+from eaglekit.decode.api import generate, make_drafter
+from eaglekit.decode.cost import Plan, auto_plan
 from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelTreeDrafter, PlainDrafter, TreeDrafter
-from eaglekit.decode.generate import generate
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput
 from eaglekit.decode.parallel import ParallelDrafter
-from eaglekit.decode.plan import Plan, auto_plan, make_drafter
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.stats import BatchStats, DecodeStats
 from eaglekit.decode.tree import Tree, TreeSpec

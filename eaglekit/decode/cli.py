@@ -5,6 +5,9 @@
         prompt="Write quicksort in Python" temperature=0.7
 Without ``prompt=`` it reads user turns from stdin (an empty line or EOF ends the chat); an empty
 ``prompt=`` is refused (it is a mistake, not a request for a chat).
+
+The option helpers at the end (``parse_tree``, ``load_drafter``, ...) read the options as every decode CLI
+(generate, ``eaglekit bench``) and the demo spell them.
 """
 from __future__ import annotations
 
@@ -16,7 +19,11 @@ from typing import Literal
 import torch
 
 from eaglekit.config import NonNegFloat, NonNegInt, PosFraction, PosInt, load_config
-from eaglekit.decode.plan import load_drafter, parse_tree, use_cpu_linear, with_draft_tree
+from eaglekit.decode.drafters import ModelTreeDrafter
+from eaglekit.decode.tree import TreeSpec
+from eaglekit.heads import load_head
+from eaglekit.packed_linear import pack_linears
+from eaglekit.target import load_target
 
 DTYPES = Literal["float32", "bfloat16", "float16"]
 CPU_LINEAR = Literal["packed", "aten"]
@@ -66,8 +73,7 @@ def add_arguments(p):
 def run(args) -> int:
     from transformers import TextStreamer
 
-    from eaglekit.decode.generate import generate
-    from eaglekit.target import load_target
+    from eaglekit.decode.api import generate
 
     cfg = load_config(GenerateConfig, args.config, args.overrides)
     if cfg.prompt is not None and not cfg.prompt.strip():
@@ -120,3 +126,46 @@ def run(args) -> int:
         kind += f" + prompt lookup {cfg.prompt_lookup}" if cfg.prompt_lookup else ""
         print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, tau={s.tau:.2f} ({kind}), "
               f"acceptance per depth {[round(a, 2) for a in s.acceptance_per_depth]}]", file=sys.stderr)
+
+
+# ---- options as the CLIs (generate, bench) and the demo spell them -------------------------------------
+
+def parse_tree(text: str):
+    """``tree=``/``draft_tree=``: "auto" or "depth,top_k,total_tokens" (e.g. "5,8,48") as a ``TreeSpec``."""
+    if text == "auto":
+        return "auto"
+    try:
+        depth, top_k, total = (int(x) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"tree={text!r}: expected 'auto' or 'depth,top_k,total_tokens' (e.g. 5,8,48)") \
+            from None
+    return TreeSpec(depth, top_k, total)
+
+
+def load_drafter(cfg, target):
+    """``cfg.head`` (a saved head folder or Hub id) or ``cfg.draft`` (a draft model), loaded for ``target``."""
+    if cfg.head and cfg.draft:
+        raise ValueError("give either head= or draft=, not both")
+    if cfg.head:
+        return load_head(cfg.head, target)
+    if cfg.draft:
+        return load_target(cfg.draft, dtype=target.dtype, device=cfg.device)
+    return None
+
+
+def with_draft_tree(cfg, target, drafter):
+    """``draft_tree=`` with ``draft=``: wrap the draft model in a ``ModelTreeDrafter``; else unchanged."""
+    if not cfg.draft_tree:
+        return drafter
+    if not cfg.draft:
+        raise ValueError("draft_tree= needs draft= (a head drafts a tree through tree=)")
+    return ModelTreeDrafter(target, drafter, parse_tree(cfg.draft_tree))
+
+
+def use_cpu_linear(choice: str, *models) -> int:
+    """Apply ``cpu_linear=`` to targets / heads / draft models (None skipped); returns linears packed."""
+    if choice not in ("packed", "aten"):
+        raise ValueError(f"cpu_linear={choice!r}: expected 'packed' or 'aten'")
+    if choice == "aten":
+        return 0
+    return sum(pack_linears(getattr(m, "model", m)) for m in models if m is not None)

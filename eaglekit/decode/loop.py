@@ -1,7 +1,7 @@
 """The decode loop: draft → verify in one target forward → accept → keep → commit. One loop for every drafter.
 
 ``run(target, drafter, prompt, ...)`` decodes with a ``drafters.Drafter``; ``decode.generate`` builds one
-from a head, a draft model or None (``plan.make_drafter``) and calls it. One sequence (a batch of
+from a head, a draft model or None (``api.make_drafter``) and calls it. One sequence (a batch of
 prompts runs in ``batch.run_batch``, which reuses ``Step`` and ``finish``). ``Decoder`` holds its state;
 ``run`` adds what ends a generation (max tokens, EOS, stop strings), streaming and the stats.
 """

@@ -114,8 +114,8 @@ def test_decode_bench_plots_target_as_its_own_draft(saved, tmp_path):
 def test_decode_bench_plots_head_acceptance_pools_generate_stats(saved, tmp_path):
     """A random head: the report's acceptance per depth is DecodeStats' rate over all prompts' steps pooled."""
     from eaglekit.bench.prompts import load_prompts
-    from eaglekit.decode.plan import parse_tree
     from eaglekit.decode import DecodeStats, generate
+    from eaglekit.decode.cli import parse_tree
     from eaglekit.heads import load_head
     from eaglekit.target import load_target
 

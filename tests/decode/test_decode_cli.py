@@ -36,7 +36,7 @@ def test_decode_cli_generate_streams_and_prints_tau(saved, capsys, monkeypatch):
     from eaglekit.decode.lookup import LookupDrafter
 
     built = []  # the CLI's prompt_lookup reaches generate()
-    monkeypatch.setattr(sys.modules["eaglekit.decode.plan"], "LookupDrafter",
+    monkeypatch.setattr(sys.modules["eaglekit.decode.api"], "LookupDrafter",
                         lambda inner, n, **kw: built.append(n) or LookupDrafter(inner, n, **kw))
     assert main(["generate", f"target={target_dir}", f"head={head_dir}", "prompt=hello hello", "max_new_tokens=6",
                  "tree=2,2,3", "prompt_lookup=3"]) == 0
@@ -83,7 +83,7 @@ def test_decode_cli_bench_auto_tree_with_lookup_lengths(saved, tmp_path, monkeyp
     """tree=auto (planned once) with lookup lengths by match: the plan's head share beside a branch is
     used by ours_lookup only; every method still reproduces plain decoding."""
     from eaglekit.decode import Plan, TreeSpec
-    from eaglekit.decode import plan as planner
+    from eaglekit.decode import cost as planner
 
     target_dir, _, head_dir = saved
     plan = Plan(TreeSpec(depth=2, top_k=2, total_tokens=3), expected_tokens_per_s=30.0, plain_tokens_per_s=20.0,
@@ -94,7 +94,7 @@ def test_decode_cli_bench_auto_tree_with_lookup_lengths(saved, tmp_path, monkeyp
     from eaglekit.decode.lookup import LookupDrafter
 
     shares = []  # inner_nodes of every LookupDrafter the bench's generate() calls build
-    monkeypatch.setattr(sys.modules["eaglekit.decode.plan"], "LookupDrafter",
+    monkeypatch.setattr(sys.modules["eaglekit.decode.api"], "LookupDrafter",
                         lambda inner, n, **kw: shares.append(kw["inner_nodes"]) or LookupDrafter(inner, n, **kw))
     assert main(["bench", f"target={target_dir}", f"head={head_dir}", "prompts=2", "max_new_tokens=8", "repeats=1",
                  "temperatures=[0.0]", "lookup_tokens=2,5,10", "hf_baselines=false", f"out={tmp_path}"]) == 0

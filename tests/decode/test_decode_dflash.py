@@ -3,8 +3,8 @@ greedy token-identical to transformers on a tiny target (chain, tree, the prompt
 rows of different lengths) with an untrained head and with one trained here on the target's own greedy
 text, whose drafts are accepted (so the exactness is tested where drafted tokens are kept); and on SmolLM2.
 
-The drafter is built explicitly: ``decode.plan`` recognises a head by its ``step`` method (and ``cost.measure``
-times head steps), which a DFlash head does not have: it drafts a block with ``draft``. Once decode/ accepts a
+The drafter is built explicitly: ``decode.api.make_drafter`` recognises a head by its ``step`` method (and
+``cost.measure`` times head steps), which a DFlash head does not have: it drafts a block with ``draft``. Once decode/ accepts a
 parallel head without ``step``, "dflash" joins test_decode_parallel.KINDS and these can go through ``tree=``."""
 from types import SimpleNamespace
 

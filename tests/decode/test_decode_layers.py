@@ -11,9 +11,9 @@ LAYERS = [  # lowest first
     {"tree", "kv", "sampling", "stats"},
     {"proposers", "verify"},
     {"drafters"},
-    {"cost", "loop", "lookup", "parallel"},
-    {"plan", "batch"},
-    {"generate"},
+    {"loop", "lookup", "parallel"},
+    {"cost", "batch"},
+    {"api"},
     {"cli"},
 ]
 
@@ -46,5 +46,5 @@ def test_decode_modules_import_only_lower_layers():
 def test_decode_layer_check_sees_function_local_imports(tmp_path):
     """The check can fail: an import inside a function is found like one at the top of the file."""
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from eaglekit.decode.plan import make_drafter\n    from eaglekit.decode import kv\n")
-    assert decode_imports(probe) == {"plan", "kv"}
+    probe.write_text("def f():\n    from eaglekit.decode.api import make_drafter\n    from eaglekit.decode import kv\n")
+    assert decode_imports(probe) == {"api", "kv"}

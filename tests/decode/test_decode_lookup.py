@@ -146,7 +146,7 @@ def test_decode_lookup_greedy_equals_hf_every_tree_drafter():
                 counts = dr.accepted_by_match
                 assert set(counts) <= {1, 2, 3} and sum(c for h in counts.values() for c in h.values()) == dr.matches
                 assert sum(k * c for h in counts.values() for k, c in h.items()) == dr.accepted, counts
-            # the generate() switch builds the same wrapper around what plan.make_drafter builds
+            # the generate() switch builds the same wrapper around what api.make_drafter builds
             plain_arg = {"plain": None, "eagle3": head, "model_tree": ModelTreeDrafter(t, small, TreeSpec(**TREE))}
             via_kw = decode.generate(t, plain_arg[name], torch.tensor([ids]), 40, eos_token_id=False, tree=TREE,
                                      prompt_lookup=5)

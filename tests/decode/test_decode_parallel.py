@@ -9,7 +9,7 @@ from exact_law import ALPHA, acceptance_rule, chi2_pvalue, exact_joint, sample_c
 from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
-from eaglekit.decode import cost, plan
+from eaglekit.decode import api, cost
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.parallel import ParallelDrafter, block_tree
 from eaglekit.decode.sampling import accept_minpq_on_topk
@@ -189,15 +189,15 @@ def test_decode_parallel_auto_plans_one_forward_per_step(tiny, kind, tmp_path, m
     # a confident synthetic pool and a drafting forward as dear as 2 verify rows: depth beyond the block is
     # never chosen, and the chosen depth does not shrink when only depth got dearer for an EAGLE head
     pools = {k: [([1] * k + [2] * k * k + [3] * k * k, [0.8 / k] * k + [0.6 / k / k] * 2 * k * k)] for k in (1, 2)}
-    spec, _ = plan.choose(costs, pools, max_depth=head.draft_depths)
+    spec, _ = cost.choose(costs, pools, max_depth=head.draft_depths)
     assert spec.depth <= head.draft_depths
     ids = torch.randint(7, 64, (1, 40), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(plan, "calibration_ids", lambda target: ids)
-    made = plan.auto_plan(tiny, head, cache_dir=tmp_path)
+    monkeypatch.setattr(cost, "calibration_ids", lambda target: ids)
+    made = cost.auto_plan(tiny, head, cache_dir=tmp_path)
     assert made.spec.depth <= head.draft_depths and made.costs["draft_s"] == pytest.approx(made.costs["draft_s"])
-    drafter = plan.make_drafter(tiny, head, tree=made) if made.drafting_pays else None
+    drafter = api.make_drafter(tiny, head, tree=made) if made.drafting_pays else None
     assert drafter is None or isinstance(drafter, ParallelDrafter)
-    assert isinstance(plan.make_drafter(tiny, head, tree=TREE, prompt_lookup=3).inner, ParallelDrafter)
+    assert isinstance(api.make_drafter(tiny, head, tree=TREE, prompt_lookup=3).inner, ParallelDrafter)
     out = decode.generate(tiny, head, torch.tensor([PROMPTS[0]]), 8, tree="auto", eos_token_id=False)
     assert torch.equal(out.sequences, hf_greedy(tiny, PROMPTS[0], 8))
 
@@ -208,10 +208,10 @@ def test_decode_parallel_choose_charges_one_forward_whatever_the_depth():
     verify = {1: 0.040, 2: 0.041, 4: 0.042, 8: 0.044, 16: 0.05, 32: 0.07, 64: 0.12, 96: 0.2}
     levels = {k: 0.02 for k in cost.LEVEL_SIZES}
     pools = {1: [([1, 2, 3, 4, 5, 6], [0.9, 0.81, 0.73, 0.66, 0.59, 0.53])]}
-    per_level = plan.choose(cost.Costs("cpu", verify, levels), pools, max_depth=6)[0]
-    one_forward = plan.choose(cost.Costs("cpu", verify, levels, draft_s=0.02), pools, max_depth=6)[0]
+    per_level = cost.choose(cost.Costs("cpu", verify, levels), pools, max_depth=6)[0]
+    one_forward = cost.choose(cost.Costs("cpu", verify, levels, draft_s=0.02), pools, max_depth=6)[0]
     assert one_forward.depth == 6 and per_level.depth < 6
-    assert plan.choose(cost.Costs("cpu", verify, levels, draft_s=0.02), pools, max_depth=4)[0].depth == 4
+    assert cost.choose(cost.Costs("cpu", verify, levels, draft_s=0.02), pools, max_depth=4)[0].depth == 4
 
 
 def test_decode_parallel_drafter_refuses_a_non_parallel_head(tiny):

@@ -7,7 +7,7 @@ import torch
 from helpers import tiny_target
 
 from eaglekit import decode
-from eaglekit.decode import cost, plan
+from eaglekit.decode import api, cost
 from eaglekit.decode.tree import TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
@@ -21,7 +21,7 @@ def synthetic_pools(accept=0.7, contexts=2, untrained=False):
         child = [accept] + [(1 - accept) / 2 ** (i + 1) for i in range(k - 1)]
         child = [1 / 32000] * k if untrained else child
         depths, probs, frontier = [], [], [1.0]
-        for d in range(1, plan.MAX_DEPTH + 1):
+        for d in range(1, cost.MAX_DEPTH + 1):
             cand = sorted((f * c for f in frontier for c in child), reverse=True)
             depths += [d] * len(cand)
             probs += cand
@@ -39,15 +39,15 @@ GPU = cost.Costs("gpu", {1: 0.020, 16: 0.0201, 32: 0.0203, 64: 0.021, 96: 0.024}
 
 def test_decode_plan_auto_tree_small_on_cpu_large_on_gpu():
     pools = synthetic_pools()
-    cpu, cpu_rate = plan.choose(CPU, pools)
-    gpu, gpu_rate = plan.choose(GPU, pools)
+    cpu, cpu_rate = cost.choose(CPU, pools)
+    gpu, gpu_rate = cost.choose(GPU, pools)
     assert cpu.total_tokens <= 16 and gpu.total_tokens >= 48, (cpu, gpu)
     assert gpu.depth > cpu.depth
     # the chosen spec beats plain decoding and EAGLE's fixed 60-node tree under each cost model
     for costs, spec, rate in ((CPU, cpu, cpu_rate), (GPU, gpu, gpu_rate)):
         assert rate > 1 / costs.verify(1)
         step = costs.level(2) + 5 * costs.level(8) + costs.verify(61)
-        fixed = plan.expected_tokens(pools[8], 6, 60) / step
+        fixed = cost.expected_tokens(pools[8], 6, 60) / step
         assert rate >= fixed
 
 
@@ -59,14 +59,14 @@ def test_decode_plan_auto_tree_uses_a_lumpy_cpu_curve():
                                16: 0.062, 96: 0.2}, {k: 0.002 for k in cost.LEVEL_SIZES})
     child = [0.2, 0.1, 0.08, 0.06, 0.05, 0.01, 0.01, 0.01, 0.01, 0.01]
     pools = {k: [([1] * k, child[:k])] for k in cost.LEVEL_SIZES}  # depth 1 only
-    spec, rate = plan.choose(lumpy, pools)
+    spec, rate = cost.choose(lumpy, pools)
     assert spec.depth == 1 and spec.total_tokens == 5 and spec.top_k >= 5, spec
     assert rate == pytest.approx((1 + sum(child[:5])) / (0.002 + 0.041))  # a head level + 6 rows
 
 
 def test_decode_plan_auto_tree_untrained_head_gets_minimal_tree():
     pools = synthetic_pools(untrained=True)
-    spec, _ = plan.choose(GPU, pools)
+    spec, _ = cost.choose(GPU, pools)
     assert spec.total_tokens <= 2
 
 
@@ -78,26 +78,26 @@ def test_decode_plan_auto_tree_measures_calibrates_and_caches(tmp_path, monkeypa
     costs = cost.measure(t, head, prefix_len=16, repeats=1)
     assert set(costs.verify_s) == set(cost.VERIFY_SIZES) and all(v > 0 for v in costs.level_s.values())
     ids = torch.randint(7, 64, (1, 40), generator=torch.Generator().manual_seed(0))
-    pools = plan.calibrate(t, head, ids, contexts=2, depth=3, ks=(1, 2, 3))
+    pools = cost.calibrate(t, head, ids, contexts=2, depth=3, ks=(1, 2, 3))
     assert [len(pools[k][0][0]) for k in (1, 2, 3)] == [3, 2 + 2 * 4, 3 + 2 * 9]
     assert all(0 < p <= 1 for p in pools[3][0][1])
-    monkeypatch.setattr(plan, "calibration_ids", lambda target: ids)
-    spec = plan.auto_tree(t, head, cache_dir=tmp_path)
+    monkeypatch.setattr(cost, "calibration_ids", lambda target: ids)
+    spec = cost.auto_tree(t, head, cache_dir=tmp_path)
     assert isinstance(spec, TreeSpec) and len(list(tmp_path.glob("*.json"))) == 1
-    monkeypatch.setattr(plan, "measure", lambda *a, **k: pytest.fail("cached costs were measured again"))
-    assert plan.auto_tree(t, head, cache_dir=tmp_path) == spec
+    monkeypatch.setattr(cost, "measure", lambda *a, **k: pytest.fail("cached costs were measured again"))
+    assert cost.auto_tree(t, head, cache_dir=tmp_path) == spec
     out = decode.generate(t, head, ids[:, :8], 6, eos_token_id=False, tree=spec)
     assert out.stats.new_tokens == 6
     # in-process: the plan is reused without hashing the weights again, until a weight changes in place
-    made = plan.auto_plan(t, head, cache_dir=tmp_path)
-    assert isinstance(made, plan.Plan) and made.spec == spec and 0 <= made.nodes_with_lookup <= spec.total_tokens
+    made = cost.auto_plan(t, head, cache_dir=tmp_path)
+    assert isinstance(made, cost.Plan) and made.spec == spec and 0 <= made.nodes_with_lookup <= spec.total_tokens
     keys = []
-    real_key = plan._key
-    monkeypatch.setattr(plan, "_key", lambda *a: keys.append(1) or real_key(*a))
-    assert plan.auto_plan(t, head, cache_dir=tmp_path) is made and keys == []
+    real_key = cost._key
+    monkeypatch.setattr(cost, "_key", lambda *a: keys.append(1) or real_key(*a))
+    assert cost.auto_plan(t, head, cache_dir=tmp_path) is made and keys == []
     with torch.no_grad():
         next(head.parameters()).mul_(1.0)  # an in-place write (same values: the file cache still answers)
-    again = plan.auto_plan(t, head, cache_dir=tmp_path)
+    again = cost.auto_plan(t, head, cache_dir=tmp_path)
     assert again is not made and again == made and keys == [1]
 
 
@@ -110,21 +110,21 @@ def test_decode_plan_auto_keeps_fewer_head_nodes_beside_a_lookup_branch(monkeypa
     child = [0.2, 0.1, 0.08, 0.06, 0.05, 0.01]
     pool = [([1] * 6, child)]
     spec = TreeSpec(1, 6, 5)
-    beside = plan.nodes_beside_branch(lumpy, pool, spec, rows=3, tokens=0.8)
+    beside = cost.nodes_beside_branch(lumpy, pool, spec, rows=3, tokens=0.8)
     assert beside < spec.total_tokens
     rate = lambda n: (1 + sum(child[:n]) + 0.8) / (0.002 + lumpy.verify(n + 4))
     assert rate(beside) == max(rate(n) for n in range(6))
-    assert plan.nodes_beside_branch(GPU, pool, spec, rows=3, tokens=0.8) == spec.total_tokens
+    assert cost.nodes_beside_branch(GPU, pool, spec, rows=3, tokens=0.8) == spec.total_tokens
     from test_decode_core import tiny_head
 
     t = tiny_target(vocab_size=64, layers=2)
     head = tiny_head(t, "eagle3", 48)
-    made = plan.Plan(TreeSpec(depth=2, top_k=2, total_tokens=4), expected_tokens_per_s=30.0,
+    made = cost.Plan(TreeSpec(depth=2, top_k=2, total_tokens=4), expected_tokens_per_s=30.0,
                      plain_tokens_per_s=20.0, nodes_with_lookup=1)
-    monkeypatch.setattr(plan, "auto_plan", lambda target, head: made)
+    monkeypatch.setattr(api, "auto_plan", lambda target, head: made)
     built = []
-    real = plan.LookupDrafter
-    monkeypatch.setattr(plan, "LookupDrafter", lambda inner, n, **kw: built.append(kw) or real(inner, n, **kw))
+    real = api.LookupDrafter
+    monkeypatch.setattr(api, "LookupDrafter", lambda inner, n, **kw: built.append(kw) or real(inner, n, **kw))
     ids = torch.tensor([[2, 5, 6, 7, 5, 6, 7, 5, 6]])
     out = decode.generate(t, head, ids, 12, eos_token_id=False, tree="auto", prompt_lookup=4)
     assert built == [dict(inner_nodes=1)]
@@ -139,8 +139,8 @@ def test_decode_plan_auto_falls_back_to_plain_when_no_tree_pays(tmp_path, monkey
     ids = torch.randint(7, 64, (1, 12), generator=torch.Generator().manual_seed(1))
     plain = decode.generate(t, None, ids, 6, eos_token_id=False)
     for expected, plain_rate, drafts in ((5.0, 20.0, False), (30.0, 20.0, True)):
-        made = plan.Plan(TreeSpec(depth=2, top_k=2, total_tokens=4), expected, plain_rate)
-        monkeypatch.setattr(plan, "auto_plan", lambda target, head, made=made: made)
+        made = cost.Plan(TreeSpec(depth=2, top_k=2, total_tokens=4), expected, plain_rate)
+        monkeypatch.setattr(api, "auto_plan", lambda target, head, made=made: made)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             out = decode.generate(t, head, ids, 6, eos_token_id=False, tree="auto")
@@ -162,14 +162,14 @@ def test_decode_plan_batch_trees_shrink_and_stop_paying():
     specs, pays = {}, {}
     for rows in (1, 2, 4, 16, 64):
         costs = batch_costs(rows)
-        spec, rate = plan.choose(costs, pools, max_total=15)
+        spec, rate = cost.choose(costs, pools, max_total=15)
         specs[rows], pays[rows] = spec, rate > rows / costs.verify(1)
     assert pays[1] and pays[2] and not pays[64], pays
     sizes = [specs[r].total_tokens for r in (1, 2, 4, 16)]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1], specs
     # one row: the batch-aware chooser is the one-row chooser (no batch_size given = 1)
     one = cost.Costs("cpu", batch_costs(1).verify_s, batch_costs(1).level_s)
-    assert plan.choose(one, pools, max_total=15) == plan.choose(batch_costs(1), pools, max_total=15)
+    assert cost.choose(one, pools, max_total=15) == cost.choose(batch_costs(1), pools, max_total=15)
 
 
 def test_decode_plan_auto_per_batch_size(tmp_path, monkeypatch):
@@ -180,22 +180,22 @@ def test_decode_plan_auto_per_batch_size(tmp_path, monkeypatch):
     t = tiny_target(vocab_size=64, layers=2)
     head = tiny_head(t, "eagle3", 48)
     ids = torch.randint(7, 64, (1, 40), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(plan, "calibration_ids", lambda target: ids)
+    monkeypatch.setattr(cost, "calibration_ids", lambda target: ids)
     measured = []
-    real_measure = plan.measure
-    monkeypatch.setattr(plan, "measure", lambda target, head, **kw: measured.append(kw) or real_measure(
+    real_measure = cost.measure
+    monkeypatch.setattr(cost, "measure", lambda target, head, **kw: measured.append(kw) or real_measure(
         target, head, prefix_len=16, repeats=1, **kw))
-    two = plan.auto_plan(t, head, cache_dir=tmp_path, batch_size=2)
+    two = cost.auto_plan(t, head, cache_dir=tmp_path, batch_size=2)
     assert two.batch_size == 2 and two.costs["batch_size"] == 2 and measured == [{"batch_size": 2}]
     assert set(map(int, two.costs["verify_s"])) == set(cost.batch_verify_sizes(t.device, 2))
-    assert max(map(int, plan.auto_plan(t, head, cache_dir=tmp_path, batch_size=64).costs["verify_s"])) == 4
-    assert plan._key(t, head) == plan._key(t, head, 1) != plan._key(t, head, 2)
+    assert max(map(int, cost.auto_plan(t, head, cache_dir=tmp_path, batch_size=64).costs["verify_s"])) == 4
+    assert cost._key(t, head) == cost._key(t, head, 1) != cost._key(t, head, 2)
     assert len(list(tmp_path.glob("*.json"))) == 2
     # generate on a batch asks for the plan of its size, and falls back to plain where it does not pay
     asked = []
     for expected, drafts in ((5.0, False), (30.0, True)):
-        made = plan.Plan(TreeSpec(depth=2, top_k=2, total_tokens=4), expected, 20.0, batch_size=3)
-        monkeypatch.setattr(plan, "auto_plan", lambda target, head, made=made, **kw: asked.append(kw) or made)
+        made = cost.Plan(TreeSpec(depth=2, top_k=2, total_tokens=4), expected, 20.0, batch_size=3)
+        monkeypatch.setattr(api, "auto_plan", lambda target, head, made=made, **kw: asked.append(kw) or made)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             out = decode.generate(t, head, [[2, 5, 6], [2, 7], [2, 8, 9, 10]], 6, eos_token_id=False, tree="auto")

@@ -1,15 +1,23 @@
 """``decode.generate``: lossless speculative decoding of one prompt or a batch with an EAGLE head, a draft
-model, any ``Drafter``, or none. It builds the drafter (``plan.make_drafter``; one per row for a batch,
-``plan.make_row_drafters``) and runs the loop (``loop.run``; ``batch.run_batch`` for a batch)."""
+model, any ``Drafter``, or none. It builds the drafter from what the caller passed (``make_drafter``: None,
+a draft Target, an EAGLE head or a ready drafter, optionally with a prompt-lookup branch grafted on; one per
+row for a batch, ``make_row_drafters``) and runs the loop (``loop.run``; ``batch.run_batch`` for a batch).
+``tree="auto"`` asks ``cost.auto_plan`` for the head's tree."""
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from eaglekit.decode.batch import pad_prompts, run_batch
+from eaglekit.decode.cost import Plan, auto_plan
+from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelDrafter, PlainDrafter
+from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput, check_context, check_inputs, eos_ids, run
-from eaglekit.decode.plan import make_drafter, make_row_drafters
+from eaglekit.decode.parallel import ParallelDrafter
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.stats import BatchStats
+from eaglekit.decode.tree import TreeSpec
 
 
 @torch.no_grad()
@@ -21,7 +29,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     a draft Target sharing the tokenizer (a chain of ``gamma`` tokens), an EAGLE head, or a ``Drafter``
     (e.g. ``ModelTreeDrafter``, ``LookupDrafter``).
 
-    ``tree`` (heads): a ``TreeSpec``, a dict of its fields, a ``plan.Plan``, or ``"auto"`` (sized from
+    ``tree`` (heads): a ``TreeSpec``, a dict of its fields, a ``cost.Plan``, or ``"auto"`` (sized from
     measured costs, plain decoding where no tree pays; with ``prompt_lookup`` it also keeps fewer head
     nodes on steps that have a lookup branch). ``prompt_lookup=N`` adds a branch of up to N tokens copied
     from the context after its last matching n-gram (``lookup.LookupDrafter``; with ``drafter=None`` this
@@ -91,3 +99,70 @@ def _pad_id(target, pad_token_id) -> int:
         if candidate is not None:
             return int(candidate)
     return 0
+
+
+# ---- which drafter: what the caller passed, as a ``drafters.Drafter`` -----------------------------------
+
+def make_drafter(target, drafter, sampling: Sampling | None = None, generator: torch.Generator | None = None,
+                 tree=None, gamma: int = 4, prompt_lookup=0) -> Drafter:
+    """The drafter for ``drafter``: None → plain decoding; another Target sharing the tokenizer → a chain of
+    ``gamma`` tokens sampled with ``sampling``; an EAGLE head → its EAGLE-2 tree (``tree``: a ``TreeSpec``,
+    a dict of its fields, a ``Plan``, or "auto" for ``auto_plan``'s); anything following the ``Drafter``
+    protocol → itself. ``prompt_lookup`` (``lookup.LookupDrafter``'s tokens) grafts a prompt-lookup branch
+    on top; with a plan, the head keeps the plan's ``nodes_with_lookup`` nodes on steps that have one."""
+    inner, plan = _inner(target, drafter, sampling or Sampling(), generator, tree, gamma)
+    if not prompt_lookup:
+        return inner
+    return LookupDrafter(inner, prompt_lookup, inner_nodes=None if plan is None else plan.nodes_with_lookup)
+
+
+def make_row_drafters(target, drafter, rows: int, sampling: Sampling | None = None,
+                      generator: torch.Generator | None = None, tree=None, gamma: int = 4,
+                      prompt_lookup=0) -> list[Drafter]:
+    """One drafter per row of a batch of ``rows`` prompts: ``make_drafter``'s (a ``Drafter`` given serves
+    row 0, its counters count row 0's steps), then ``fork()`` copies of it (one model, a state per row);
+    ``drafter`` may also be a list with one drafter (or head, ...) per row. ``tree="auto"`` with a head:
+    the plan for this batch size, plain decoding where no tree pays."""
+    if isinstance(drafter, (list, tuple)):
+        if len(drafter) != rows:
+            raise ValueError(f"{len(drafter)} drafters for a batch of {rows} prompts: give one per prompt")
+        return [make_drafter(target, d, sampling, generator, tree, gamma, prompt_lookup) for d in drafter]
+    if tree == "auto" and _is_head(drafter) and rows > 1:  # planned for this batch size
+        tree = auto_plan(target, drafter, batch_size=rows)
+        if not tree.drafting_pays:
+            warnings.warn(f"tree='auto': for a batch of {rows} this head's best tree is expected at "
+                          f"{tree.expected_tokens_per_s:.1f} tokens/s, plain batched decoding at "
+                          f"{tree.plain_tokens_per_s:.1f} on this device: decoding without drafting", stacklevel=3)
+            drafter = None
+    first = make_drafter(target, drafter, sampling, generator, tree, gamma, prompt_lookup)
+    if rows > 1 and not hasattr(first, "fork"):
+        raise TypeError(f"a batch drafts each row with its own drafter: give {type(first).__name__} a fork() "
+                        f"method, or pass a list of {rows} drafters, one per prompt")
+    return [first] + [first.fork() for _ in range(rows - 1)]
+
+
+def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, Plan | None]:
+    if drafter is None:
+        return PlainDrafter(), None
+    if hasattr(drafter, "fingerprint") and hasattr(drafter, "tokenizer"):  # another Target
+        return ModelDrafter(target, drafter, gamma, sampling, generator), None
+    if _is_head(drafter):
+        plan = auto_plan(target, drafter) if tree == "auto" else tree if isinstance(tree, Plan) else None
+        if tree == "auto" and not plan.drafting_pays:  # plain decoding where no tree is expected to pay
+            warnings.warn(f"tree='auto': this head's best tree is expected at {plan.expected_tokens_per_s:.1f} "
+                          f"tokens/s, plain decoding at {plan.plain_tokens_per_s:.1f} on this device: "
+                          "decoding without drafting (pass an explicit tree to draft anyway)", stacklevel=4)
+            return PlainDrafter(), None
+        make = ParallelDrafter if getattr(drafter, "parallel", False) else EagleDrafter
+        if plan is not None:
+            return make(target, drafter, plan.spec), plan
+        spec = tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {}))
+        return make(target, drafter, spec), None
+    if hasattr(drafter, "draft") and hasattr(drafter, "commit"):  # anything following the protocol
+        return drafter, None
+    raise TypeError(f"drafter must be None, a Target or an EAGLE head, got {type(drafter).__name__}")
+
+
+def _is_head(drafter) -> bool:
+    """An EAGLE head (it steps) or a parallel one (it drafts a block: P-EAGLE, DFlash)."""
+    return (hasattr(drafter, "step") or getattr(drafter, "parallel", False)) and hasattr(drafter, "config")
