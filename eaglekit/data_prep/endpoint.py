@@ -72,8 +72,10 @@ class ChatEndpoint:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        item: str = "",
     ) -> str:
-        """The assistant's answer to ``messages`` (stripped); temperature 0 asks for greedy decoding."""
+        """The assistant's answer to ``messages`` (stripped); temperature 0 asks for greedy decoding.
+        ``item`` names what is asked (e.g. ``conversation 'c3'``) in an error."""
         body = {
             "model": self.model,
             "messages": messages,
@@ -84,22 +86,24 @@ class ChatEndpoint:
             body["top_p"] = top_p
             if seed is not None:
                 body["seed"] = seed
-        reply = self._request("POST", "/chat/completions", body)
+        reply = self._request("POST", "/chat/completions", body, item)
         try:
             content = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise EndpointError(
-                f"{self.base_url}/chat/completions: unexpected reply {str(reply)[:200]}"
+                f"{self.base_url}/chat/completions{_for(item)}: unexpected reply {str(reply)[:200]}"
             ) from None
         return (content or "").strip()
 
-    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+    def _request(self, method: str, path: str, body: dict | None = None, item: str = "") -> dict:
         url = self.base_url + path
         data = None if body is None else json.dumps(body).encode()
-        last = ""
+        last, tries, stopped = "", 0, False
         for attempt in range(self.retries + 1):
             if attempt and self._stopped.wait(min(MAX_DELAY, self.backoff * 2 ** (attempt - 1))):
-                break  # another worker failed: give up now
+                stopped = True  # another worker failed: give up now
+                break
+            tries += 1
             req = urllib.request.Request(
                 url, data=data, method=method, headers={"Content-Type": "application/json"}
             )
@@ -109,7 +113,7 @@ class ChatEndpoint:
             except urllib.error.HTTPError as e:
                 last = f"HTTP {e.code}: {_text(e)}"
                 if e.code not in RETRY_STATUS:
-                    raise EndpointError(f"{url} refused the request ({last})") from None
+                    raise EndpointError(f"{url} refused the request{_for(item)} ({last})") from None
             except (
                 urllib.error.URLError,
                 OSError,
@@ -117,11 +121,17 @@ class ChatEndpoint:
             ) as e:  # refused, reset, cut off
                 last = str(getattr(e, "reason", e))
             except json.JSONDecodeError as e:
-                raise EndpointError(f"{url} answered something that is not JSON ({e.msg})") from None
+                raise EndpointError(f"{url} answered something that is not JSON{_for(item)} ({e.msg})") from None
+        # the tries really made: a retry cut short by stop() was never sent
+        why = "; stopped retrying: another request failed" if stopped else ""
         raise EndpointError(
-            f"regeneration endpoint {self.base_url} failed after {attempt + 1} tries (last: {last}); "
-            "is the server running? Rerun to resume."
+            f"regeneration endpoint {url}{_for(item)} failed after {tries} {'try' if tries == 1 else 'tries'} "
+            f"(last: {last}{why}); is the server running? Rerun to resume."
         )
+
+
+def _for(item: str) -> str:
+    return f" for {item}" if item else ""
 
 
 def _text(err: urllib.error.HTTPError) -> str:

@@ -162,7 +162,7 @@ def test_endpoint_resumes_after_a_failure_without_loss_or_duplicates(tmp_path, f
     dying = fake(fail_after=6, delay=later_first)
     out = tmp_path / "out.jsonl"
     cfg = RegenerateConfig(endpoint=dying.url, concurrency=3, retries=2)
-    with pytest.raises(EndpointError, match=f"{dying.url} failed after 3 tries .*503"):
+    with pytest.raises(EndpointError, match=f"{dying.url}/chat/completions failed after 3 tries .*503"):
         regenerate(None, convs, out, cfg, progress=False)
     kept = out.read_text().splitlines()
     assert 0 < len(kept) < len(convs) and kept == full.read_text().splitlines()[: len(kept)]
@@ -237,7 +237,8 @@ def test_endpoint_retries_then_gives_one_clear_error(tmp_path, fake, clock):
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/v1"
     clock.waits.clear()
-    with pytest.raises(EndpointError, match=rf"endpoint {url} failed after 3 tries \(last: .*refused"):
+    # the first request is the model lookup: the error names the URL that failed
+    with pytest.raises(EndpointError, match=rf"endpoint {url}/models failed after 3 tries \(last: .*refused"):
         regenerate(
             None,
             conversations(2),
@@ -248,16 +249,19 @@ def test_endpoint_retries_then_gives_one_clear_error(tmp_path, fake, clock):
     assert clock.waits == [0.5, 1.0]  # doubling from 0.5 s, then one clear error
     # a long run of failures: the wait doubles up to MAX_DELAY and stays there
     clock.waits.clear()
-    with pytest.raises(EndpointError, match="failed after 9 tries"):
-        ChatEndpoint(url, model="m", retries=8).chat([{"role": "user", "content": "hi"}], max_tokens=1)
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(EndpointError, match=rf"{url}/chat/completions for conversation 'c7' failed after 9 tries"):
+        ChatEndpoint(url, model="m", retries=8).chat(hi, max_tokens=1, item="conversation 'c7'")
     assert clock.waits == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, MAX_DELAY, MAX_DELAY] and MAX_DELAY == 30.0
     # stop() (another worker failed) ends a sleeping retry at once, after the try in flight
     stopped = ChatEndpoint(url, model="m", retries=8)
     stopped.stop()
     clock.waits.clear()
-    with pytest.raises(EndpointError, match=f"endpoint {url} failed"):
-        stopped.chat([{"role": "user", "content": "hi"}], max_tokens=1)
+    with pytest.raises(EndpointError, match=r"failed after 1 try \(last: .*refused.*; stopped retrying"):
+        stopped.chat(hi, max_tokens=1)  # the count is the tries made: the retry stop() cut short was never sent
     assert clock.waits == []
+    with pytest.raises(EndpointError, match=r"failed after 1 try \(last: .*refused[^;]*\); is the server"):
+        ChatEndpoint(url, model="m", retries=0).chat(hi, max_tokens=1)  # no retries: one try, said so
     bad = RegenerateConfig(endpoint=flaky.url, model="no-such-model", retries=5, concurrency=1)
     n = len(flaky.bodies)
     with pytest.raises(EndpointError, match="refused the request .*HTTP 404.*no-such-model not found"):
