@@ -32,9 +32,10 @@ def tiny_config(arch: str = "llama", vocab_size: int = 64, layers: int = 6, hidd
     from transformers import LlamaConfig, Qwen2Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
-    cfg = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-               tie_word_embeddings=False, pad_token_id=0, eos_token_id=6, bos_token_id=2)
+    cfg = {"vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+           "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 256, "tie_word_embeddings": False, "pad_token_id": 0, "eos_token_id": 6,
+           "bos_token_id": 2}
     cfg.update(kw)
     return cls(**cfg)
 

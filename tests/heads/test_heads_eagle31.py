@@ -13,8 +13,8 @@ from eaglekit.config import ConfigError
 from eaglekit.decode.tree import TreeSpec
 from eaglekit.heads import HeadCache, HeadConfig, build_head, export_head, load_head
 from eaglekit.heads.export import ExportError
-from eaglekit.train.config import load_train_config
 from eaglekit.heads.objectives import shift_left, ttt_unroll
+from eaglekit.train.config import load_train_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, H = 64, 32

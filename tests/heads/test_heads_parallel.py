@@ -335,9 +335,8 @@ def test_peagle_export_loads_in_speculators_and_computes_our_logits(tmp_path, mo
     if sys.version_info < (3, 11):
         pytest.skip("speculators needs Python >= 3.11")
     try:
-        import speculators.models.peagle.core as core
         from speculators.losses import eager
-        from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+        from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig, core
     except ImportError as e:  # installed by scripts/setup.sh: a missing one is a broken setup, not a skip
         pytest.fail(f"speculators is not importable ({e}); run scripts/setup.sh (speculators extra)")
     tdir = save_tiny(tmp_path / "tiny", layers=6, hidden=32, vocab_size=64)

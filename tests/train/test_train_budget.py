@@ -1,4 +1,5 @@
 """``optim.max_minutes``: a wall-clock budget stops training early and still evaluates and saves the head."""
+import itertools
 import json
 import math
 
@@ -92,7 +93,7 @@ def test_budget_stop_ends_annealed_and_a_resume_keeps_the_spent_time(tmp_path, m
     lrs = [r["lr"] for r in rows if "lr" in r]
     assert 4 <= final["step"] <= 8 < final["planned_steps"]  # ~6 s of a 6 s budget, long before the planned end
     assert lrs[-1] == pytest.approx(1e-2 * 0.2)  # annealed to the floor, not cut mid-schedule
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
     # a run stopped by max_steps and resumed keeps its clock: ~4 s spent, ~2 s left of the budget
     out2 = f"output_dir={tmp_path / 'out2'}"
     train(_cfg(tmp_path, *budget, "optim.epochs=4", "optim.max_steps=4", "save_interval=2", out2))

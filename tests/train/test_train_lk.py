@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from eaglekit.config import ConfigError
-from eaglekit.train.config import load_train_config
 from eaglekit.heads.objectives import OBJECTIVES, acceptance_loss, position_loss, soft_cross_entropy
+from eaglekit.train.config import load_train_config
 
 LK = [o for o in OBJECTIVES if o != "kl"]
 

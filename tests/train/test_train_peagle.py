@@ -41,7 +41,8 @@ def test_peagle_trained_a_few_steps_beats_untrained_and_decodes_exactly(tmp_path
     ref = tiny.model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
     taus = {}
     for name, h in (("trained", head), ("untrained", load_head(tmp_path / "untrained" / "final", tiny))):
-        out = decode.generate(tiny, h, prompt, 24, tree=dict(depth=3, top_k=1, total_tokens=3), eos_token_id=False)
+        out = decode.generate(tiny, h, prompt, 24, tree={"depth": 3, "top_k": 1, "total_tokens": 3},
+                              eos_token_id=False)
         assert torch.equal(out.sequences, ref), name
         taus[name] = out.stats.tau
     assert taus["trained"] > taus["untrained"], taus

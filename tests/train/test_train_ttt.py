@@ -5,8 +5,8 @@ import torch
 from helpers import tiny_target
 
 from eaglekit.heads import HeadCache, HeadConfig, build_head
-from eaglekit.train.config import LossConfig
 from eaglekit.heads.objectives import Teacher, shift_left, ttt_loss, ttt_unroll
+from eaglekit.train.config import LossConfig
 from eaglekit.train.metrics import Tally
 
 LOSS = LossConfig(ttt_steps=3, step_decay=0.8, chunk_tokens=5, cache_teacher_mb=0.0)
