@@ -30,11 +30,11 @@ def main() -> None:
     target = load_target(args.target)
     prefix = torch.randint(10, target.vocab_size - 1, (1, args.prefix), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ref = target.forward(prefix, kind=None).logits
+        ref = target.forward(prefix, layer_ids=()).logits
         aten = verify_costs(target, prefix, args.repeats, SIZES)
         n = pack_linears(target.model)
         packed = verify_costs(target, prefix, args.repeats, SIZES)
-        got = target.forward(prefix, kind=None).logits
+        got = target.forward(prefix, layer_ids=()).logits
     print(f"{args.target}, {torch.get_num_threads()} threads, prefix {args.prefix}, {n} linears packed")
     print("| verified tokens m | " + " | ".join(map(str, SIZES)) + " |")
     print("|---" * (len(SIZES) + 1) + "|")

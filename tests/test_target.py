@@ -2,7 +2,6 @@ import pytest
 import torch
 from helpers import save_tiny, tiny_target
 
-from eaglekit.heads import EAGLE1
 from eaglekit.target import default_taps, load_target
 
 
@@ -20,16 +19,15 @@ def test_eagle3_taps_equal_output_hidden_states(arch):
     torch.testing.assert_close(feats.last, ref[-1], rtol=0, atol=0)
 
 
-def test_custom_layer_ids_and_eagle1_kind():
+def test_custom_layer_ids_and_no_taps():
     t = tiny_target("llama", layers=6)
     ids = torch.randint(0, 64, (1, 7))
     ref = t.model(ids, output_hidden_states=True).hidden_states
     f = t.features(ids, layer_ids=(0, 5))
     torch.testing.assert_close(f.taps, torch.cat([ref[0], ref[5]], -1), rtol=0, atol=0)
-    f1 = t.features(ids, kind=EAGLE1)
+    f1 = t.features(ids, layer_ids=())  # a head without taps (EAGLE-1's head.taps) taps none
     assert f1.taps is None
     torch.testing.assert_close(f1.last, ref[-1], rtol=0, atol=0)
-    assert t.features(ids, layer_ids=()).taps is None  # a head without taps (EAGLE-1's head.taps) taps none
 
 
 def test_default_taps():

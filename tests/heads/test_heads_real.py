@@ -15,7 +15,7 @@ def test_heads_eagle3_on_smollm2_real_taps(smollm2):
     head = build_head(cfg, t)
     ids = t.tokenizer("The capital of France is Paris, and", return_tensors="pt")["input_ids"]
     S = ids.shape[1]
-    out = t.forward(ids, kind="eagle3")
+    out = t.forward(ids, layer_ids=head.taps)
     assert out.taps.shape == (1, S, 3 * 576)
     g = head.fuse_output(out)
     # pair (g_t, x_{t+1}) at position t: the head reads the next token
