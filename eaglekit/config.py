@@ -14,13 +14,13 @@ would be a second syntax.
 
 Shared sections: ``TargetSpec`` is the ``target:`` section of every job (name, dtype, device, adapter...);
 a plain string there is its name (``target: smollm2-135m-instruct``, ``target=qwen...``), a section class
-saying so with ``shorthand = "name"``. Older flat keys keep working where a config class lists them in
-``legacy``, pairs (older key, today's key) such as ``("target_dtype", "target.dtype")``; an error on one
-names both. ``parse_dtype`` is the one reader of dtype names.
+saying so with ``shorthand = "name"``. ``parse_dtype`` is the one reader of dtype names (configs, CLI
+flags, a saved head's config.json), ``Dtype`` the names it takes.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import types
@@ -54,14 +54,13 @@ Dtype = Literal["float32", "bfloat16", "float16", "float64"]  # a target's compu
 # for exactness checks, where fp32's summation order would show, e.g. a split target against a whole one)
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"`` → ``torch.bfloat16`` (a torch.dtype passes through): every dtype name eaglekit reads."""
-    if isinstance(name, torch.dtype):
-        return name
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype {name!r} is not a floating-point torch dtype (float32, bfloat16, float16...)")
-    return dtype
+def parse_dtype(name: str | torch.dtype, key: str = "dtype") -> torch.dtype:
+    """``"bfloat16"`` → ``torch.bfloat16``: every dtype name eaglekit reads goes through here. A torch.dtype
+    is checked the same way (eaglekit computes in these four only); ``key`` names the setting in the error."""
+    text = str(name).removeprefix("torch.") if isinstance(name, torch.dtype) else name
+    if text not in typing.get_args(Dtype):
+        raise ConfigError(f"{key} must be {describe(Dtype)}, got {name!r}")
+    return getattr(torch, text)
 
 
 @dataclasses.dataclass
@@ -133,11 +132,10 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     Nested dataclass fields are filled from nested mappings, and ``a.b=1`` overrides a nested field.
     """
     where = str(path or "config")
-    renamed: dict[str, str] = {}  # today's key -> the older one given
-    data = _today(cls, _read_yaml(Path(path)), where, renamed) if path is not None else {}
-    ov = parse_overrides(overrides, lambda key: _is_text(cls, _moved(cls, key))) if isinstance(overrides, list) \
+    data = _expand(cls, _read_yaml(Path(path))) if path is not None else {}
+    ov = parse_overrides(overrides, lambda key: _is_text(cls, key)) if isinstance(overrides, list) \
         else dict(overrides or {})
-    ov = dict(_override_key(cls, key, value, renamed) for key, value in ov.items())
+    ov = dict(_override_key(cls, key, value) for key, value in ov.items())
     for key, value in ov.items():
         node = data
         *parents, leaf = key.split(".")
@@ -155,18 +153,12 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
         source = "override" if key in ov else where
         if not key:
             raise ConfigError(f"{where}: {e.errors()[0]['msg']}") from None
-        named = f"{renamed[key]} (now {key})" if key in renamed else key
-        raise ConfigError(f"{source}: {named} must be {describe(_hint_at(cls, key))}{_example(cls, key)}, "
+        raise ConfigError(f"{source}: {key} must be {describe(_hint_at(cls, key))}{_example(cls, key)}, "
                           f"got {_value_at(data, key)!r}") from None
     return _to_dataclass(cls, model)
 
 
-# --- older shapes: moved keys and section shorthands ------------------------------------------------
-def _moved(cls, key: str) -> str:
-    """``key`` where it lives today (a key ``cls.legacy`` lists moves; others stay)."""
-    return dict(getattr(cls, "legacy", ())).get(key, key)
-
-
+# --- section shorthands: ``target: NAME`` is ``target: {name: NAME}`` --------------------------------
 def _shorthand(cls, key: str) -> str | None:
     """The key a plain value of section ``key`` fills (``target`` → ``name``), else None."""
     try:
@@ -176,34 +168,21 @@ def _shorthand(cls, key: str) -> str | None:
     return getattr(section, "shorthand", None) if section is not None else None
 
 
-def _override_key(cls, key: str, value, renamed: dict) -> tuple[str, object]:
-    """An override in today's shape: ``target_dtype=x`` → ``target.dtype``, ``target=NAME`` → ``target.name``."""
-    new = _moved(cls, key)
-    if new != key:
-        renamed[new] = key
-    short = _shorthand(cls, new)
-    return (f"{new}.{short}" if short is not None and not isinstance(value, dict) else new), value
+def _override_key(cls, key: str, value) -> tuple[str, object]:
+    """``target=NAME`` → ``target.name``; any other override as given."""
+    short = _shorthand(cls, key)
+    return (f"{key}.{short}" if short is not None and not isinstance(value, dict) else key), value
 
 
-def _today(cls, data: dict, where: str, renamed: dict, prefix: str = "") -> dict:
-    """A config file's mapping in today's shape: sections given as plain values, keys ``legacy`` moves."""
+def _expand(cls, data: dict) -> dict:
+    """A config file's mapping with the sections given as plain values made sections."""
     out = dict(data)
     for name, value in data.items():
         section = _section(_hints(cls).get(name)) if name in _hints(cls) else None
-        if section is None:
-            continue
-        if isinstance(value, dict):
-            out[name] = _today(section, value, where, renamed, f"{prefix}{name}.")
+        if isinstance(value, dict) and section is not None:
+            out[name] = _expand(section, value)
         elif value is not None and getattr(section, "shorthand", None):
             out[name] = {section.shorthand: value}
-    for old, new in (pair for pair in getattr(cls, "legacy", ()) if pair[0] in out):
-        section, leaf = new.split(".")  # an older flat key now lives in a section
-        node = out.setdefault(section, {})
-        if not isinstance(node, dict) or leaf in node:
-            raise ConfigError(f"{where}: {prefix}{old} and {prefix}{new} are the same setting ({old} is its older "
-                              f"name): give {new} only")
-        node[leaf] = out.pop(old)
-        renamed[f"{prefix}{new}"] = f"{prefix}{old}"
     return out
 
 
@@ -243,12 +222,31 @@ def _check_keys(cls, data: dict, where: str, prefix: str = "") -> None:
     fields = _hints(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
+        hints = [m if len(unknown) == 1 else f"{m} for {k}" for k in unknown if (m := _closest(cls, k))]
         raise ConfigError(f"{where}{':' + prefix[:-1] if prefix else ''}: unknown key(s) {unknown} for "
-                          f"{cls.__name__}; known: {sorted(fields)}")
+                          f"{cls.__name__}{' (did you mean ' + ', '.join(hints) + '?)' if hints else ''}; "
+                          f"known: {sorted(fields)}")
     for name, value in data.items():
         sub = _section(fields[name])
         if sub is not None and isinstance(value, dict):
             _check_keys(sub, value, where, f"{prefix}{name}.")
+
+
+def _keys(cls, prefix: str = ""):
+    """Every dotted key of ``cls`` and its sections."""
+    for name, hint in _hints(cls).items():
+        yield prefix + name
+        if _section(hint) is not None:
+            yield from _keys(_section(hint), f"{prefix}{name}.")
+
+
+def _closest(cls, key: str) -> str | None:
+    """The known key ``key`` was likely meant as: a near spelling (``lrr`` → ``lr``, ``target_dtype`` →
+    ``target.dtype``), else the one key of a section with that name (``dtype`` → ``target.dtype``)."""
+    keys = list(_keys(cls))
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
+    same = [k for k in keys if k.rsplit(".", 1)[-1] == key]
+    return near[0] if near else same[0] if len(same) == 1 else None
 
 
 # --- pydantic models mirroring the dataclasses -------------------------------------------------------

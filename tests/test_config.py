@@ -1,3 +1,4 @@
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -123,43 +124,47 @@ def test_text_fields_keep_override_text_as_given():
 
 
 # ---- the shared target section ---------------------------------------------------------------------------
-def test_target_section_nested_or_as_a_name_and_older_flat_keys(tmp_path):
-    """``target:`` is a section (name, dtype, device...); a plain name and the older flat keys still load."""
+def test_target_section_nested_or_as_a_name(tmp_path):
+    """``target:`` is a section (name, dtype, device...); a plain name fills its ``name``."""
     from eaglekit.assets import DEFAULT_TARGET
     from eaglekit.config import TargetSpec
     from eaglekit.train.config import load_train_config
 
-    nested, flat = tmp_path / "nested.yaml", tmp_path / "flat.yaml"
+    nested, short = tmp_path / "nested.yaml", tmp_path / "short.yaml"
     nested.write_text("target:\n  name: some/model\n  dtype: bfloat16\ndata:\n  conversations: x\n")
-    flat.write_text("target: some/model\ntarget_dtype: bfloat16\ndata:\n  conversations: x\n")
-    want = TargetSpec(name="some/model", dtype="bfloat16")
-    assert load_train_config(nested).target == load_train_config(flat).target == want
+    short.write_text("target: some/model\ndata:\n  conversations: x\n")
+    assert load_train_config(nested).target == TargetSpec(name="some/model", dtype="bfloat16")
+    assert load_train_config(short).target == TargetSpec(name="some/model")
     assert load_train_config(None, ["data.conversations=x"]).target == TargetSpec(name=DEFAULT_TARGET)
-    # an override of the name keeps the rest of the section; the older key as an override too
-    cfg = load_train_config(nested, ["target=other", "target_dtype=float16"])
+    # an override of the name keeps the rest of the section
+    cfg = load_train_config(nested, ["target=other", "target.dtype=float16"])
     assert cfg.target == TargetSpec(name="other", dtype="float16")
     assert load_train_config(nested, ["target.name=third"]).target.dtype == "bfloat16"
-    with pytest.raises(ConfigError, match=r"override: target_dtype \(now target.dtype\) must be one of 'float32', "
+    with pytest.raises(ConfigError, match=r"override: target.dtype must be one of 'float32', "
                                           r"'bfloat16', 'float16', 'float64', got 'int8'"):
-        load_train_config(nested, ["target_dtype=int8"])
-    both = tmp_path / "both.yaml"
-    both.write_text("target:\n  name: m\n  dtype: float16\ntarget_dtype: bfloat16\ndata:\n  conversations: x\n")
-    with pytest.raises(ConfigError, match=rf"^{both}: target_dtype and target.dtype are the same setting"):
-        load_train_config(both)
-    with pytest.raises(ConfigError, match=r"target: unknown key\(s\) \['dtyp'\]"):
+        load_train_config(nested, ["target.dtype=int8"])
+    with pytest.raises(ConfigError, match=r"target: unknown key\(s\) \['dtyp'\] for TargetSpec \(did you mean dtype\?\)"):
         load_train_config(None, ["data.conversations=x", "target.dtyp=float16"])
     with pytest.raises(ConfigError, match="leave target.device unset"):
         load_train_config(None, ["data.conversations=x", "target.device=cuda"])
 
 
-def test_prepare_reads_the_older_dtype_and_device_keys(tmp_path):
-    from eaglekit.config import TargetSpec
+def test_flat_target_keys_are_unknown_and_point_at_the_section(tmp_path):
+    """No older flat keys (a 0.1.0 package has no old callers): ``target_dtype`` (train), ``dtype`` and
+    ``device`` (prepare) are refused, the error naming the key in the target section."""
     from eaglekit.data_prep.prepare import PrepareConfig
+    from eaglekit.train.config import load_train_config
 
-    flat = tmp_path / "prep.yaml"
-    flat.write_text("target: m\ndtype: bfloat16\ndevice: cuda\n")
-    assert load_config(PrepareConfig, flat).target == TargetSpec(name="m", dtype="bfloat16", device="cuda")
-    assert load_config(PrepareConfig, None, ["device=cpu", "dtype=float16"]).target.dtype == "float16"
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("target: some/model\ntarget_dtype: bfloat16\ndata:\n  conversations: x\n")
+    with pytest.raises(ConfigError, match=rf"^{flat}: unknown key\(s\) \['target_dtype'\] for TrainConfig "
+                                          r"\(did you mean target.dtype\?\); known: \["):
+        load_train_config(flat)
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['device', 'dtype'\] for PrepareConfig \(did you "
+                                          r"mean target.device for device, target.dtype for dtype\?\)"):
+        load_config(PrepareConfig, None, ["device=cpu", "dtype=float16"])
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['warmup'\] for TrainConfig; known"):
+        load_train_config(None, ["data.conversations=x", "warmup=3"])  # no near key, none of that name
 
 
 def test_parse_dtype_is_the_one_reader_of_dtype_names():
@@ -168,9 +173,12 @@ def test_parse_dtype_is_the_one_reader_of_dtype_names():
     from eaglekit.config import parse_dtype
 
     assert parse_dtype("bfloat16") is torch.bfloat16 and parse_dtype(torch.float16) is torch.float16
-    for bad in ("float8", "int64", "cuda"):
-        with pytest.raises(ValueError, match=f"dtype '{bad}' is not a floating-point torch dtype"):
-            parse_dtype(bad)
+    assert parse_dtype("float64") is torch.float64 and parse_dtype(torch.half) is torch.float16
+    # names torch has but eaglekit does not compute in, and names torch lacks, each naming the key
+    for bad in ("float8_e4m3fn", "half", "int64", "cuda", torch.int8, None):
+        with pytest.raises(ConfigError, match=rf"^head.dtype must be one of 'float32', 'bfloat16', 'float16', "
+                                              rf"'float64', got {re.escape(repr(bad))}$"):
+            parse_dtype(bad, key="head.dtype")
 
 
 def test_bench_config_refuses_bad_values_by_its_types():

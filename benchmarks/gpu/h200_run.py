@@ -83,7 +83,7 @@ def prepare_cmd(a, data: Path, source: Path) -> list[str]:
             f"output_dir={data}", f"data={source}", f"max_turns={a.max_turns}", "capture=false",
             "draft_vocab_size=8192", "regenerate.enabled=true", f"regenerate.max_new_tokens={a.new_tokens}",
             f"regenerate.max_prompt_tokens={a.max_prompt_tokens}", f"regenerate.batch_size={a.batch}",
-            f"device={a.device}", "dtype=float32", "progress=false"]
+            f"target.device={a.device}", "target.dtype=float32", "progress=false"]
 
 
 def regenerate(a, work: Path, until: float, summary: dict) -> Path:
@@ -122,7 +122,7 @@ def finish_regen(a, data: Path, out: Path, summary: dict) -> dict:
         write_bytes(path, b"".join(x + b"\n" for x in lines[:keep]))
     cfg = load_config(PrepareConfig, "configs/prepare-smollm2.yaml", [
         f"data={path}", "num_conversations=0", "max_turns=0", f"output_dir={data}", "draft_vocab_size=8192",
-        "capture=false", "device=cpu", "dtype=float32", "progress=false"])
+        "capture=false", "target.device=cpu", "target.dtype=float32", "progress=false"])
     counts = run_prepare(cfg)
     record = {**regen_counts(lines[:keep]), **counts, "lines_dropped_for_size": len(lines) - keep,
               "gz_bytes": len(blob), "max_turns": a.max_turns, "max_new_tokens": a.new_tokens,

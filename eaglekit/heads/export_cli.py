@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from eaglekit.config import PosInt, TargetSpec, load_config, parse_dtype
+from eaglekit.config import Dtype, PosInt, TargetSpec, load_config, parse_dtype
 from eaglekit.heads.export import export_to
 from eaglekit.heads.hub import load_head_target
 from eaglekit.heads.io import read_config
@@ -19,7 +19,7 @@ class ExportOptions:
     to: str = "sglang"  # sglang | vllm | speculators | eagle1
     target: TargetSpec | None = None  # default: the target named in the head's config
     verifier: str = ""  # target id written for engines (ORG/NAME or a local model folder); default: derived
-    dtype: str = ""  # e.g. bfloat16; default: the head's own dtype
+    dtype: Dtype | None = None  # e.g. bfloat16; default: the head's own dtype
     speculative_tokens: PosInt = 3  # speculators config: proposal length
     overwrite: bool = False
 
@@ -52,7 +52,7 @@ def run(args) -> int:
     if not opts.head or not opts.out:
         raise SystemExit("eaglekit export: --head and --out are required")
     target = load_target_for(opts.head, opts.target)
-    dtype = parse_dtype(opts.dtype) if opts.dtype else None
+    dtype = parse_dtype(opts.dtype) if opts.dtype is not None else None
     out = export_to(opts.head, opts.out, opts.to, target, dtype=dtype, overwrite=opts.overwrite,
                     speculative_tokens=opts.speculative_tokens, verifier=opts.verifier or None)
     written = read_config(out).get(EXPORT_BLOCK, {})

@@ -101,9 +101,8 @@ def resume_trainer(tr) -> dict:
 
 
 def stored_config(path: Path) -> dict:
-    """The config checkpoint ``path`` was written with, in today's shape: older keys where they live now
-    (``target: NAME``, ``target_dtype``), fields added since at their defaults. A config that no longer
-    loads is compared as stored."""
+    """The config checkpoint ``path`` was written with, in today's shape: a ``target: NAME`` as the section,
+    fields added since at their defaults. A config that no longer loads is compared as stored."""
     saved = read_config(path)
     try:
         return to_dict(load_config(TrainConfig, None, saved))

@@ -1,8 +1,7 @@
 """Typed training config: YAML + ``key=value`` overrides through ``eaglekit.config.load_config``.
 
 Every key a run may set lives here; an unknown key is a ConfigError (no silent no-ops). The ``target:``
-section is the one every job shares (``eaglekit.config.TargetSpec``; a plain name works, and the older
-flat ``target_dtype`` is ``target.dtype``).
+section is the one every job shares (``eaglekit.config.TargetSpec``; a plain name works).
 """
 from __future__ import annotations
 
@@ -108,8 +107,6 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True  # tqdm bar on the main process
     eval_only: bool = False  # evaluate head.init_from on the held-out split, write metrics.json, no training
-
-    legacy = (("target_dtype", "target.dtype"),)  # (not a field) older flat keys, accepted where they live today
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> TrainConfig:

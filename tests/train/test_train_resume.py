@@ -63,17 +63,23 @@ def test_train_kill9_then_resume_auto_matches_uninterrupted(tmp_path):
     assert len([k for k in kept if k.startswith("step-")]) == 2 and not [k for k in kept if k.startswith(".tmp")]
 
 
-def test_a_checkpoint_config_in_the_older_flat_shape_is_compared_as_today(tmp_path):
-    """A checkpoint written before the ``target:`` section (``target: NAME``, ``target_dtype``) resumes
-    without a reported change; a real change in it is still reported under today's key."""
+def test_a_checkpoint_config_is_compared_in_todays_shape(tmp_path):
+    """A stored ``target: NAME`` (the section's shorthand) and a field added since (at its default) are no
+    change; a real change is reported under its dotted key; a stored config that no longer loads (a flat
+    ``target_dtype``, a key eaglekit never reads) is compared as stored, so its key shows as a change."""
     from eaglekit.config import to_dict
     from eaglekit.train.checkpoint_files import config_changes
     from eaglekit.train.checkpoint_trainer import stored_config
     from eaglekit.train.config import load_train_config
 
-    cfg = load_train_config(None, ["data.conversations=x", "target=some/model", "target.dtype=bfloat16"])
-    old = {k: v for k, v in to_dict(cfg).items() if k != "target"}
-    (tmp_path / "train_config.json").write_text(json.dumps({**old, "target": "some/model", "target_dtype": "bfloat16"}))
-    assert config_changes(stored_config(tmp_path), to_dict(cfg)) == []
-    (tmp_path / "train_config.json").write_text(json.dumps({**old, "target": "some/model", "target_dtype": "float32"}))
-    assert config_changes(stored_config(tmp_path), to_dict(cfg)) == [("target.dtype", "float32", "bfloat16")]
+    cfg = load_train_config(None, ["data.conversations=x", "target=some/model"])
+    old = {k: v for k, v in to_dict(cfg).items() if k not in ("target", "eval_only")}
+
+    def changes(stored: dict) -> list:
+        (tmp_path / "train_config.json").write_text(json.dumps(stored))
+        return config_changes(stored_config(tmp_path), to_dict(cfg))
+
+    assert changes({**old, "target": "some/model"}) == []
+    assert changes({**old, "target": {"name": "some/model", "dtype": "bfloat16"}}) == [
+        ("target.dtype", "bfloat16", "float32")]
+    assert ("target_dtype", "float32", None) in changes({**old, "target": "some/model", "target_dtype": "float32"})
