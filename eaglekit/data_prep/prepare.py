@@ -61,8 +61,6 @@ class PrepareConfig:
     batch_tokens: PosInt = 8192  # padded tokens per capture forward
     progress: bool = True
 
-    legacy = (("dtype", "target.dtype"), ("device", "target.device"))  # (not a field) older flat keys
-
 
 def first_turns(messages: list[dict], n: int) -> list[dict]:
     """The messages up to and including the answer to the ``n``-th user turn (``n=0``: all)."""
