@@ -24,17 +24,16 @@ from pathlib import Path
 
 import torch
 
-from eaglekit.bench.methods import run_in_order
+from eaglekit.bench.methods import load_models, run_in_order
 from eaglekit.bench.plots import plot_batch
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates
 from eaglekit.bench.theory import expectations, memory, memory_lines
 from eaglekit.decode import cost
 from eaglekit.decode.api import generate
-from eaglekit.decode.cli import load_drafter, parse_tree, use_cpu_linear, with_draft_tree
+from eaglekit.decode.cli import parse_tree, with_draft_tree
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.fileio import write_text
-from eaglekit.target import load_target
 from eaglekit.timing import load_average
 
 
@@ -58,9 +57,7 @@ def batch_methods(cfg, target, drafter, tree) -> dict:
 
 
 def run_batch_bench(cfg) -> dict:
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
-    drafter = load_drafter(cfg, target)
-    packed = use_cpu_linear(cfg.cpu_linear, target, drafter)
+    target, drafter, packed = load_models(cfg)
     tree = parse_tree(cfg.tree)
     if tree == "auto" and cfg.head:  # "ours" always drafts: the one-row plan's tree
         tree = cost.auto_plan(target, drafter)

@@ -18,6 +18,10 @@ Writes JSON and PNGs (``report``, ``plots``).
 
 With ``batch_sizes=[1,2,4,8,16]`` it measures batched decoding instead: plain batched decoding vs
 drafting per batch size, with the speedup expected from the measured acceptance (``bench.batch``).
+
+With ``tp_size=N`` under ``torchrun --nproc_per_node N`` the target is split over the N processes, as for
+``eaglekit generate``: every process runs the same bench (a fixed ``tree=``: ``tree=auto`` is refused, as
+each process would time its own costs; the same prompts, orders and seeds), the first prints and writes.
 """
 from __future__ import annotations
 
@@ -29,15 +33,15 @@ import torch
 from pydantic import Field
 
 from eaglekit.bench.batch import batch_table, run_batch_bench, write_batch
-from eaglekit.bench.methods import methods, run_in_order
+from eaglekit.bench.methods import load_models, methods, run_in_order
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates, speedup_per_category, summarise, table, write
 from eaglekit.bench.theory import memory
-from eaglekit.config import NonNegFloat, NonNegInt, PosInt, load_config
+from eaglekit.config import Dtype, NonNegFloat, NonNegInt, PosInt, load_config
 from eaglekit.decode import cost
-from eaglekit.decode.cli import CPU_LINEAR, DTYPES, load_drafter, parse_tree, use_cpu_linear
+from eaglekit.decode.cli import CPU_LINEAR, parse_tree, refuse_auto_tree_split
 from eaglekit.decode.stats import DecodeStats
-from eaglekit.target import load_target
+from eaglekit.tensor_parallel import launch_layout
 from eaglekit.timing import load_average
 
 
@@ -61,19 +65,19 @@ class BenchConfig:
     # add "lookup" (our loop, prompt lookup only) and, with a head or draft_tree, "ours_lookup" (drafter +
     # lookup). hf_lookup keeps transformers' own settings (prompt_lookup_tokens, n-gram 2)
     assistant_tokens: list[PosInt] = field(default_factory=lambda: [4, 8])  # best of these is reported
-    dtype: DTYPES = "float32"
+    dtype: Dtype = "float32"  # read by config.parse_dtype (through load_target)
     device: str = "cpu"
     seed: int = 0
     threads: NonNegInt = 0  # torch CPU threads (0 = torch's default)
     cpu_linear: CPU_LINEAR = "packed"  # "packed" (oneDNN pre-packed weights, every method alike) or "aten"
     out: str = "benchmarks/results/decode"
     batch_sizes: list[PosInt] = field(default_factory=list)  # e.g. [1,2,4,8,16]: the batch bench (bench.batch)
+    tp_size: PosInt = 1  # > 1: the target split over tp_size processes (torchrun --nproc_per_node tp_size), each
+    # running the same bench (fixed tree, same prompts and seeds); the first prints and writes the report
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
-    drafter = load_drafter(cfg, target)
-    packed = use_cpu_linear(cfg.cpu_linear, target, drafter)  # HF baselines run the same packed modules
+    target, drafter, packed = load_models(cfg)  # HF baselines run the same (packed) modules
     tree, plan = parse_tree(cfg.tree), None
     if tree == "auto" and cfg.head:
         plan = cost.auto_plan(target, drafter)
@@ -169,16 +173,14 @@ def add_arguments(p):
 
 def run(args) -> int:
     cfg = load_config(BenchConfig, args.config, args.overrides)
+    refuse_auto_tree_split(cfg.tp_size, cfg.tree)  # before any model loads
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.batch_sizes:
-        report = run_batch_bench(cfg)
-        path = write_batch(report, cfg.out)
-        print(batch_table(report))
-    else:
-        report = run_bench(cfg)
-        path = write(report, cfg.out)
-        print(table(report))
+    report = run_batch_bench(cfg) if cfg.batch_sizes else run_bench(cfg)
+    if launch_layout(cfg.tp_size).rank:  # a split target: the first process writes the report
+        return 0
+    path = (write_batch if cfg.batch_sizes else write)(report, cfg.out)
+    print((batch_table if cfg.batch_sizes else table)(report))
     print(f"wrote {path} (and PNGs beside it)")
     return 0

@@ -16,16 +16,13 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
-from eaglekit.config import NonNegFloat, NonNegInt, PosFraction, PosInt, load_config
+from eaglekit.config import Dtype, NonNegFloat, NonNegInt, PosFraction, PosInt, load_config
 from eaglekit.decode.drafters import ModelTreeDrafter
 from eaglekit.decode.tree import TreeSpec
 from eaglekit.heads import load_head
 from eaglekit.packed_linear import pack_linears
 from eaglekit.target import load_target
 
-DTYPES = Literal["float32", "bfloat16", "float16"]
 CPU_LINEAR = Literal["packed", "aten"]
 
 
@@ -48,7 +45,7 @@ class GenerateConfig:
     # after a 1-gram match, 5 after a 2-gram, 10 after a 3-gram (lookup.BY_MATCH, the measured best);
     # "auto": 2,5,10 with a head or draft_tree= (it paid in every measured case), off otherwise; 0: off
     prompt_lookup: int | list | str = "auto"
-    dtype: DTYPES = "float32"
+    dtype: Dtype = "float32"  # read by config.parse_dtype (through load_target), the one reader of dtype names
     device: str = "cpu"
     cpu_linear: CPU_LINEAR = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
     tp_size: PosInt = 1  # > 1: the target split over tp_size processes (torchrun --nproc_per_node tp_size);
@@ -61,9 +58,21 @@ def check_split(cfg: GenerateConfig) -> None:
         return
     if cfg.prompt is None:
         raise ValueError(f"tp_size={cfg.tp_size}: give prompt= (an interactive chat reads stdin on one process)")
-    if cfg.tree == "auto":
-        raise ValueError(f"tp_size={cfg.tp_size}: tree=auto sizes the tree from costs each process measures for "
+    refuse_auto_tree_split(cfg.tp_size, cfg.tree)
+
+
+def refuse_auto_tree_split(tp_size: int, tree: str) -> None:
+    """tree=auto with a split target (``eaglekit generate`` and ``eaglekit bench``): refused."""
+    if tp_size > 1 and tree == "auto":
+        raise ValueError(f"tp_size={tp_size}: tree=auto sizes the tree from costs each process measures for "
                          "itself, so processes could pick different trees; give tree=depth,top_k,total_tokens")
+
+
+def speak_on_first_process(target) -> None:
+    """A split target runs the same loop on every process of its group: only the first one prints."""
+    if target.layout.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+        sys.stderr = sys.stdout
 
 
 def add_arguments(p):
@@ -90,11 +99,8 @@ def run(args) -> int:
         if cfg.draft and not cfg.draft_tree:
             raise ValueError(f"prompt_lookup={cfg.prompt_lookup} with draft= and no draft_tree=: {SAMPLED}")
     check_split(cfg)
-    target = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=cfg.device, tp_size=cfg.tp_size,
-                         only_tp=True)
-    if target.layout.rank != 0:  # the same loop on every process of the group; one of them speaks
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
-        sys.stderr = sys.stdout
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, tp_size=cfg.tp_size, only_tp=True)
+    speak_on_first_process(target)
     drafter = load_drafter(cfg, target)
     use_cpu_linear("aten" if cfg.tp_size > 1 else cfg.cpu_linear, target, drafter)  # no packing of DTensors
     drafter = with_draft_tree(cfg, target, drafter)

@@ -105,3 +105,26 @@ def test_decode_cli_bench_auto_tree_with_lookup_lengths(saved, tmp_path, monkeyp
     res = report["results"]["0.0"]
     assert set(res) == {"plain", "ours", "lookup", "ours_lookup"}
     assert all(r["identical_to_plain"] == "2/2" for r in res.values()), {n: r["identical_to_plain"] for n, r in res.items()}
+
+
+def test_decode_cli_bench_split_target_refusals(saved):
+    """tp_size > 1: tree=auto is refused before any model loads (each process would time its own costs and
+    could pick another tree), and a launch of one process is refused naming torchrun."""
+    target_dir, _, head_dir = saved
+    with pytest.raises(ValueError, match="tree=auto sizes the tree from costs each process measures"):
+        dispatch(["bench", "target=/nonexistent", "head=/nonexistent", "tp_size=2"])
+    with pytest.raises(ValueError, match="this is one process: launch it with torchrun --nproc_per_node 2"):
+        dispatch(["bench", f"target={target_dir}", f"head={head_dir}", "tp_size=2", "tree=2,2,3"])
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_decode_cli_dtype_names_are_configs_one_list(command):
+    """Both CLIs take the dtype names config.Dtype lists (float64 included), refused with its one message."""
+    import typing
+
+    from eaglekit.config import Dtype
+
+    names = ", ".join(repr(n) for n in typing.get_args(Dtype))
+    assert "'float64'" in names
+    with pytest.raises(ValueError, match=f"dtype must be one of {names}, got 'float8'"):
+        dispatch([command, "target=/nonexistent", "dtype=float8"] + (["prompt=hi"] if command == "generate" else []))
