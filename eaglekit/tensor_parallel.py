@@ -171,6 +171,18 @@ def same_in_group(layout: Layout, value):
     return box[0]
 
 
+def agree_in_group(layout: Layout, value) -> bool:
+    """Whether every process of this TP group holds an equal ``value`` (a picklable object); every process
+    gets the same answer, so all of them can stop together when it is False."""
+    if layout.tp_size == 1:
+        return True
+    import torch.distributed as dist
+
+    seen = [None] * layout.tp_size
+    dist.all_gather_object(seen, value, group=group(layout))
+    return all(v == seen[0] for v in seen)
+
+
 def data_parallel(acc, target) -> tuple[int, int]:
     """(world, rank) over which a training run splits its batches: the processes (``acc``, an Accelerator),
     or their TP groups when ``target`` is split (world = dp × tp; each group's processes share one batch)."""

@@ -9,7 +9,9 @@ Everything lands in ``output_dir`` (the ``features_dir`` a train config points a
 ``shard-*.safetensors``, ``draft_vocab.safetensors`` and, with regeneration, ``regenerated.jsonl``.
 Every step resumes: regeneration continues its jsonl, capture skips finished shards. Under a launcher
 every process reads and tokenizes the same data (cheap, deterministic), regenerates its share of the
-batches (merged into one ``regenerated.jsonl`` when all are done) and writes its own shards.
+batches (merged into one ``regenerated.jsonl`` when all are done) and writes its own shards. With
+``target.tp_size`` > 1 each TP group acts as one such process: its processes regenerate and capture together
+on the split target, and the group's first process writes the files.
 """
 
 from __future__ import annotations
@@ -105,10 +107,6 @@ def _size(n: float) -> str:
 def run_prepare(cfg: PrepareConfig) -> dict:
     if cfg.kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
-    if cfg.regenerate.enabled and cfg.target.tp_size > 1:
-        raise ValueError(f"regenerate.enabled with target.tp_size={cfg.target.tp_size}: regeneration does not run "
-                         "on a split target yet; regenerate with tp_size=1 (or a server: regenerate.endpoint), "
-                         "then capture with the split target")
     say = print if dist_info()[0] == 0 else (lambda *a, **k: None)
     out = Path(cfg.output_dir)
     target = load_target_from(cfg.target)
@@ -130,7 +128,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             convs,
             out / REGENERATED,
             cfg.regenerate,
-            progress=cfg.progress and rank == 0,
+            progress=cfg.progress and dist_info()[0] == 0,  # one bar, also when a TP group shares rank
             rank=rank,
             world_size=world,
         )

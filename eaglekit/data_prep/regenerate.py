@@ -9,6 +9,13 @@ line, checks that the ids it holds are the input's first ids, and continues afte
 each process takes every N-th batch into its own part file and the parts are merged in batch order, so
 the result is the file one process would write.
 
+On a target split over processes (``target.layout``, eaglekit.tensor_parallel) the TP group takes the place
+of a process: its processes run every ``generate`` together on the same prompts with the same seeds (the
+split model needs all of them for each forward, and they see the same gathered logits, so they pick the
+same tokens and stop at the same step), the group's first process alone reads and writes the files, and
+the others wait for the finished file. The rank and world of a launch are then the TP groups' (dp_rank,
+dp_size).
+
 With ``endpoint`` set the prompts go to an OpenAI-compatible chat-completions server instead (see
 ``endpoint.py``): ``concurrency`` worker threads each regenerate one conversation at a time, turn by
 turn, and the main thread appends the finished ones in input order (a reorder buffer), so the file is
@@ -21,6 +28,7 @@ conversation there; a conversation left without any answer is written with ``mes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from eaglekit import tensor_parallel as tp
 from eaglekit.config import NonNegFloat, NonNegInt, PosFloat, PosFraction, PosInt
 from eaglekit.data_prep.endpoint import ChatEndpoint
 from eaglekit.fileio import write_bytes
@@ -102,6 +111,11 @@ def _generate(target, prompts: list[list[dict]], cfg: RegenerateConfig, seed: in
         if cfg.temperature > 0
         else {"do_sample": False}
     )
+    if _layout(target).tp_size > 1:
+        # each TP group decodes its own batches: transformers would otherwise step every process of the
+        # launch together (synced_gpus, for the FSDP wrapper of a dp x tp layout), and the groups' batch and
+        # turn counts differ
+        sampling["synced_gpus"] = False
     out = target.model.generate(
         input_ids=ids.to(target.device),
         attention_mask=att.to(target.device),
@@ -247,22 +261,33 @@ def regenerate(
     With ``world_size`` > 1 (one call per process) batch k goes to rank k mod world_size, which appends it
     to its own part file; when every part is complete one process merges them, in batch order, into
     ``out_path`` (the same file one process writes) and removes the parts. ``wait`` polls for the other
-    ranks' parts (what a launched process must do before it can go on to the capture).
+    ranks' parts (what a launched process must do before it can go on to the capture). On a split target
+    ``rank`` / ``world_size`` are the TP group's (dp_rank, dp_size); see the module doc.
     """
     cfg = cfg or RegenerateConfig(enabled=True)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ids = [str(c["id"]) for c in conversations]
+    layout = _layout(target)
     if world_size == 1:
         _regenerate_part(target, conversations, out_path, cfg, range(0, len(ids), cfg.batch_size), progress)
-        return out_path
-    if _complete(out_path, ids):
-        return out_path
-    firsts = range(rank * cfg.batch_size, len(ids), world_size * cfg.batch_size)
-    _regenerate_part(target, conversations, part_path(out_path, rank, world_size), cfg, firsts, progress)
-    while not _try_merge(out_path, ids, cfg.batch_size, world_size) and wait:
-        time.sleep(2)
+    else:
+        if tp.same_in_group(layout, _complete(out_path, ids)):  # the group decides as one (its writer's view)
+            return out_path
+        firsts = range(rank * cfg.batch_size, len(ids), world_size * cfg.batch_size)
+        _regenerate_part(target, conversations, part_path(out_path, rank, world_size), cfg, firsts, progress)
+    if layout.writes and world_size > 1:
+        while not _try_merge(out_path, ids, cfg.batch_size, world_size) and wait:
+            time.sleep(2)
+    elif not layout.writes:  # a TP group's other processes: the writer's finished file
+        while not _complete(out_path, ids) and wait:
+            time.sleep(0.5)
     return out_path
+
+
+def _layout(target) -> tp.Layout:
+    """How ``target`` is split over processes (no target, as with an endpoint, or a whole one: one process)."""
+    return getattr(target, "layout", tp.SINGLE)
 
 
 def part_path(out_path: Path, rank: int, world_size: int) -> Path:
@@ -270,10 +295,14 @@ def part_path(out_path: Path, rank: int, world_size: int) -> Path:
 
 
 def _regenerate_part(target, conversations, path: Path, cfg: RegenerateConfig, firsts, progress) -> None:
-    """Append the batches starting at ``firsts`` to ``path``, after those it already holds."""
+    """Append the batches starting at ``firsts`` to ``path``, after those it already holds. Under TP every
+    process of the group generates each batch; only the group's writer reads, cuts back or appends ``path``."""
     from tqdm.auto import tqdm
 
     mine = [c for f in firsts for c in conversations[f : f + cfg.batch_size]]
+    layout = _layout(target)
+    if cfg.endpoint and not layout.writes:  # the server needs no split forward: the writer asks it alone
+        return
     if cfg.endpoint:  # any whole line is kept: a conversation's seed is its index, not its batch's
         indices = [i for f in firsts for i in range(f, min(f + cfg.batch_size, len(conversations)))]
         done = resume_point(path, [str(c["id"]) for c in mine], 1)
@@ -281,13 +310,19 @@ def _regenerate_part(target, conversations, path: Path, cfg: RegenerateConfig, f
         _regenerate_through_endpoint(target, conversations, indices[done:], path, cfg, bar.update)
         bar.close()
         return
-    done = resume_point(path, [str(c["id"]) for c in mine], cfg.batch_size)
+    done = resume_point(path, [str(c["id"]) for c in mine], cfg.batch_size) if layout.writes else None
+    done = tp.same_in_group(layout, done)  # the writer's resume point: the group starts at the same batch
     bar = tqdm(total=len(mine), initial=done, desc="regenerate", unit="conv", disable=not progress)
-    with open(path, "a", encoding="utf-8") as fh:
+    with open(path, "a", encoding="utf-8") if layout.writes else contextlib.nullcontext() as fh:
         for first in list(firsts)[-(-done // cfg.batch_size) :]:  # done: whole batches, or all (a short last one)
             batch = conversations[first : first + cfg.batch_size]
             items = regenerate_batch(target, batch, cfg, seed=cfg.seed + first)
-            _append(fh, items)
+            if not tp.agree_in_group(layout, items):  # would write one process's view of a split decoding
+                raise RuntimeError(f"regenerating the batch from conversation {batch[0]['id']!r}: the processes of "
+                                   "a TP group generated different answers (their logits differ), so there is no "
+                                   "one answer to write")
+            if fh is not None:
+                _append(fh, items)
             bar.update(len(batch))
     bar.close()
 
