@@ -14,8 +14,7 @@ from typing import Protocol
 
 import torch
 
-from eaglekit.decode import kv
-from eaglekit.decode.proposers import HeadProposer, ModelProposer, catch_up_together, check_same_tokenizer
+from eaglekit.decode.proposers import HeadProposer, ModelProposer, catch_up
 from eaglekit.decode.sampling import Sampling, sample
 from eaglekit.decode.tree import Tree, TreeSpec, expand
 
@@ -23,7 +22,8 @@ from eaglekit.decode.tree import Tree, TreeSpec, expand
 class Drafter(Protocol):
     """What the decode loop calls, once per sequence (``prefill``) and then once per verify forward.
 
-    ``kind``/``layer_ids``: which target taps the verify forward must return (``Target.forward``).
+    ``layer_ids``: the target layers the verify forward taps (``Target.forward``; ``()`` none, None the
+    target's defaults).
     ``prefill(prompt, out, root)``: after the target's prefill (``out`` its ``TargetOutput``; ``root`` the
     first token, not yet in the target's cache). ``draft(max_depth) -> Tree``: proposals below the current
     root, at most ``max_depth`` deep. ``commit(tree, path, next_token, out, rows)``: after acceptance, with
@@ -46,7 +46,7 @@ class Drafter(Protocol):
 
 
 class PlainDrafter:
-    kind, layer_ids = None, None
+    kind, layer_ids = None, ()
 
     def prefill(self, prompt, out, root):
         pass
@@ -62,62 +62,54 @@ class PlainDrafter:
 
 
 class ModelDrafter:
-    """Classic speculative decoding: a chain of ``gamma`` tokens sampled from a small draft model."""
+    """Classic speculative decoding: a chain of ``gamma`` tokens sampled from a small draft model (the same
+    ``ModelProposer`` as a draft-model tree: its cache, its logits over the target's ids)."""
 
-    kind, layer_ids = None, None
+    kind, layer_ids = None, ()
 
     def __init__(self, target, draft, gamma: int, sampling: Sampling, generator=None):
-        check_same_tokenizer(target, draft)
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
-        self.draft_model, self.gamma, self.sampling, self.generator = draft, gamma, sampling, generator
-        self.vocab = target.vocab_size
+        self.proposer = ModelProposer(target, draft)
+        self.gamma, self.sampling, self.generator = gamma, sampling, generator
 
     def fork(self) -> ModelDrafter:
-        """Another sequence's drafter: the state a copy shares is replaced at its ``prefill``."""
-        return copy.copy(self)
+        """Another sequence's drafter: the proposer's model shared, its cache not."""
+        new = copy.copy(self)
+        new.proposer = self.proposer.fork()
+        return new
 
     def prefill(self, prompt, out, root):
-        self.cache = kv.new_cache(self.draft_model.model)
-        # tokens the draft model has not seen yet: the first draft forward reads the prompt and the root
-        # together (one draft forward fewer than a separate prompt pass, as HF assisted generation does)
-        self.pending = prompt[0].tolist() + [root]
-
-    def _next(self, ids: list[int]) -> torch.Tensor:
-        dev = self.draft_model.device
-        x = torch.tensor([ids], device=dev)
-        out = self.draft_model.forward(x, past_key_values=self.cache, kind=None, logits_to_keep=1)
-        logits = out.logits[0, -1]
-        q = self.sampling.probs(logits)
-        if q.shape[-1] != self.vocab:  # same tokenizer, different lm_head padding
-            q = torch.nn.functional.pad(q, (0, self.vocab - q.shape[-1])) if q.shape[-1] < self.vocab \
-                else q[: self.vocab] / q[: self.vocab].sum()
-        return q
+        # the first draft forward reads the prompt and the root together (one draft forward fewer than a
+        # separate prompt pass, as HF assisted generation does)
+        self.proposer.start(prompt, out, root)
 
     def draft(self, max_depth: int) -> Tree:
         gamma = min(self.gamma, max_depth)
         self.drafted = gamma
         if gamma == 0:
             return Tree.empty()
-        qs, toks, ids = [], [], self.pending
-        for i in range(gamma):
-            q = self._next(ids)
-            y = int(q.argmax()) if self.sampling.greedy else sample(q, self.generator)
+        p, qs, toks = self.proposer, [], []
+        for _ in range(gamma):
+            q = self.sampling.probs(p.catch_up()[1])
+            # greedy: the token stays on the device (no read per drafted token)
+            y = q.argmax() if self.sampling.greedy else torch.tensor(sample(q, self.generator), device=q.device)
             qs.append(q)
             toks.append(y)
-            ids = [y]
-        self.pending = []
-        q_full = torch.stack(qs)
-        tokens = torch.tensor(toks, device=q_full.device)
+            p.pending = y.view(1)
+        p.pending = p.pending[:0]  # the last token drafted is never fed
+        q_full, tokens = torch.stack(qs), torch.stack(toks)
         q_tok = q_full.gather(1, tokens[:, None])[:, 0]
         return Tree.chain(tokens, q_tok, None if self.sampling.greedy else q_full, sampled=True)
 
     def commit(self, tree, path, next_token, out, rows):
         # the draft cache holds the chain's first gamma-1 tokens (the last was sampled, never fed)
+        p = self.proposer
         fed = max(self.drafted - 1, 0)
         keep = min(len(path), fed)
-        kv.crop(self.cache, kv.cache_length(self.cache) - (fed - keep))
-        self.pending = self.pending + tree.path_tokens(path)[keep:] + [next_token]
+        p.crop(p.length - (fed - keep))
+        rest = torch.tensor(tree.path_tokens(path)[keep:] + [next_token], device=p.device)
+        p.pending = torch.cat([p.pending, rest])
 
 
 class TreeDrafter:
@@ -178,9 +170,13 @@ class ModelTreeDrafter(TreeDrafter):
 
 
 def catch_up_rows(drafters: list) -> None:
-    """A batch's rows drafting with one EAGLE head (``TreeDrafter``s, bare or under a ``LookupDrafter``):
-    run their pending elements through one head forward (``proposers.catch_up_together``) instead of one
-    per row. Other drafters, or rows of different heads, catch up alone in their own ``draft``."""
-    found = [getattr(getattr(d, "inner", d), "proposer", None) for d in drafters]
-    if len(found) > 1 and all(isinstance(p, HeadProposer) and p.head is found[0].head for p in found):
-        catch_up_together(found)
+    """Before drafting, the rows drafting with an EAGLE head (``TreeDrafter``s, bare or under a
+    ``LookupDrafter``) run their pending elements in: the rows of each head in one head forward
+    (``proposers.catch_up``). Other drafters catch up in their own ``draft``."""
+    groups: dict[int, list] = {}
+    for d in drafters:
+        p = getattr(getattr(d, "inner", d), "proposer", None)
+        if isinstance(p, HeadProposer) and p.caught is None:
+            groups.setdefault(id(p.head), []).append(p)
+    for group in groups.values():
+        catch_up(group)

@@ -1,4 +1,5 @@
-"""KV keep: after verification, move the accepted path's entries into contiguous slots and truncate.
+"""KV keep: after verification, move each row's accepted path into contiguous slots and truncate; a row's
+slice of the target's output (``row_output``), what its drafter reads.
 
 The target's cache is a transformers ``DynamicCache``. Its per-layer tensors are reached through the
 public attributes that exist on the installed version: ``cache.layers[i].keys/.values`` (transformers
@@ -9,6 +10,8 @@ tokens (one built elsewhere) cannot be rolled back, so it is refused. Keys and v
 own ``HeadCache`` (``crop``/``keep``), handled by the drafter.
 """
 from __future__ import annotations
+
+from dataclasses import fields, replace
 
 import torch
 from transformers import DynamicCache
@@ -57,26 +60,6 @@ def _slots(cache):
     raise TypeError(f"KV keep: unsupported cache type {type(cache).__name__} (need a DynamicCache)")
 
 
-def keep(cache, past_len: int, rows: torch.Tensor) -> None:
-    """Keep the first ``past_len`` entries plus new entries ``past_len + rows`` (in order), drop the rest.
-
-    ``rows`` indexes the tokens of the last verify forward (0 = the root). Rows that are already in
-    place (the common prefix 0..m of a chain) are not moved.
-    """
-    rows = torch.as_tensor(rows, dtype=torch.long)
-    n = len(rows)
-    in_place = bool(torch.equal(rows.cpu(), torch.arange(n)))
-    for get, put in _slots(cache):
-        k, v = get()
-        if k is None:
-            continue
-        if not in_place:
-            src = (past_len + rows).to(k.device)
-            k[..., past_len:past_len + n, :] = k.index_select(-2, src)  # index_select copies: overlap is safe
-            v[..., past_len:past_len + n, :] = v.index_select(-2, src)
-        put(k[..., :past_len + n, :], v[..., :past_len + n, :])
-
-
 def crop(cache, length: int) -> None:
     """Truncate the cache to its first ``length`` entries."""
     for get, put in _slots(cache):
@@ -85,27 +68,49 @@ def crop(cache, length: int) -> None:
             put(k[..., :length, :], v[..., :length, :])
 
 
-# ---- a batch: row b's valid slots are [start_b, length_b); every other slot is masked ----------------
+# ---- rows: row b's valid slots are [start_b, length_b); every other slot is masked ----------------------
+# One sequence is a batch of one whose slots are all valid (start 0, length = the cache's).
 
-def keep_rows(cache, past_len: int, lengths: list[int], rows: list[torch.Tensor]) -> list[int]:
-    """After a batched verify forward appended its tokens at slots ``past_len``.., move row b's kept verify
-    rows ``rows[b]`` (0 = its root) to slots ``lengths[b]``.. and truncate the cache to the longest row.
-    Returns the new lengths. Slots past a row's length hold stale entries that its masks never read."""
+def keep(cache, past_len: int, lengths: list[int], rows: list[torch.Tensor]) -> list[int]:
+    """After a verify forward appended its tokens at slots ``past_len``.., move row b's kept verify rows
+    ``rows[b]`` (0 = its root) to slots ``lengths[b]``.. and truncate the cache to the longest row. Returns the
+    new lengths. Slots past a row's length hold stale entries that its masks never read. Nothing moves when
+    every row is as long as the cache and keeps its first verify rows (a chain's accepted prefix)."""
+    new = [n + len(r) for n, r in zip(lengths, rows)]
+    end = max(new)
+    in_place = all(n == past_len and torch.equal(r, torch.arange(len(r))) for n, r in zip(lengths, rows))
     width = max(len(r) for r in rows)
     src = torch.stack([torch.cat([r, r[-1:].expand(width - len(r))]) for r in rows]) + past_len
     dst = torch.stack([torch.arange(n, n + width) for n in lengths])  # a padded copy lands past the row's end
-    new = [n + len(r) for n, r in zip(lengths, rows)]
-    end = max(new)
+    moved: dict = {}  # (device, heads, width) -> the expanded (src, dst) indices: built once per shape
     for get, put in _slots(cache):
         k, v = get()
         if k is None:
             continue
-        # dst <= src slot by slot and the gather copies first, so no row overwrites an entry it still reads
-        for x in (k, v):  # expanded per tensor: MLA caches latents whose keys and values differ in width
-            i_src, i_dst = (i.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]) for i in (src, dst))
-            x.scatter_(2, i_dst, x.gather(2, i_src))
+        if not in_place:
+            # dst <= src slot by slot and the gather copies first, so no row overwrites an entry it still reads
+            for x in (k, v):  # expanded per tensor: MLA caches latents whose keys and values differ in width
+                key = (x.device, x.shape[1], x.shape[3])
+                if key not in moved:
+                    moved[key] = [i.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+                                  for i in (src, dst)]
+                i_src, i_dst = moved[key]
+                x.scatter_(2, i_dst, x.gather(2, i_src))
         put(k[..., :end, :], v[..., :end, :])
     return new
+
+
+def row_output(out, b: int, positions, device=None):
+    """Row b of a ``TargetOutput`` at sequence ``positions`` (a slice or an index tensor), each per-token feature
+    moved to ``device`` (None: where it is), without logits: what a row's drafter reads (which feature a head
+    reads is the head's business)."""
+    cut = {}
+    for f in fields(out):
+        v = getattr(out, f.name)
+        if f.name != "logits" and isinstance(v, torch.Tensor):
+            index = positions if isinstance(positions, slice) else positions.to(v.device)
+            cut[f.name] = v[b:b + 1, index].to(device or v.device)
+    return replace(out, logits=None, past_key_values=None, **cut)
 
 
 def select_rows(cache, index: list[int], start: int, end: int) -> None:

@@ -1,9 +1,18 @@
-"""The decode loop: draft → verify in one target forward → accept → keep → commit. One loop for every drafter.
+"""The decode loop: draft → verify in one target forward → accept → keep → commit. One loop for every drafter
+and every batch size: a batch is the only shape, one sequence is a batch of one.
 
-``run(target, drafter, prompt, ...)`` decodes with a ``drafters.Drafter``; ``decode.generate`` builds one
-from a head, a draft model or None (``api.make_drafter``) and calls it. One sequence (a batch of
-prompts runs in ``batch.run_batch``, which reuses ``Step`` and ``finish``). ``Decoder`` holds its state;
-``run`` adds what ends a generation (max tokens, EOS, stop strings), streaming and the stats.
+``run(target, drafter, ids, ...)`` decodes with a ``drafters.Drafter`` (one sequence) or a list of them, one
+per row of a left-padded batch; ``decode.generate`` builds them from a head, a draft model or None
+(``api.make_drafter``) and calls it. ``Decoder`` holds the state (the target's cache with each row's slots,
+a drafter per row); ``run`` adds what ends a generation (``stops.Ending``), streaming and the stats.
+
+The target's cache (a ``DynamicCache``, ``[B, heads, S, dim]``) keeps rows ragged with *masked slots*:
+row b's text is in slots ``[start_b, length_b)``, where ``start_b`` is its left padding. A verify forward
+appends 1 + N tokens per row at slots S.. (the root and the row's tree, padded with dummy nodes to the
+largest tree); its mask lets row b see its own slots and the ancestors of each node, its positions count
+from ``length_b - start_b``. ``kv.keep`` then moves each row's root and accepted nodes to slots
+``length_b``.. and cuts the cache to the longest row. A finished row leaves the batch (``kv.select_rows``).
+One sequence has no pad and no ragged slots: a chain is then verified under the model's own causal mask.
 """
 from __future__ import annotations
 
@@ -12,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from eaglekit.decode import kv
-from eaglekit.decode.sampling import Sampling, sample
-from eaglekit.decode.stats import DecodeStats
-from eaglekit.decode.tree import Tree
-from eaglekit.decode.verify import accept, accepted_rows, verify
+from eaglekit.decode.drafters import catch_up_rows
+from eaglekit.decode.sampling import Sampling, rule_for, sample
+from eaglekit.decode.stats import BatchStats, DecodeStats
+from eaglekit.decode.stops import Ending
+from eaglekit.decode.tree import Tree, additive, ancestors, fetch
 from eaglekit.timing import Stopwatch
 
 
@@ -27,13 +37,12 @@ class GenerateOutput:
 
 @dataclass
 class Step:
-    """What one verify forward decided: the tree it verified, the accepted node indices, the next token."""
+    """What one verify forward decided for a row: the tree it verified, the accepted node indices, the next
+    token."""
 
     tree: Tree
     path: list[int]
     next_token: int
-    draft_s: float = 0.0
-    verify_s: float = 0.0  # verify forward, acceptance, KV keep and the drafter's commit
 
     @property
     def emitted(self) -> list[int]:
@@ -42,71 +51,228 @@ class Step:
 
 
 class Decoder:
-    """One sequence's decoding state: the target's KV cache, the drafter and how to sample.
+    """The decoding state of one or more rows: the target's cache with each row's slots, a drafter per row.
 
-    ``prefill(prompt)`` once, then ``step(root, max_depth)`` per target forward. After a step the target's
-    cache holds the prompt and every emitted token but the last (the next root)."""
+    ``prefill(ids, starts)`` once, then ``step(roots, max_depths)`` per target forward and ``keep(rows)``
+    when rows leave. After a step row b's slots hold its prompt and every emitted token but the last (the
+    next root). Decoder row i is whichever prompt the caller maps it to; ``keep`` renumbers them."""
 
-    def __init__(self, target, drafter, sampling: Sampling, generator: torch.Generator | None = None):
-        self.target, self.drafter, self.sampling, self.generator = target, drafter, sampling, generator
+    def __init__(self, target, drafters: list, sampling: Sampling, generator: torch.Generator | None = None):
+        self.target, self.drafters, self.sampling, self.generator = target, list(drafters), sampling, generator
+        self.layer_ids = drafters[0].layer_ids  # the taps every row's drafter reads (one kind per batch)
         self.cache = kv.new_cache(target.model)
 
-    def prefill(self, prompt: torch.Tensor) -> int:
-        """Run ``prompt`` [1, T] into the cache; returns the first new token (the first root)."""
+    def prefill(self, ids: torch.Tensor, starts: list[int]) -> list[int]:
+        """Run the left-padded prompts ``ids`` [B, T] into the cache; returns each row's first new token."""
+        B, T = ids.shape
+        self.starts, self.lengths = list(starts), [T] * B
+        dev = self.target.device
+        mask = pos = None  # no pad: the model's own causal mask and positions
+        if any(starts):
+            s = torch.tensor(starts)[:, None, None]
+            i, j = torch.arange(T)[None, :, None], torch.arange(T)[None, None, :]
+            # a pad row sees itself only (finite, never read); a prompt row its own prompt, causally
+            allowed = ((j <= i) & (j >= s)) | ((i < s) & (i == j))
+            pos = (torch.arange(T)[None] - torch.tensor(starts)[:, None]).clamp_min(0)
+            mask, pos = layer_masks(self.target, allowed, pos, pos), pos.to(dev)
         # logits of the last row only: [S, V] logits of a long prompt cost seconds
-        out = self.target.forward(prompt, past_key_values=self.cache, kind=self.drafter.kind,
-                                  layer_ids=self.drafter.layer_ids, logits_to_keep=1)
-        last = out.logits[0, -1]
-        root = int(last.argmax()) if self.sampling.greedy else sample(self.sampling.probs(last), self.generator)
-        self.drafter.prefill(prompt, out, root)
-        return root
+        out = self.target.forward(ids.to(dev), attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                                  layer_ids=self.layer_ids, logits_to_keep=1)
+        last = out.logits[:, -1]
+        if self.sampling.greedy:
+            roots = last.argmax(-1).tolist()  # one read for every row
+        else:
+            roots = [sample(self.sampling.probs(last[b]), self.generator) for b in range(B)]
+        for b, drafter in enumerate(self.drafters):
+            drafter.prefill(ids[b:b + 1, starts[b]:].to(dev), kv.row_output(out, b, slice(starts[b], T)), roots[b])
+        return roots
 
-    def step(self, root: int, max_depth: int) -> Step:
-        """Draft below ``root`` (at most ``max_depth`` deep), verify, accept, keep the accepted rows' KV,
-        commit."""
+    def step(self, roots: list[int], max_depths: list[int]) -> tuple[list[Step], float, float]:
+        """Each row drafts (at most ``max_depths[b]`` deep below ``roots[b]``), one verify forward for all,
+        each row accepts, keeps its accepted rows' KV and commits. Returns the rows' ``Step`` and the seconds
+        spent drafting and verifying (verify forward, acceptance, keep, commits)."""
         clock = Stopwatch(self.target.device)
-        tree = self.drafter.draft(max_depth)
+        catch_up_rows(self.drafters)  # heads: every row's accepted tokens in one head forward
+        trees = [d.draft(m) for d, m in zip(self.drafters, max_depths)]
         draft_s = clock.lap()
-        out, past = verify(self.target, self.cache, root, tree, self.drafter)
-        path, next_token = accept(out.logits[0], tree, self.sampling, self.generator)
-        rows = accepted_rows(path)
-        kv.keep(self.cache, past, rows)
-        self.drafter.commit(tree, path, next_token, out, rows)
-        return Step(tree, path, next_token, draft_s, clock.lap())
+        out, past = verify(self.target, self.cache, roots, trees, self.starts, self.lengths, self.layer_ids)
+        # one read from the device for every row: the trees' nodes and (greedy) the verify rows' argmax
+        best = fetch(trees, out.logits.argmax(-1) if self.sampling.greedy else None)
+        steps = []
+        for b, tree in enumerate(trees):
+            path, next_token = accept(out.logits[b, :1 + len(tree)], tree, self.sampling, self.generator,
+                                      argmax=None if best is None else best[b])
+            steps.append(Step(tree, path, next_token))
+        rows = [accepted_rows(s.path) for s in steps]
+        self.lengths = kv.keep(self.cache, past, self.lengths, rows)
+        for b, (drafter, s) in enumerate(zip(self.drafters, steps)):
+            drafter.commit(s.tree, s.path, s.next_token, kv.row_output(out, b, slice(0, 1 + len(s.tree))), rows[b])
+        return steps, draft_s, clock.lap()
 
+    def keep(self, rows: list[int]) -> None:
+        """Keep decoder rows ``rows`` (in that order) and drop the others; cut the slots no kept row uses."""
+        start, end = min(self.starts[b] for b in rows), max(self.lengths[b] for b in rows)
+        kv.select_rows(self.cache, rows, start, end)
+        self.starts = [self.starts[b] - start for b in rows]
+        self.lengths = [self.lengths[b] - start for b in rows]
+        self.drafters = [self.drafters[b] for b in rows]
+
+
+# ---- the verify forward and the acceptance walk -------------------------------------------------------------
+# Row 0 of a row's verify forward is its root (the last emitted token, not yet in the target's cache), row
+# i + 1 its tree node i. The walk starts at the root's row and descends into the first child the acceptance
+# rule accepts; where none is, it samples the next token from what the rule left.
+
+def verify(target, cache, roots: list[int], trees: list[Tree], starts: list[int], lengths: list[int],
+           layer_ids=()):
+    """One target forward over every row's root and tree, tapping ``layer_ids``; row b's cache slots
+    [starts[b], lengths[b]) are its text. Trees are padded to the largest with dummy nodes (the root's token,
+    seeing the row's text and themselves: finite, never accepted, their KV never kept). Row b's verify row
+    i + 1 is its node i, at position (its text length) + depth. Ids, positions and mask are built on the
+    target's device from the trees' index tensors. Returns (the ``TargetOutput``, the cache length before)."""
+    past, dev = max(lengths), target.device  # the cache is cut to its longest row
+    n = max(len(t) for t in trees)
+    ids = torch.tensor(roots, device=dev)[:, None].repeat(1, 1 + n)
+    pos = torch.tensor([m - s for s, m in zip(starts, lengths)], device=dev)[:, None].repeat(1, 1 + n)
+    for b, tree in enumerate(trees):
+        ids[b, 1:1 + len(tree)] = tree.tokens.to(dev)
+        pos[b, 1:1 + len(tree)] += tree.depths.to(dev)
+    mask = None
+    uniform = not any(starts) and all(m == past for m in lengths)  # one sequence, or rows of one length
+    # chains of one length on uniform rows are causal: the model's own mask (its windows included) is the same
+    if not (uniform and all(len(t) == n and t.is_chain for t in trees)):
+        allowed = torch.zeros(len(trees), 1 + n, past + 1 + n, dtype=torch.bool, device=dev)
+        allowed[:, :, past:] = torch.eye(1 + n, dtype=torch.bool, device=dev)
+        for b, tree in enumerate(trees):
+            k = len(tree)
+            allowed[b, :, starts[b]:lengths[b]] = True
+            allowed[b, :1 + k, past:past + 1 + k] = ancestors(tree.parents.to(dev))
+        # row b's text slot s is at position s - start
+        slots = torch.arange(past, device=dev)[None] - torch.tensor(starts, device=dev)[:, None]
+        mask = layer_masks(target, allowed, pos, torch.cat([slots, pos], 1))
+    out = target.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, layer_ids=layer_ids)
+    return out, past
+
+
+def layer_masks(target, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """The additive float masks [B, 1, Q, K] of one forward, from ``allowed`` [B, Q, K] (bool, True = attend)
+    and the positions of its queries [B, Q] and keys [B, K]: per layer type, a sliding-window type also hides
+    keys ``window`` or more positions behind the query (transformers' rule, by position: a node's slot is
+    not its position). One type: one tensor; several: a dict keyed by layer type, which transformers' models
+    that mix types take as it is. Floats, since eager attention (Gemma-2, gpt-oss) adds the mask."""
+    masks = {}
+    for kind, window in getattr(target, "attention_windows", {"full_attention": None}).items():
+        seen = allowed if window is None else allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+        masks[kind] = additive(seen.to(target.device), target.dtype)[:, None]
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def accept(logits: torch.Tensor, tree: Tree, sampling: Sampling, generator=None,
+           rule=None, argmax: list[int] | None = None) -> tuple[list[int], int]:
+    """Walk down from the root: (accepted node indices, next token sampled from what is left).
+
+    ``logits`` [n + 1, V] are one row's verify rows. Greedy: follow the child equal to the row's argmax
+    (every row's argmax read from the device at once; ``argmax`` if the caller read them already, with other
+    rows). Else ``rule`` (default ``sampling.rule_for(tree)``) decides at each row among its children."""
+    kids, tokens = tree.children(), tree.host()[0]
+    if sampling.greedy:
+        best = logits.argmax(-1).tolist() if argmax is None else argmax
+        row, path = 0, []
+        while True:
+            hit = [c for c in kids[row] if tokens[c] == best[row]]
+            if not hit:
+                return path, best[row]
+            path.append(hit[0])
+            row = hit[0] + 1
+    rule = rule or rule_for(tree)
+    q_full = tree.q_full
+    row, path = 0, []
+    while True:
+        ch = kids[row]
+        p = sampling.probs(logits[row])
+        q = None if q_full is None else q_full[ch]
+        i, left = rule(p, [tokens[c] for c in ch], tree.q_token[ch], q, generator) if ch else (None, p)
+        if i is None:
+            return path, sample(left, generator)
+        node = ch[i]
+        path.append(node)
+        row = node + 1
+
+
+def accepted_rows(path: list[int]) -> torch.Tensor:
+    """Verify rows of the root and the accepted nodes: what the target's cache keeps."""
+    return torch.tensor([0] + [n + 1 for n in path])
+
+
+# ---- a generation: prefill, steps until every row ended, the output and stats --------------------------------
 
 @torch.no_grad()
-def run(target, drafter, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+def run(target, drafter, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
         generator: torch.Generator | None = None, eos: set[int] = frozenset(), stop: list[str] | None = None,
-        streamer=None) -> GenerateOutput:
-    """Decode up to ``max_new_tokens`` after ``prompt`` [1, T] (see ``check_inputs``) with ``drafter``.
+        streamer=None, starts: list[int] | None = None, pad_id: int = 0) -> GenerateOutput:
+    """Decode up to ``max_new_tokens`` after each row of ``ids`` [B, T] (see ``check_inputs``).
 
-    Stops after an ``eos`` token (kept) or a ``stop`` string; ``streamer`` (a transformers streamer)
-    gets the prompt, then the tokens of each step as they are accepted."""
-    stats = DecodeStats()
-    prompt = prompt.to(target.device)
-    if max_new_tokens == 0:
-        return GenerateOutput(prompt.clone(), stats)
-    _stream(streamer, prompt.cpu())
-    clock = Stopwatch(target.device)  # the caller's queued kernels are not this prefill's
-    decoder = Decoder(target, drafter, sampling, generator)
-    root = decoder.prefill(prompt)
-    new, done = finish([root], max_new_tokens, eos, stop, target.tokenizer)
-    _stream(streamer, torch.tensor(new))
-    stats.prefill_s = clock.lap()
-    while not done:
-        step = decoder.step(root, max_depth=max_new_tokens - len(new) - 1)
-        before = len(new)
-        new, done = finish(new + step.emitted, max_new_tokens, eos, stop, target.tokenizer)
-        stats.record(step.tree, step.path, len(new) - before, step.draft_s, step.verify_s)
-        if len(new) > before:
-            _stream(streamer, torch.tensor(new[before:]))
-        root = step.next_token
-    stats.total_s = clock.elapsed()
-    stats.new_tokens = len(new)
-    if streamer is not None:
-        streamer.end()
-    return GenerateOutput(torch.cat([prompt, torch.tensor([new], device=prompt.device)], dim=1), stats)
+    ``drafter`` one drafter: one sequence (``ids`` [1, T]); ``sequences`` is then [1, T + new], ``stats`` a
+    ``DecodeStats``, and ``streamer`` (a transformers streamer) gets the prompt, then each step's tokens as
+    they are accepted. A list with one drafter per row: a batch, left-padded (row b starts at ``starts[b]``);
+    ``sequences`` is [B, T + max_new_tokens], ``pad_id`` after a row ended, ``stats`` a ``BatchStats``. A row
+    ends after an ``eos`` token (kept), a ``stop`` string or ``max_new_tokens``."""
+    many = isinstance(drafter, (list, tuple))
+    drafters = list(drafter) if many else [drafter]
+    B, T = ids.shape
+    starts = list(starts) if starts is not None else [0] * B
+    ids = ids.to(target.device)
+    rows = [DecodeStats() for _ in range(B)]
+    total = BatchStats(rows=rows)
+    ends = [Ending(max_new_tokens, eos, stop, target.tokenizer) for _ in range(B)]
+    if max_new_tokens > 0:
+        _stream(streamer, ids.cpu())
+        clock = Stopwatch(target.device)  # the caller's queued kernels are not this prefill's
+        decoder = Decoder(target, drafters, sampling, generator)
+        roots = decoder.prefill(ids, starts)
+        for b in range(B):
+            ends[b].add([roots[b]])
+        _stream(streamer, torch.tensor(ends[0].tokens))
+        total.prefill_s = clock.lap()
+        live = [b for b in range(B) if not ends[b].done]  # the prompt of each decoder row
+        if len(live) < B and live:
+            decoder.keep(live)
+        while live:
+            steps, draft_s, verify_s = decoder.step([roots[b] for b in live],
+                                                    [max_new_tokens - len(ends[b].tokens) - 1 for b in live])
+            kept = []
+            for i, (b, step) in enumerate(zip(live, steps)):
+                added = ends[b].add(step.emitted)
+                rows[b].record(step.tree, step.path, added)
+                if added:
+                    _stream(streamer, torch.tensor(ends[b].tokens[-added:]))
+                roots[b] = step.next_token
+                if not ends[b].done:
+                    kept.append(i)
+            total.draft_s, total.verify_s, total.forwards = (total.draft_s + draft_s, total.verify_s + verify_s,
+                                                             total.forwards + 1)
+            if len(kept) < len(live):
+                live = [live[i] for i in kept]
+                if live:
+                    decoder.keep(kept)
+        total.total_s = clock.elapsed()
+        if streamer is not None:
+            streamer.end()
+    for row, end in zip(rows, ends):
+        row.new_tokens = len(end.tokens)
+        total.pool(row)
+    total.new_tokens = sum(len(end.tokens) for end in ends)
+    if not many:  # one sequence: the prompt and its new tokens, the row's own stats with the run's seconds
+        one = rows[0]
+        one.prefill_s, one.draft_s, one.verify_s, one.total_s = (total.prefill_s, total.draft_s, total.verify_s,
+                                                                  total.total_s)
+        new = torch.tensor([ends[0].tokens], dtype=ids.dtype, device=ids.device)
+        return GenerateOutput(torch.cat([ids, new], dim=1), one)
+    out = torch.full((B, T + max_new_tokens), pad_id, dtype=ids.dtype, device=ids.device)
+    out[:, :T] = ids
+    for b, end in enumerate(ends):
+        out[b, T:T + len(end.tokens)] = torch.tensor(end.tokens, dtype=ids.dtype)
+    return GenerateOutput(out, total)
 
 
 def _stream(streamer, tokens: torch.Tensor) -> None:
@@ -114,12 +280,59 @@ def _stream(streamer, tokens: torch.Tensor) -> None:
         streamer.put(tokens)
 
 
+def pad_prompts(input_ids, attention_mask, pad_id: int) -> tuple[torch.Tensor, list[int]]:
+    """``input_ids`` as a left-padded [B, T] tensor and each row's left padding. Takes a list of 1-D
+    prompts (padded here with ``pad_id``) or a [B, T] tensor with ``attention_mask`` (1 on tokens, 0 on
+    the left pads; None = no padding)."""
+    if isinstance(input_ids, (list, tuple)):
+        if attention_mask is not None:
+            raise ValueError("a list of prompts is padded by generate: pass no attention_mask with it")
+        rows = [torch.as_tensor(p, dtype=torch.long).flatten() for p in input_ids]
+        if not rows:
+            raise ValueError("empty list of prompts")
+        for b, r in enumerate(rows):
+            if r.numel() == 0:
+                raise ValueError(f"prompt {b} is empty: pass at least one token (e.g. the BOS token)")
+        width = max(len(r) for r in rows)
+        ids = torch.stack([torch.cat([r.new_full((width - len(r),), pad_id), r]) for r in rows])
+        return ids, [width - len(r) for r in rows]
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T] or a list of 1-D prompts, got shape {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise ValueError("empty prompt: pass at least one token (e.g. the BOS token or a chat template)")
+    if attention_mask is None:
+        return ids, [0] * ids.shape[0]
+    mask = torch.as_tensor(attention_mask).to(ids.device)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask {tuple(mask.shape)} must have input_ids' shape {tuple(ids.shape)}")
+    starts = []
+    for b, row in enumerate(mask.long().cpu().tolist()):
+        n = len(row) - sum(row)
+        if any(x not in (0, 1) for x in row) or row != [0] * n + [1] * (len(row) - n):
+            hint = ("it is right-padded: tokenize with tokenizer.padding_side = 'left', or pass a list of 1-D "
+                    "prompts" if row == [1] * (len(row) - n) + [0] * n else f"got {_short(row)}")
+            raise ValueError(f"attention_mask row {b} must be 0 on left pads then 1 on the prompt (left "
+                             f"padding): {hint}")
+        if n == len(row):
+            raise ValueError(f"attention_mask row {b} is all 0: an empty prompt")
+        starts.append(n)
+    return ids, starts
+
+
+def _short(row: list, keep: int = 12) -> str:
+    """A mask row for an error message: whole if short, else its ends."""
+    if len(row) <= 2 * keep:
+        return str(row)
+    return f"[{', '.join(map(str, row[:keep]))}, ... ({len(row) - 2 * keep} more), {', '.join(map(str, row[-keep:]))}]"
+
+
 def check_inputs(target, input_ids: torch.Tensor, max_new_tokens: int) -> None:
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
     if input_ids.shape[0] != 1:
-        raise ValueError(f"one sequence: input_ids must be [1, T], got {input_ids.shape[0]} rows (a batch runs "
-                         "in batch.run_batch; decode.generate dispatches it)")
+        raise ValueError(f"one sequence: input_ids must be [1, T], got {input_ids.shape[0]} rows (a batch is a "
+                         "list of prompts or [B, T] with attention_mask; decode.generate takes both)")
     if input_ids.shape[1] == 0:
         raise ValueError("empty prompt: pass at least one token (e.g. the BOS token or a chat template)")
     check_context(target, input_ids.shape[1], max_new_tokens)
@@ -144,19 +357,3 @@ def eos_ids(target, eos_token_id) -> set[int]:
         return set()
     many = isinstance(eos_token_id, (list, tuple, set))
     return {int(e) for e in (eos_token_id if many else [eos_token_id])}
-
-
-def finish(new: list[int], max_new: int, eos: set, stop, tokenizer) -> tuple[list[int], bool]:
-    """Truncate at the first EOS (kept, as transformers does), a stop string or max_new tokens."""
-    done = len(new) >= max_new
-    new = new[:max_new]
-    for i, t in enumerate(new):
-        if t in eos:
-            return new[: i + 1], True
-    if stop:
-        text = tokenizer.decode(new)
-        if any(s in text for s in stop):
-            for i in range(1, len(new) + 1):
-                if any(s in tokenizer.decode(new[:i]) for s in stop):
-                    return new[:i], True
-    return new, done

@@ -25,7 +25,7 @@ import copy
 
 import torch
 
-from eaglekit.decode.proposers import at_rows
+from eaglekit.decode import kv
 from eaglekit.decode.tree import Tree, TreeSpec, select_best
 from eaglekit.heads import check_target
 
@@ -61,14 +61,15 @@ class ParallelDrafter:
             raise TypeError(f"ParallelDrafter needs a parallel head (P-EAGLE, DFlash), got {type(head).__name__}")
         check_target(head.config, target, where="decode.generate")
         self.head, self.spec = head, spec
-        self.kind, self.layer_ids = head.config.kind, tuple(head.config.aux_layer_ids) or None
+        self.kind = head.config.kind
+        self.layer_ids = type(head).tap_layers(target, head.config.aux_layer_ids)  # what it reads, exactly
         self.device = next(head.parameters()).device
 
     def fork(self) -> ParallelDrafter:
         return copy.copy(self)  # prefill() replaces the per-sequence state a copy shares
 
     def _features(self, out, rows: torch.Tensor) -> torch.Tensor:
-        return self.head.fuse_output(at_rows(out, rows, self.device))[0]
+        return self.head.fuse_output(kv.row_output(out, 0, rows, self.device))[0]
 
     def prefill(self, prompt, out, root: int) -> None:
         self.cache = self.head.new_cache()

@@ -10,27 +10,21 @@ last accepted tokens, not yet run). ``TreeDrafter`` drives it:
   one's output (``hidden`` None for a proposer that feeds no feature to its children);
 * ``step(ids, feed, pos, mask)`` [1, S] tokens above the committed ones under a tree mask,
   ``to_target(ids)``, ``length`` and ``crop(n)``: what ``tree.expand`` calls;
-* ``kind``/``layer_ids``: which target taps the verify forward must return for ``accept``;
+* ``layer_ids``: the target layers the verify forward must tap for ``accept`` (``()``: none);
 * ``fork()``: a proposer for another sequence, sharing the model (``start`` gives it its own cache).
+
+``catch_up(proposers)`` runs the pending elements of every row of one head in one head forward (one row is
+a batch of one); a draft model's rows catch up in their own ``catch_up``.
 """
 from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import fields, replace
 
 import torch
 
 from eaglekit.decode import kv
 from eaglekit.heads import HeadCache, check_target
-
-
-def at_rows(out, rows: torch.Tensor, device) -> object:
-    """``out`` (a ``TargetOutput``) without logits, each per-token feature [1, S, ...] cut to sequence
-    positions ``rows`` and moved to ``device``: which feature a head reads is the head's business."""
-    cut = {f.name: v[:, rows.to(v.device)].to(device) for f in fields(out)
-           if f.name != "logits" and isinstance(v := getattr(out, f.name), torch.Tensor)}
-    return replace(out, logits=None, **cut)
 
 
 class HeadProposer:
@@ -44,13 +38,14 @@ class HeadProposer:
 
     def __init__(self, target, head):
         check_target(head.config, target, where="decode.generate")
-        self.head, self.kind = head, head.config.kind  # the target taps this head reads (Target.forward)
-        self.layer_ids = tuple(head.config.aux_layer_ids) or None
+        self.head, self.kind = head, head.config.kind
+        # the target layers this head reads, exactly (() for EAGLE-1): what the verify forward taps
+        self.layer_ids = type(head).tap_layers(target, head.config.aux_layer_ids)
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
 
     def _features(self, out, rows: torch.Tensor) -> torch.Tensor:
-        return self.head.fuse_output(at_rows(out, rows, self.device))[0]
+        return self.head.fuse_output(kv.row_output(out, 0, rows, self.device))[0]
 
     def fork(self) -> HeadProposer:
         return copy.copy(self)  # start() replaces the per-sequence state a copy shares
@@ -64,13 +59,10 @@ class HeadProposer:
         self.pending = torch.tensor(tokens, device=self.device), self._features(out, rows)
 
     def catch_up(self):
-        if self.caught is not None:  # already run, with other rows (catch_up_together)
-            out, self.caught = self.caught, None
-            return out
-        ids, g = self.pending
-        pos = torch.arange(self.length, self.length + len(ids), device=self.device)
-        hidden, logits = self.head.step(ids[None], g[None], pos[None], cache=self.cache)
-        return hidden[0, -1], logits[0, -1]
+        if self.caught is None:  # not run with the other rows of its head (``catch_up``)
+            catch_up([self])
+        out, self.caught = self.caught, None
+        return out
 
     def step(self, ids, feed, pos, mask):
         return self.head.step(ids, feed, pos, cache=self.cache, attn_mask=mask)
@@ -87,11 +79,19 @@ class HeadProposer:
 
 
 @torch.no_grad()
-def catch_up_together(proposers: list[HeadProposer]) -> None:
-    """Run several rows' pending elements through one head forward (rows of one head): each row's cache
-    left-padded to the longest and its pending elements right-padded, under a mask that lets row b see only
-    its own cache and elements. Each row then gets its new cache entries, and its next ``catch_up`` returns
-    the output it would have computed alone (up to float rounding: the sums run over padded lengths)."""
+def catch_up(proposers: list[HeadProposer]) -> None:
+    """Run the rows' pending elements (rows of one head) through one head forward; each row's next
+    ``HeadProposer.catch_up`` returns its last element's output. One row runs on its own cache, causally.
+    Several: each row's cache left-padded to the longest and its pending elements right-padded, under a mask
+    that lets row b see only its own cache and elements; each row then gets its new cache entries and the
+    output it would have computed alone (up to float rounding: the sums run over padded lengths)."""
+    if len(proposers) == 1:
+        p = proposers[0]
+        ids, g = p.pending
+        pos = torch.arange(p.length, p.length + len(ids), device=p.device)
+        hidden, logits = p.head.step(ids[None], g[None], pos[None], cache=p.cache)
+        p.caught = hidden[0, -1], logits[0, -1]
+        return
     head, first = proposers[0].head, proposers[0]
     cfg, dev, dtype = head.config, first.device, first.dtype
     lengths, counts = [p.length for p in proposers], [len(p.pending[0]) for p in proposers]
@@ -153,7 +153,7 @@ class ModelProposer:
     """A draft model sharing the target's tokenizer, on its own ``DynamicCache``: element t is token t at
     position t. It reads no target features, and feeds none to its children."""
 
-    kind, layer_ids = None, None
+    kind, layer_ids = None, ()
 
     def __init__(self, target, draft):
         check_same_tokenizer(target, draft)
@@ -171,6 +171,7 @@ class ModelProposer:
         self.pending = torch.tensor(tokens, device=self.device)
 
     def catch_up(self):
+        """Run the pending tokens in; the last one's logits (over the target's ids)."""
         pos = torch.arange(self.length, self.length + len(self.pending), device=self.device)
         _, logits = self.step(self.pending[None], None, pos[None], None)
         return None, logits[0, -1]
@@ -178,9 +179,16 @@ class ModelProposer:
     def step(self, ids, feed, pos, mask):
         keep = 1 if mask is None else 0  # the pending tokens (a whole prompt at first): last row only
         out = self.model.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
-                                 kind=None, logits_to_keep=keep)
-        # a draft lm_head padded past the target's vocabulary: never propose those ids
-        return None, out.logits[..., : self.vocab]
+                                 layer_ids=(), logits_to_keep=keep)
+        return None, self.target_vocab(out.logits)
+
+    def target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's ids: a draft lm_head padded past the target's vocabulary never proposes
+        those ids (cut), a shorter one never proposes the ids it lacks (-inf)."""
+        short = self.vocab - logits.shape[-1]
+        if short <= 0:
+            return logits[..., : self.vocab]
+        return torch.nn.functional.pad(logits, (0, short), value=float("-inf"))
 
     @staticmethod
     def to_target(ids: torch.Tensor) -> torch.Tensor:

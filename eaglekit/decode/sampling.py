@@ -18,7 +18,7 @@ child equal to argmax p", which ``verify.accept`` does directly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,18 +30,17 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    # temperature 0: a field, not a property, so the decode step reads it without a call into this module
+    greedy: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "greedy", self.temperature == 0)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Target/draft distribution over the last dim (float32); one-hot argmax when greedy."""

@@ -36,6 +36,7 @@ class Tree:
     q_token: torch.Tensor  # [n] drafter probability of the token given its parent
     q_full: torch.Tensor | None = None  # [n, V] proposal distribution each token was sampled from
     sampled: bool = False  # True: tokens sampled from q (Leviathan rule); False: chosen (one-hot rule)
+    known_chain: bool = False  # built as a chain (``chain``, ``empty``): known without reading the parents
     # (tokens, parents, depths) as Python lists, read from the device once (``host``): the acceptance walk,
     # the stats and the drafter's commit all need them, and every read of a device tensor waits for it
     _host: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -46,13 +47,13 @@ class Tree:
     @staticmethod
     def empty(device=None) -> Tree:
         z = torch.zeros(0, dtype=torch.long, device=device)
-        return Tree(z, z.clone(), z.clone(), torch.zeros(0, device=device))
+        return Tree(z, z.clone(), z.clone(), torch.zeros(0, device=device), known_chain=True)
 
     @staticmethod
     def chain(tokens: torch.Tensor, q_token: torch.Tensor, q_full=None, sampled=False) -> Tree:
         n = len(tokens)
         ar = torch.arange(n, device=tokens.device)
-        return Tree(tokens, ar - 1, ar + 1, q_token, q_full, sampled)
+        return Tree(tokens, ar - 1, ar + 1, q_token, q_full, sampled, known_chain=True)
 
     def host(self) -> tuple[list[int], list[int], list[int]]:
         """(tokens, parents, depths) as lists: one device read for the tree's life (``fetch`` reads several)."""
@@ -62,7 +63,7 @@ class Tree:
 
     @property
     def is_chain(self) -> bool:
-        return self.host()[1] == list(range(-1, len(self) - 1))
+        return self.known_chain or self.host()[1] == list(range(-1, len(self) - 1))
 
     @property
     def depth(self) -> int:

@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
 )
 
 from eaglekit import decode
-from eaglekit.decode import verify
+from eaglekit.decode import loop
 
 ALPHA = 1e-3
 
@@ -94,7 +94,7 @@ def acceptance_rule(rule):
     """Inside the block every verify of decode.generate accepts with ``rule`` (a function like
     ``sampling.accept_deterministic``) instead of the lossless rule for its tree."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(verify, "rule_for", lambda tree: rule)
+        mp.setattr(loop, "rule_for", lambda tree: rule)
         yield
 
 

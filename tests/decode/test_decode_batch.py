@@ -7,12 +7,12 @@ import pytest
 import torch
 from exact_law import ALPHA, acceptance_rule, chi2_pvalue, exact_joint, sample_counts_batch
 from helpers import tiny_target
-from test_decode_core import TREE, tiny_head
+from test_decode_core import TREE, tiny_head, watch_cache
 from test_decode_greedy_exact import OracleDrafter, argmax_second
 from test_decode_sampling import CONFIG, peaky_target
 
 from eaglekit import decode
-from eaglekit.decode import batch, kv
+from eaglekit.decode import kv, loop, proposers
 from eaglekit.decode.drafters import ModelTreeDrafter
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.sampling import Sampling, accept_minpq_on_topk
@@ -90,43 +90,6 @@ def test_decode_batch_tau_is_mean_of_rows_and_rows_keep_their_steps():
     assert out.stats.new_tokens == 27 and out.stats.accept_lengths == [4, 4] * 3
 
 
-def _watch_batch_cache(monkeypatch, target, tol):
-    """After every batched step, each live row's cache slots equal a fresh forward over its text (its prompt
-    and every emitted token but the last). Returns the number of (step, row) checks."""
-    checks = []
-    prefill, step, keep = batch.BatchDecoder.prefill, batch.BatchDecoder.step, batch.BatchDecoder.keep
-
-    def watched_prefill(self, ids, starts):
-        roots = prefill(self, ids, starts)
-        self.texts = [ids[b, s:].tolist() + [r] for b, (s, r) in enumerate(zip(starts, roots))]
-        return roots
-
-    def watched_keep(self, rows):
-        keep(self, rows)
-        self.texts = [self.texts[b] for b in rows]
-
-    def watched_step(self, roots, max_depths):
-        steps, *seconds = step(self, roots, max_depths)
-        slots = [g() for g, _ in kv._slots(self.cache)]
-        for b, s in enumerate(steps):
-            self.texts[b] += s.emitted
-            fresh = kv.new_cache(target.model)
-            target.forward(torch.tensor([self.texts[b][:-1]]), past_key_values=fresh, kind=None)
-            assert self.lengths[b] - self.starts[b] == len(self.texts[b]) - 1
-            for (k, v), (g, _) in zip(slots, kv._slots(fresh)):
-                fk, fv = g()
-                got = slice(self.starts[b], self.lengths[b])
-                torch.testing.assert_close(k[b:b + 1, :, got], fk, atol=tol, rtol=tol)
-                torch.testing.assert_close(v[b:b + 1, :, got], fv, atol=tol, rtol=tol)
-            checks.append(b)
-        return (steps, *seconds)
-
-    monkeypatch.setattr(batch.BatchDecoder, "prefill", watched_prefill)
-    monkeypatch.setattr(batch.BatchDecoder, "step", watched_step)
-    monkeypatch.setattr(batch.BatchDecoder, "keep", watched_keep)
-    return checks
-
-
 @pytest.mark.parametrize("drafter", ["eagle3", "self", "chain", "model_tree"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_decode_batch_kv_equals_fresh_forward_per_row(drafter, temperature, monkeypatch):
@@ -134,7 +97,7 @@ def test_decode_batch_kv_equals_fresh_forward_per_row(drafter, temperature, monk
     small = tiny_target(seed=1, vocab_size=64, layers=2)
     dr = {"eagle3": tiny_head(t, "eagle3", 48), "self": t, "chain": small,
           "model_tree": ModelTreeDrafter(t, small, TreeSpec(**TREE))}[drafter]
-    checks = _watch_batch_cache(monkeypatch, t, 1e-5)
+    checks = watch_cache(monkeypatch, t, 1e-5)
     out = decode.generate(t, dr, PROMPTS[:3], 14, temperature=temperature, seed=0, eos_token_id=False, tree=TREE,
                           gamma=3)
     assert len(checks) == sum(len(r.accept_lengths) for r in out.stats.rows) >= 3 * 4
@@ -145,23 +108,23 @@ def test_decode_batch_kv_equals_fresh_forward_per_row(drafter, temperature, monk
 def test_decode_batch_kv_check_can_fail(monkeypatch):
     """A keep that forgets to move the accepted rows (only truncates) must fail the per-row check."""
     t = tiny_target(vocab_size=64, layers=2)
-    _watch_batch_cache(monkeypatch, t, 1e-5)
+    watch_cache(monkeypatch, t, 1e-5)
 
     def lazy_keep(cache, past_len, lengths, rows):
         kv.crop(cache, past_len)
         return [n + len(r) for n, r in zip(lengths, rows)]
-    monkeypatch.setattr(kv, "keep_rows", lazy_keep)
+    monkeypatch.setattr(kv, "keep", lazy_keep)
     with pytest.raises(AssertionError):
         decode.generate(t, t, PROMPTS[:2], 8, eos_token_id=False, gamma=3)
 
 
-def test_decode_batch_keep_rows_moves_each_rows_path():
+def test_decode_batch_keep_moves_each_rows_path():
     t = tiny_target(vocab_size=64, layers=2)
     cache = kv.new_cache(t.model)
-    t.forward(torch.arange(2, 22).view(2, 10), past_key_values=cache, kind=None)
+    t.forward(torch.arange(2, 22).view(2, 10), past_key_values=cache, layer_ids=())
     before = [g()[0].clone() for g, _ in kv._slots(cache)]
     # row 0 held 4 slots, row 1 held 6; the last 4 slots are the verify rows
-    lengths = kv.keep_rows(cache, 6, [4, 6], [torch.tensor([0, 2, 3]), torch.tensor([0])])
+    lengths = kv.keep(cache, 6, [4, 6], [torch.tensor([0, 2, 3]), torch.tensor([0])])
     assert lengths == [7, 7]
     for b, (g, _) in zip(before, kv._slots(cache)):
         k = g()[0]
@@ -196,9 +159,9 @@ def test_decode_batch_of_one_is_the_one_sequence_loop():
         as_list = decode.generate(t, dr, [PROMPTS[2]], 12, eos_token_id=False, tree=TREE, gamma=3)
         assert torch.equal(as_list.sequences, one.sequences)
         assert as_list.stats.rows[0].accept_lengths == one.stats.accept_lengths
-        # the batched engine itself at B = 1 (masks, slots, keep_rows) gives the same tokens and steps
+        # the loop called with a list of one drafter (the batch layout) gives the same tokens and steps
         drafter = decode.make_drafter(t, dr, tree=TREE, gamma=3)
-        forced = batch.run_batch(t, [drafter], ids, [0], 12, Sampling())
+        forced = loop.run(t, [drafter], ids, 12, Sampling(), starts=[0])
         assert torch.equal(forced.sequences, one.sequences)
         assert forced.stats.rows[0].accept_lengths == one.stats.accept_lengths
     padded = decode.generate(t, head, torch.tensor([[0, 0] + PROMPTS[1]]), 6, eos_token_id=False, tree=TREE,
@@ -259,17 +222,16 @@ def test_decode_batch_bad_input():
 def test_decode_batch_row_output_cuts_a_row():
     o = TargetOutput(torch.arange(2 * 1 * 3).view(2, 1, 3).float(), torch.arange(2 * 5 * 2).view(2, 5, 2).float(),
                      None)
-    r = batch.row_output(o, 1, 2, 5)
-    assert r.last.tolist() == [o.last[1, 2:5].tolist()] and r.logits.tolist() == [[[3.0, 4.0, 5.0]]]
-    assert r.taps is None and batch.row_output(o, 0, 0, 2).logits.shape == (1, 0, 3)
+    r = kv.row_output(o, 1, slice(2, 5))
+    assert r.last.tolist() == [o.last[1, 2:5].tolist()] and r.logits is None and r.taps is None
+    picked = kv.row_output(o, 0, torch.tensor([4, 0, 2]))
+    assert picked.last.tolist() == [o.last[0, [4, 0, 2]].tolist()]
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_decode_batch_head_catch_up_together_equals_alone(kind):
+def test_decode_batch_head_catch_up_of_rows_equals_alone(kind):
     """Rows of one head caught up in one forward (caches of different lengths, empty ones included, and
     different numbers of pending tokens) get the output and cache entries each would compute alone."""
-    from eaglekit.decode.proposers import catch_up_together
-
     t = tiny_target(vocab_size=64, layers=3)
     head = tiny_head(t, kind, 48)
     together = [decode.EagleDrafter(t, head, TreeSpec(**TREE)).proposer for _ in PROMPTS]
@@ -279,14 +241,14 @@ def test_decode_batch_head_catch_up_together_equals_alone(kind):
         for b, p in enumerate(PROMPTS):
             if step == 0:  # the prefill's pending elements: a whole prompt, an empty cache
                 ids = torch.tensor([p])
-                out = t.forward(ids, kind=kind, layer_ids=together[b].layer_ids)
+                out = t.forward(ids, layer_ids=together[b].layer_ids)
                 together[b].start(ids, out, 5 + b)
                 alone[b].start(ids, out, 5 + b)
             else:  # accepted tokens with some features: 1 to 4 of them
                 n = 1 + b
                 pending = (torch.randint(7, 64, (n,), generator=g), torch.randn(n, 32, generator=g))
                 together[b].pending = alone[b].pending = pending
-        catch_up_together(together)
+        proposers.catch_up(together)
         for a, b in zip(together, alone):
             for x, y in zip(a.catch_up(), b.catch_up()):
                 torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)

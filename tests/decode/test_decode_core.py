@@ -8,7 +8,6 @@ from eaglekit import decode
 from eaglekit.decode import kv, loop
 from eaglekit.decode.drafters import ModelTreeDrafter
 from eaglekit.decode.tree import Tree, TreeSpec
-from eaglekit.decode.verify import verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
@@ -61,8 +60,8 @@ def test_decode_tree_verify_logits_equal_path_forwards():
     depths = torch.tensor([1, 1, 2, 2, 2, 3, 3])
     tree = Tree(tokens, parents, depths, torch.ones(7))
     cache = kv.new_cache(t.model)
-    t.forward(prompt[:, :-1], past_key_values=cache, kind=None)
-    out, past = verify(t, cache, 11, tree, decode.drafters.PlainDrafter())
+    t.forward(prompt[:, :-1], past_key_values=cache, layer_ids=())
+    out, _ = loop.verify(t, cache, [11], [tree], [0], [4])
     for i in range(-1, 7):
         path, j = [], i
         while j >= 0:
@@ -73,33 +72,43 @@ def test_decode_tree_verify_logits_equal_path_forwards():
         torch.testing.assert_close(out.logits[0, i + 1], ref, atol=1e-5, rtol=1e-5)
 
 
-def _cache_equals_fresh(monkeypatch, target, tol):
-    """After every step of decode.generate, the target's cache must equal a fresh forward over the text it
-    covers (the prompt and every emitted token but the last). Returns the text lengths checked."""
-    checked = []
-    prefill, step = loop.Decoder.prefill, loop.Decoder.step
+def watch_cache(monkeypatch, target, tol):
+    """After every step of decode.generate, each live row's cache slots must equal a fresh forward over its
+    text (its prompt and every emitted token but the last), and the cache must be as long as its longest row.
+    One sequence is a row like any other. Returns the rows checked, one entry per (step, row)."""
+    checks = []
+    prefill, step, keep = loop.Decoder.prefill, loop.Decoder.step, loop.Decoder.keep
 
-    def watched_prefill(self, prompt):
-        root = prefill(self, prompt)
-        self.text = prompt[0].tolist() + [root]
-        return root
+    def watched_prefill(self, ids, starts):
+        roots = prefill(self, ids, starts)
+        self.texts = [ids[b, s:].tolist() + [r] for b, (s, r) in enumerate(zip(starts, roots))]
+        return roots
 
-    def watched_step(self, root, max_depth):
-        done = step(self, root, max_depth)
-        self.text += done.emitted
-        tokens = torch.tensor(self.text[:-1])
-        fresh = kv.new_cache(target.model)
-        target.forward(tokens[None], past_key_values=fresh, kind=None)
-        assert kv.cache_length(self.cache) == len(tokens)
-        for (g1, _), (g2, _) in zip(kv._slots(self.cache), kv._slots(fresh)):
-            for a, b in zip(g1(), g2()):
-                torch.testing.assert_close(a, b, atol=tol, rtol=tol)
-        checked.append(len(tokens))
-        return done
+    def watched_keep(self, rows):
+        keep(self, rows)
+        self.texts = [self.texts[b] for b in rows]
+
+    def watched_step(self, roots, max_depths):
+        steps, *seconds = step(self, roots, max_depths)
+        slots = [g() for g, _ in kv._slots(self.cache)]
+        assert kv.cache_length(self.cache) == max(self.lengths)
+        for b, s in enumerate(steps):
+            self.texts[b] += s.emitted
+            fresh = kv.new_cache(target.model)
+            target.forward(torch.tensor([self.texts[b][:-1]]), past_key_values=fresh, layer_ids=())
+            assert self.lengths[b] - self.starts[b] == len(self.texts[b]) - 1
+            for (k, v), (g, _) in zip(slots, kv._slots(fresh)):
+                fk, fv = g()
+                got = slice(self.starts[b], self.lengths[b])
+                torch.testing.assert_close(k[b:b + 1, :, got], fk, atol=tol, rtol=tol)
+                torch.testing.assert_close(v[b:b + 1, :, got], fv, atol=tol, rtol=tol)
+            checks.append(b)
+        return (steps, *seconds)
 
     monkeypatch.setattr(loop.Decoder, "prefill", watched_prefill)
     monkeypatch.setattr(loop.Decoder, "step", watched_step)
-    return checked
+    monkeypatch.setattr(loop.Decoder, "keep", watched_keep)
+    return checks
 
 
 @pytest.mark.parametrize("drafter", ["eagle3", "self", "chain", "model_tree"])
@@ -110,7 +119,7 @@ def test_decode_kv_keep_equals_fresh_forward(drafter, temperature, monkeypatch):
     small = tiny_target(seed=1, vocab_size=64, layers=2)
     dr = {"eagle3": tiny_head(t, "eagle3", 48), "self": t, "chain": small,
           "model_tree": ModelTreeDrafter(t, small, TreeSpec(**TREE))}[drafter]
-    checked = _cache_equals_fresh(monkeypatch, t, 1e-5)
+    checked = watch_cache(monkeypatch, t, 1e-5)
     out = decode.generate(t, dr, torch.tensor([PROMPTS[0]]), 24, temperature=temperature, seed=0,
                           eos_token_id=False, tree=TREE, gamma=3)
     assert len(checked) == len(out.stats.accept_lengths) >= 6
@@ -121,9 +130,9 @@ def test_decode_kv_keep_equals_fresh_forward(drafter, temperature, monkeypatch):
 def test_decode_kv_keep_moves_non_contiguous_rows():
     t = tiny_target(vocab_size=64, layers=2)
     cache = kv.new_cache(t.model)
-    t.forward(torch.arange(2, 12)[None], past_key_values=cache, kind=None)
+    t.forward(torch.arange(2, 12)[None], past_key_values=cache, layer_ids=())
     before = [g()[0].clone() for g, _ in kv._slots(cache)]
-    kv.keep(cache, 4, torch.tensor([0, 2, 5]))
+    assert kv.keep(cache, 4, [4], [torch.tensor([0, 2, 5])]) == [7]
     for b, (g, _) in zip(before, kv._slots(cache)):
         k = g()[0]
         assert k.shape[-2] == 7
@@ -180,7 +189,7 @@ def test_decode_tree_draft_probs_equal_sequential_head(kind):
     head.lm_head.weight.data.mul_(30) if kind == "eagle3" else None  # peaky q: distinct candidates
     dr = EagleDrafter(t, head, TreeSpec(depth=4, top_k=3, total_tokens=20))
     prompt = torch.tensor([PROMPTS[2]])
-    out = t.forward(prompt, kind=kind, layer_ids=dr.layer_ids)
+    out = t.forward(prompt, layer_ids=dr.layer_ids)
     dr.prefill(prompt, out, 12)
     ids0, g0 = (x.clone() for x in dr.proposer.pending)
     tree = dr.draft(max_depth=10)

@@ -12,11 +12,10 @@ from helpers import tiny_target
 from test_decode_core import tiny_head
 
 from eaglekit import decode
-from eaglekit.decode import kv
+from eaglekit.decode import kv, loop
 from eaglekit.decode.drafters import EagleDrafter
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.tree import Tree, TreeSpec
-from eaglekit.decode.verify import verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
@@ -32,7 +31,7 @@ class OracleDrafter:
     ``ignore_max_depth``: draft ``depth`` levels even past max_new_tokens (a protocol-breaking drafter
     the loop must still truncate)."""
 
-    kind, layer_ids = None, None
+    kind, layer_ids = None, ()
 
     def __init__(self, target, sampling: Sampling, depth: int, choose, ignore_max_depth=False):
         self.target, self.sampling, self.depth, self.choose = target, sampling, depth, choose
@@ -197,8 +196,8 @@ def test_decode_greedy_tree_verify_every_backend_and_dtype(arch, attn, dtype):
     tree = Tree(torch.tensor([20, 21, 22, 23, 24, 25, 26, 27, 28]), parents,
                 torch.tensor([1, 1, 1, 2, 2, 2, 3, 3, 3]), torch.ones(9))
     cache = kv.new_cache(t.model)
-    t.forward(prompt[:, :-1], past_key_values=cache, kind=None)
-    out, past = verify(t, cache, 12, tree, decode.drafters.PlainDrafter())
+    t.forward(prompt[:, :-1], past_key_values=cache, layer_ids=())
+    out, _ = loop.verify(t, cache, [12], [tree], [0], [5])
     got = out.logits[0].float()
     ref = _path_forward_logits(t, prompt, tree)
     assert torch.isfinite(got).all()
@@ -206,9 +205,9 @@ def test_decode_greedy_tree_verify_every_backend_and_dtype(arch, attn, dtype):
     assert (got - ref).abs().max() < tol, (got - ref).abs().max()
     # the check can fail: a plain causal forward over the same rows is far off on some row
     cache2 = kv.new_cache(t.model)
-    t.forward(prompt[:, :-1], past_key_values=cache2, kind=None)
+    t.forward(prompt[:, :-1], past_key_values=cache2, layer_ids=())
     wrong = t.forward(torch.cat([prompt[:, -1:], tree.tokens[None]], 1), past_key_values=cache2,
-                      kind=None).logits[0].float()
+                      layer_ids=()).logits[0].float()
     assert (wrong - ref).abs().max() > 10 * tol
 
 
@@ -239,7 +238,7 @@ def test_decode_greedy_head_cache_equals_fresh_every_step(kind):
         def draft(self, max_depth):
             tree = ed.draft(max_depth)
             x = torch.tensor([text])
-            fo = t.forward(x[:, :-1], kind=kind, layer_ids=ed.layer_ids)
+            fo = t.forward(x[:, :-1], layer_ids=ed.layer_ids)
             g = head.fuse_output(fo)
             fresh = HeadCache()
             head.step(x[:, 1:], g, torch.arange(x.shape[1] - 1)[None], cache=fresh)

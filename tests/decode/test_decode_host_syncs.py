@@ -1,7 +1,7 @@
 """The decode step reads the device at most twice, whatever the tree: once for the tree's nodes (the mask
 choice, the acceptance walk, the stats) and once for the verify rows' argmax; a batch reads both for all
 rows at once. A read is counted as a call of Tensor.item / tolist / __bool__ / __int__ / __float__ (each
-waits for the queued kernels on a GPU) made inside ``Decoder.step`` or ``BatchDecoder.step``."""
+waits for the queued kernels on a GPU) made inside ``Decoder.step`` (one row or several: the same step)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ from helpers import tiny_target
 from test_decode_core import tiny_head
 
 from eaglekit import decode
-from eaglekit.decode import batch, loop
+from eaglekit.decode import loop
 from eaglekit.decode.tree import TreeSpec
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__")
@@ -46,7 +46,7 @@ def reads_per_step(monkeypatch, cls) -> list[int]:
 def test_at_most_two_reads_per_step(monkeypatch, spec, rows):
     t = tiny_target()
     head = tiny_head(t, "eagle3")
-    counts = reads_per_step(monkeypatch, loop.Decoder if rows == 1 else batch.BatchDecoder)
+    counts = reads_per_step(monkeypatch, loop.Decoder)
     prompts = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33]][:rows]
     ids = torch.tensor(prompts) if rows == 1 else prompts
     out = decode.generate(t, head, ids, 12, eos_token_id=False, tree=spec)

@@ -8,8 +8,8 @@ import eaglekit.decode
 
 DECODE = Path(eaglekit.decode.__file__).parent
 LAYERS = [  # lowest first
-    {"tree", "kv", "sampling", "stats"},
-    {"proposers", "verify"},
+    {"tree", "kv", "sampling", "stats", "stops"},
+    {"proposers"},
     {"drafters"},
     {"loop", "lookup", "parallel"},
     {"cost", "batch"},

@@ -3,7 +3,7 @@ drafter, and the KV cache after each step. The sampling law with lookup is in te
 import pytest
 import torch
 from helpers import tiny_target
-from test_decode_core import PROMPTS, TREE, _cache_equals_fresh, hf_greedy, tiny_head
+from test_decode_core import PROMPTS, TREE, hf_greedy, tiny_head, watch_cache
 
 from eaglekit import decode
 from eaglekit.decode.drafters import EagleDrafter, ModelTreeDrafter, PlainDrafter
@@ -169,7 +169,7 @@ def test_decode_lookup_greedy_equals_hf_every_tree_drafter():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_decode_lookup_kv_keep_equals_fresh_forward(temperature, monkeypatch):
     t = tiny_target(vocab_size=64, layers=3)
-    checked = _cache_equals_fresh(monkeypatch, t, 1e-5)
+    checked = watch_cache(monkeypatch, t, 1e-5)
     dr = LookupDrafter(EagleDrafter(t, tiny_head(t, "eagle3", 48), TreeSpec(**TREE)), 4)
     out = decode.generate(t, dr, torch.tensor([[2, 5, 6, 7, 5, 6, 7, 5, 6]]), 24, temperature=temperature,
                           seed=0, eos_token_id=False)
