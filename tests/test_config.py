@@ -160,11 +160,14 @@ def test_flat_target_keys_are_unknown_and_point_at_the_section(tmp_path):
     with pytest.raises(ConfigError, match=rf"^{flat}: unknown key\(s\) \['target_dtype'\] for TrainConfig "
                                           r"\(did you mean target.dtype\?\); known: \["):
         load_train_config(flat)
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['device', 'dtype'\] for PrepareConfig \(did you "
+    with pytest.raises(ConfigError, match=r"^override: unknown key\(s\) \['device', 'dtype'\] for PrepareConfig \(did you "
                                           r"mean target.device for device, target.dtype for dtype\?\)"):
         load_config(PrepareConfig, None, ["device=cpu", "dtype=float16"])
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['warmup'\] for TrainConfig; known"):
+    with pytest.raises(ConfigError, match=r"^override: unknown key\(s\) \['warmup'\] for TrainConfig; known"):
         load_train_config(None, ["data.conversations=x", "warmup=3"])  # no near key, none of that name
+    with pytest.raises(ConfigError, match=r"^override:optim: unknown key\(s\) \['lrr'\] for OptimConfig \(did you "
+                                          r"mean lr\?\)"):
+        load_train_config(None, ["data.conversations=x", "optim.lrr=3"])
 
 
 def test_parse_dtype_is_the_one_reader_of_dtype_names():
