@@ -179,7 +179,8 @@ def regenerate_conversation(
         prompt = new + [source[turn]]
         if fits is not None and not fits(prompt):
             return _item(conv, new, "prompt longer than max_prompt_tokens")
-        answer = client.chat(prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed + turn)
+        answer = client.chat(prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed + turn,
+                             item=f"conversation {conv['id']!r}")
         if not answer:
             return _item(conv, new, "empty answer")
         new = prompt + [{"role": "assistant", "content": answer}]

@@ -162,7 +162,8 @@ def test_endpoint_resumes_after_a_failure_without_loss_or_duplicates(tmp_path, f
     dying = fake(fail_after=6, delay=later_first)
     out = tmp_path / "out.jsonl"
     cfg = RegenerateConfig(endpoint=dying.url, concurrency=3, retries=2)
-    with pytest.raises(EndpointError, match=f"{dying.url}/chat/completions failed after 3 tries .*503"):
+    failed = rf"{dying.url}/chat/completions for conversation 'c\d' failed after 3 tries .*503"  # names the item
+    with pytest.raises(EndpointError, match=failed):
         regenerate(None, convs, out, cfg, progress=False)
     kept = out.read_text().splitlines()
     assert 0 < len(kept) < len(convs) and kept == full.read_text().splitlines()[: len(kept)]
