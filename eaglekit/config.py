@@ -57,8 +57,8 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the config's dataclass."""
 
 
-Dtype = Literal["float32", "bfloat16", "float16", "float64"]  # a target's compute dtype in a config (float64:
-# for exactness checks, where fp32's summation order would show, e.g. a split target against a whole one)
+Dtype = Literal["float32", "bfloat16", "float16", "float64"]  # every dtype name eaglekit takes: a target's compute
+# dtype, an export's weights (float64: for exactness checks, where fp32's summation order would show)
 
 
 def parse_dtype(name: str | torch.dtype, key: str = "dtype") -> torch.dtype:
