@@ -6,11 +6,18 @@ this as an additive ``[S, (k+1)·S]`` mask, which costs memory quadratic in S (a
 backward pass). Here the same softmax is computed without any mask:
 
 - step 0 is plain causal attention (``scaled_dot_product_attention(is_causal=True)``);
-- step k >= 1 (``ttt_attention``) takes the queries ``chunk`` rows at a time: the rows' scores against
-  the step-0 keys up to the chunk's end (causal inside the chunk's own columns) and their k diagonal
-  scores, computed elementwise, share one softmax. Only the output and each row's log-sum-exp are kept;
-  the backward pass recomputes the chunk's probabilities from them (the flash-attention recipe), so the
-  memory beyond the inputs is ``chunk x S`` per head at any time, never ``S x S``.
+- step k >= 1 on the CPU (``_CausalPlusDiagonal``): PyTorch's fused causal flash kernel gives the step-0
+  output and each row's log-sum-exp; the k diagonal scores (elementwise, ``[S, k]``) join that softmax by
+  log-sum-exp arithmetic, and the backward pass hands the kernel's own backward the rescaled gradient and
+  the joint output, which makes its causal gradients those of the joint softmax. Nothing quadratic is
+  kept or built, and no Python loop runs over the rows (timings against the other paths: RESULTS.md);
+- step k >= 1 elsewhere, or where that kernel is missing (``_TTTAttention``): the queries ``chunk`` rows
+  at a time; the rows' scores against the step-0 keys up to the chunk's end (causal inside the chunk's
+  own columns) and their k diagonal scores share one softmax. Only the output and each row's log-sum-exp
+  are kept; the backward pass recomputes the chunk's probabilities from them (the flash-attention
+  recipe), so the memory beyond the inputs is ``chunk x S`` per head at any time, never ``S x S``.
+
+Both equal the masked softmax in value and gradient (tests/train/test_train_ttt_linear.py, each path).
 
 Decoding does not use this: its tree masks go through ``HeadCache`` and ``Attention``'s mask path.
 """
@@ -87,20 +94,67 @@ class _TTTAttention(torch.autograd.Function):
         return dq, dk0, dv0, dkd, dvd
 
 
+# The CPU's fused causal attention that also returns each row's log-sum-exp, and its backward (ATen ops
+# behind scaled_dot_product_attention; None on a build without them, then the chunked path runs).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+USE_CPU_FLASH = True  # False forces the chunked path (tests compare both against the mask path)
+
+
+class _CausalPlusDiagonal(torch.autograd.Function):
+    """``_TTTAttention``'s softmax from the CPU flash kernel: same inputs, same result.
+
+    With o0, lse0 the causal step-0 attention and its log-sum-exp and s_j the diagonal scores, the joint
+    softmax has lse = logaddexp(lse0, logsumexp_j s_j); the causal keys carry weight a = exp(lse0 - lse)
+    in total, so out = a·o0 + sum_j exp(s_j - lse)·v_j. Backward: the kernel's causal backward computes
+    p·(dO·v - dO·O) from the (dO, O) it is given; given a·dO and the joint output, that is the joint
+    softmax's gradient at the causal keys (its probabilities are a·p)."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, kd, vd):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        o0, lse0 = _CPU_FLASH(q, k0, v0, 0.0, True, scale=scale)
+        sd = (q[:, :, None] * kd).sum(-1) * scale  # [B, h, steps, S]
+        lse = torch.logaddexp(lse0, torch.logsumexp(sd, dim=2))
+        a, pd = torch.exp(lse0 - lse), torch.exp(sd - lse[:, :, None])
+        out = o0 * a[..., None] + (pd[..., None] * vd).sum(2)
+        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse0, a, pd)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k0, v0, kd, vd, out, lse0, a, pd = ctx.saved_tensors
+        g = d_out.contiguous()
+        dq, dk0, dv0 = _CPU_FLASH_BACKWARD(g * a[..., None], q, k0, v0, out, lse0, 0.0, True, scale=ctx.scale)
+        row = (g * out).sum(-1)  # sum_j p_j dP_j over the joint softmax
+        dsd = pd * ((g[:, :, None] * vd).sum(-1) - row[:, :, None]) * ctx.scale
+        dq = dq + (dsd[..., None] * kd).sum(2)
+        return dq, dk0, dv0, dsd[..., None] * q[:, :, None], pd[..., None] * g[:, :, None]
+
+
+def uses_cpu_flash(q: torch.Tensor) -> bool:
+    """Whether step k >= 1 runs through the CPU flash kernel (else the chunked softmax)."""
+    return USE_CPU_FLASH and q.device.type == "cpu" and _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
+
+
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """Step-k TTT attention of ``q`` [B, h, S, d] over ``keys``/``values`` of steps 0..k, each
     [B, kv_heads, S, d] (after RoPE): causal over step 0, the diagonal over steps 1..k. Equal to
-    ``scaled_dot_product_attention`` under ``ttt_mask(S, k)`` within fp32 rounding; returns q's dtype."""
+    ``scaled_dot_product_attention`` under ``ttt_mask(S, k)`` within fp32 rounding (fp64 inputs: fp64
+    rounding); returns q's dtype."""
     rep = q.shape[1] // keys[0].shape[1]
+    work = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax (fp64 kept: exactness checks)
 
-    def expand(t, dtype=torch.float32):  # grouped-query heads → one key/value head per query head
+    def expand(t, dtype=work):  # grouped-query heads → one key/value head per query head
         return t.repeat_interleave(rep, dim=1).to(dtype)
 
     if len(keys) == 1:  # step 0: plain causal attention, the fused kernel keeps no mask either
         return F.scaled_dot_product_attention(q, expand(keys[0], q.dtype), expand(values[0], q.dtype), is_causal=True)
     kd = torch.stack([expand(k) for k in keys[1:]], dim=2)
     vd = torch.stack([expand(v) for v in values[1:]], dim=2)
-    return _TTTAttention.apply(q.float(), expand(keys[0]), expand(values[0]), kd, vd).to(q.dtype)
+    attend = _CausalPlusDiagonal if uses_cpu_flash(q) else _TTTAttention
+    return attend.apply(q.to(work), expand(keys[0]), expand(values[0]), kd, vd).to(q.dtype)
 
 
 class TTTCache:

@@ -1,7 +1,8 @@
 """Training-time-test attention without the [S, (k+1)S] mask (heads.ttt_attention) equals the mask path it
 replaced — attention output, the TTT loss and every parameter's gradient, for several steps, lengths,
-grouped-query heads, padded batches and chunkings — and what it keeps for the backward pass grows linearly
-with the sequence length, where the mask path's grows with its square."""
+grouped-query heads, padded batches and chunkings, on both of its paths (CPU flash kernel, chunked) —
+and what it keeps for the backward pass grows linearly with the sequence length, where the mask path's
+grows with its square."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,16 +51,34 @@ def qkv(S, steps, heads=4, kv_heads=2, d=8, seed=0):
     return q, ks, vs
 
 
-@pytest.mark.parametrize("S,steps,chunk_elements", [(1, 1, 2**23), (7, 2, 2**23), (33, 3, 2**23),
-                                                    (50, 3, 200), (64, 1, 100)])
-def test_ttt_attention_equals_the_masked_softmax_value_and_gradient(monkeypatch, S, steps, chunk_elements):
-    """Small chunk_elements force 16-row chunks, so the chunk boundaries (and a ragged last chunk) are tested."""
+@pytest.fixture(params=["cpu_flash", "chunked"])
+def path(request, monkeypatch):
+    """Each implementation of step k >= 1: the CPU flash kernel plus diagonal, and the chunked softmax."""
+    monkeypatch.setattr(ttt_attention, "USE_CPU_FLASH", request.param == "cpu_flash")
+    assert ttt_attention.uses_cpu_flash(torch.zeros(1)) == (request.param == "cpu_flash"), "path not taken"
+    return request.param
+
+
+def qkv64(S, steps):
+    return [t.detach().double().requires_grad_() if not isinstance(t, list) else
+            [x.detach().double().requires_grad_() for x in t] for t in qkv(S, steps)]
+
+
+@pytest.mark.parametrize("S,steps,chunk_elements,dtype", [(1, 1, 2**23, "fp32"), (7, 2, 2**23, "fp32"),
+                                                          (33, 3, 2**23, "fp32"), (50, 3, 200, "fp32"),
+                                                          (64, 1, 100, "fp32"), (600, 2, 2**23, "fp64")])
+def test_ttt_attention_equals_the_masked_softmax_value_and_gradient(monkeypatch, path, S, steps, chunk_elements,
+                                                                     dtype):
+    """Small chunk_elements force 16-row chunks, so the chunk boundaries (and a ragged last chunk) are tested;
+    600 rows span several of the flash kernel's query and key blocks, compared in fp64 (in fp32, a sum over
+    600 keys differs by ~1e-5 between any two fp32 implementations, the mask path's own error included)."""
     monkeypatch.setattr(ttt_attention, "CHUNK_ELEMENTS", chunk_elements)
-    q, ks, vs = qkv(S, steps)
-    w = torch.randn(2, 4, S, 8, generator=torch.Generator().manual_seed(9))  # a generic upstream gradient
+    q, ks, vs = qkv(S, steps) if dtype == "fp32" else qkv64(S, steps)
+    w = torch.randn(2, 4, S, 8, generator=torch.Generator().manual_seed(9)).to(q.dtype)  # a generic upstream gradient
     outs, grads = [], []
     for attend in (ttt_attention.ttt_attention, masked_attention):
         out = attend(q, ks, vs)
+        assert out.dtype == q.dtype
         outs.append(out)
         grads.append(torch.autograd.grad((out * w).sum(), [q, *ks, *vs]))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
@@ -67,7 +86,12 @@ def test_ttt_attention_equals_the_masked_softmax_value_and_gradient(monkeypatch,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
-def test_ttt_attention_differs_when_the_pattern_does():
+def test_the_cpu_flash_path_runs_on_this_torch():
+    """The fast path is the one the CPU takes (a torch without its ops would silently fall back)."""
+    assert ttt_attention.uses_cpu_flash(torch.zeros(1))
+
+
+def test_ttt_attention_differs_when_the_pattern_does(path):
     """The comparison above can fail: a mask that also lets each row see step 1's key at t-1 gives another output."""
     q, ks, vs = qkv(9, 1)
     wrong = ttt_mask(9, 1)
@@ -113,7 +137,7 @@ def _loss_and_grads(head, teacher, batch, loss, monkeypatch, unroll):
 
 @pytest.mark.parametrize("kind,S,steps", [("eagle3", 12, 1), ("eagle3", 23, 3), ("eagle3", 40, 5),
                                           ("eagle1", 19, 3)])
-def test_ttt_loss_and_gradients_equal_the_mask_path(target, monkeypatch, kind, S, steps):
+def test_ttt_loss_and_gradients_equal_the_mask_path(target, monkeypatch, path, kind, S, steps):
     monkeypatch.setattr(ttt_attention, "CHUNK_ELEMENTS", 2000)  # several chunks per sequence
     head = _head(target, kind, **({"draft_vocab_size": 48} if kind == "eagle3" else {}))
     teacher = Teacher.build(target.lm_head.weight, head.t2d if kind == "eagle3" else None)
@@ -128,7 +152,7 @@ def test_ttt_loss_and_gradients_equal_the_mask_path(target, monkeypatch, kind, S
         close_to_scale(new_g[name], old_g[name], name)
 
 
-def test_peagle_block_unroll_equals_the_mask_path(target, monkeypatch):
+def test_peagle_block_unroll_equals_the_mask_path(target, monkeypatch, path):
     monkeypatch.setattr(ttt_attention, "CHUNK_ELEMENTS", 2000)
     head = _head(target, "peagle", draft_vocab_size=48, block_size=4)
     batch = _batch(target, head, 21)
@@ -172,13 +196,15 @@ def _saved_bytes(head, teacher, batch, loss, unroll, monkeypatch) -> int:
 
 
 def test_ttt_memory_kept_for_backward_grows_linearly(target, monkeypatch):
-    """Doubling S doubles what the new path keeps (ratio < 2.2), while the mask path's ratio is over 3 at
+    """Doubling S doubles what either new path keeps (ratio < 2.2), while the mask path's ratio is over 3 at
     these lengths (its masks dominate): the check separates the two."""
     head = _head(target, "eagle3", draft_vocab_size=48)
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
     loss = LossConfig(ttt_steps=3, chunk_tokens=64, cache_teacher_mb=0.0)
     ratios = {}
-    for name, unroll in (("linear", objectives.ttt_unroll), ("masked", masked_unroll)):
+    for name, unroll in (("cpu_flash", objectives.ttt_unroll), ("chunked", objectives.ttt_unroll),
+                         ("masked", masked_unroll)):
+        monkeypatch.setattr(ttt_attention, "USE_CPU_FLASH", name == "cpu_flash")
         sizes = []
         for S in (1024, 2048):
             ids = torch.randint(7, 64, (1, S), generator=torch.Generator().manual_seed(0))
@@ -186,4 +212,4 @@ def test_ttt_memory_kept_for_backward_grows_linearly(target, monkeypatch):
                      "taps": torch.randn(1, S, 32 * len(head.taps))}
             sizes.append(_saved_bytes(head, teacher, batch, loss, unroll, monkeypatch))
         ratios[name] = sizes[1] / sizes[0]
-    assert ratios["linear"] < 2.2 and ratios["masked"] > 3.0, ratios
+    assert ratios["cpu_flash"] < 2.2 and ratios["chunked"] < 2.2 and ratios["masked"] > 3.0, ratios
