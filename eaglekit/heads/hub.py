@@ -20,10 +20,11 @@ import yaml
 from huggingface_hub import HfApi, constants, get_token
 
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.config import EAGLE1, HeadConfig, check_target
+from eaglekit.heads.config import HeadConfig, check_target
 from eaglekit.heads.export import check_finite_head, export_head, load_head
 from eaglekit.heads.export_verifier import default_verifier, resolve_verifier
 from eaglekit.heads.io import CONFIG, WEIGHTS, save_head, target_name_of
+from eaglekit.heads.registry import head_class
 from eaglekit.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,7 @@ def model_card(config: HeadConfig, repo_id: str, layout: str, base_model: str | 
     base = base_model or base_model_of(config)
     results = results or {}
     meta = card_metadata(config, base, datasets, results)
-    name = "EAGLE-3" if config.kind != EAGLE1 else "EAGLE-1"
-    method, algo = ("eagle", "EAGLE") if config.kind == EAGLE1 else ("eagle3", "EAGLE3")
+    cls = head_class(config.kind)  # the kind names itself and says how engines serve it
     if results.get("tau") is not None or results.get("speedup") is not None:
         measured = (f"| acceptance length τ | speedup | benchmark | device |\n|---|---|---|---|\n"
                     f"| {results.get('tau', 'n/a')} | {results.get('speedup', 'n/a')} | "
@@ -98,10 +98,12 @@ def model_card(config: HeadConfig, repo_id: str, layout: str, base_model: str | 
         measured += (f"\n\nSimulated acceptance length on held-out training data (from per-step accuracy, "
                      f"not a decoding run): {float(results['eval_tau_sim']):.2f}.")
     vocab = (f"draft vocabulary {config.draft_vocab_size} of {config.target_vocab_size} target tokens, "
-             f"taps (layer inputs) {config.aux_layer_ids}" if config.kind != EAGLE1
+             f"taps (layer inputs) {config.aux_layer_ids}" if cls.reads == "taps"
              else "predicts the target's next last-layer feature; uses the target's lm_head")
-    engines = _serving_section(layout, repo_id, base, method, algo)
-    body = f"""# {name} draft head for {base}
+    if cls.parallel:
+        vocab += f"; drafts {cls.tokens_per_draft(config)} tokens in one forward (block of {config.block_size})"
+    engines = _serving_section(layout, repo_id, base, cls, config)
+    body = f"""# {cls.display_name} draft head for {base}
 
 A speculative-decoding draft head trained with [eaglekit](https://github.com/) for `{base}`
 ({config.num_layers} decoder layer(s), hidden size {config.hidden_size}; {vocab}).
@@ -130,20 +132,26 @@ out = decode.generate(target, head, input_ids, max_new_tokens=256, temperature=0
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + body
 
 
-def _serving_section(layout: str, repo_id: str, base: str, method: str, algo: str) -> str:
-    """How to serve the uploaded layout, for the engines that read it (docs/exports.md)."""
+def _serving_section(layout: str, repo_id: str, base: str, cls, config: HeadConfig) -> str:
+    """How to serve the uploaded layout, for the engines that read it (docs/exports.md): the head class
+    ``cls`` gives vLLM's method (None: vLLM reads it from the export), its extra options and SGLang's
+    algorithm (None: no SGLang loader); a parallel head drafts its block, an EAGLE head a chain of 3."""
+    spec = {**({"method": cls.vllm_method} if cls.vllm_method else {}), "model": repo_id,
+            "num_speculative_tokens": cls.tokens_per_draft(config) if cls.parallel else 3,
+            **(cls.vllm_options if cls.parallel else {})}
     vllm = f"""### vLLM
 
 ```bash
-vllm serve {base} --speculative-config '{{"method": "{method}", "model": "{repo_id}", "num_speculative_tokens": 3}}'
+vllm serve {base} --speculative-config '{json.dumps(spec)}'
 ```
 """
+    tree = "" if cls.parallel else (" --speculative-num-steps 3 \\\n  --speculative-eagle-topk 4 "
+                                    "--speculative-num-draft-tokens 16")
     sglang = f"""### SGLang
 
 ```bash
-python -m sglang.launch_server --model {base} --speculative-algorithm {algo} \\
-  --speculative-draft-model-path {repo_id} --speculative-num-steps 3 \\
-  --speculative-eagle-topk 4 --speculative-num-draft-tokens 16
+python -m sglang.launch_server --model {base} --speculative-algorithm {cls.sglang_algorithm} \\
+  --speculative-draft-model-path {repo_id}{tree}
 ```
 """
     if layout == "vllm":
@@ -157,8 +165,8 @@ The config names the verifier (`{base}`), so `vllm serve {repo_id}` also works.
 ### speculators
 
 ```python
-from speculators.models.eagle3 import Eagle3DraftModel
-draft = Eagle3DraftModel.from_pretrained("{repo_id}")
+from {cls.speculators_model[0]} import {cls.speculators_model[1]}
+draft = {cls.speculators_model[1]}.from_pretrained("{repo_id}")
 ```
 """
     if layout == "eagle1":

@@ -15,6 +15,8 @@ for x_{t+2} .. x_{t+1+D} where t is the last pending element; the block's own po
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from eaglekit.heads.base import DraftHead
@@ -25,11 +27,18 @@ class ParallelHead(DraftHead):
     """A draft head that proposes ``draft_depths`` tokens per forward (see the module docstring)."""
 
     parallel = True
+    vllm_options: ClassVar[dict] = {}  # extra keys of vLLM's --speculative-config for this kind (the model card's)
+
+    @classmethod
+    def tokens_per_draft(cls, config) -> int:
+        """How many tokens one ``draft`` call of a head with ``config`` proposes (also without a head built:
+        the model card's num_speculative_tokens)."""
+        raise NotImplementedError
 
     @property
     def draft_depths(self) -> int:
         """How many tokens one ``draft`` call proposes."""
-        raise NotImplementedError
+        return type(self).tokens_per_draft(self.config)
 
     def new_cache(self) -> HeadCache:
         """An empty cache for decoding; a subclass may return its own HeadCache subclass."""

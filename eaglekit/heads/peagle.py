@@ -16,6 +16,8 @@ so one TTTCache carries the depths as it carries TTT's steps.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -32,6 +34,11 @@ class PEagleHead(ParallelHead):
     kind = PEAGLE
     reads = "taps"
     has_draft_vocab = True
+    # the model card's name; vLLM reads the method from the speculators config and drafts the block in one
+    # forward with parallel_drafting; SGLang has no P-EAGLE loader (docs/exports.md)
+    display_name, vllm_method, sglang_algorithm = "P-EAGLE", None, None
+    vllm_options: ClassVar[dict] = {"parallel_drafting": True}
+    speculators_model = ("speculators.models.peagle", "PEagleDraftModel")
 
     def __init__(self, config: HeadConfig):
         if config.kind != PEAGLE:
@@ -63,9 +70,9 @@ class PEagleHead(ParallelHead):
     init_layer_from_target = Eagle3Head.init_layer_from_target
     init_lm_head_from_target = Eagle3Head.init_lm_head_from_target
 
-    @property
-    def draft_depths(self) -> int:
-        return self.config.block_size
+    @classmethod
+    def tokens_per_draft(cls, config: HeadConfig) -> int:
+        return config.block_size  # the last element's own output and block_size - 1 mask slots
 
     def mask_elements(self, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [batch, n], g [batch, n, H]) of n mask slots: the mask token and the fused ``mask_hidden``."""
