@@ -121,11 +121,15 @@ class DFlashHead(ParallelHead):
     kind = DFLASH
     reads = "taps"
     has_draft_vocab = True
+    # the model card's name and the engines' DFlash proposers (docs/exports.md); no speculators layout
+    display_name, vllm_method, sglang_algorithm, speculators_model = "DFlash", "dflash", "DFLASH", None
 
     def __init__(self, config: HeadConfig):
         if config.kind != DFLASH:
             raise ValueError(f"DFlashHead needs kind='dflash', got {config.kind!r}")
         config.validate()
+        if config.fc_norm or config.norm_output:  # not read by the DFlash layers nor by the engines' loaders
+            raise ValueError("DFlashHead: fc_norm / norm_output (EAGLE 3.1) are not DFlash options; leave them off")
         if config.block_size < 2:
             raise ValueError(f"HeadConfig.block_size must be >= 2 for a dflash head (the last token and at "
                              f"least one mask slot), got {config.block_size}")
@@ -145,9 +149,9 @@ class DFlashHead(ParallelHead):
         self.register_buffer("t2d", t2d)
         self.__dict__["_anchor_visits"] = {}  # sequence checksum -> times trained on (anchor seeds)
 
-    @property
-    def draft_depths(self) -> int:
-        return self.config.block_size - 1  # slot 0 is the known last token
+    @classmethod
+    def tokens_per_draft(cls, config: HeadConfig) -> int:
+        return config.block_size - 1  # slot 0 is the known last token
 
     def new_cache(self) -> HeadCache:
         return HeadCache(self.config.num_layers)
