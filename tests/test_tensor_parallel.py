@@ -1,12 +1,16 @@
 """Tensor-parallel targets (eaglekit.tensor_parallel) and device-map placement, on CPU with gloo.
 
-Real processes (torchrun, tests/tp_checks.py): Qwen2.5-Coder-0.5B split 2 ways captures the features one
-process computes (fp32, within FEATURE_TOL: the split matmuls sum in another order), decodes greedily with a
-head tree token for token as the split target's own greedy decoding (the near-tie rule of test_decode_real is
-the only slack), and trains online to the one-process head (HEAD_TOL); a tiny model at dp 2 × tp 2 (4
-processes) trains to the head one process with the same global batch trains. In one process: the refusals
-(launch sizes, heads that do not divide, no TP plan) and a capture through a device map that offloads to
-disk, byte-identical to the whole model's.
+Real processes (tests/tp_checks.py, one launch per test): Qwen2.5-Coder-0.5B split 2 ways captures the
+features one process computes (fp32, within FEATURE_TOL: the split matmuls sum in another order), decodes
+greedily with a head tree token for token as the split target's own greedy decoding (the near-tie rule of
+test_decode_real is the only slack), regenerates answers (greedy, turn by turn, and resumed after a kill) that
+are the bytes one process writes, answers through the ``eaglekit generate`` CLI with one process's greedy
+tokens, runs ``eaglekit bench`` (one report; the head's greedy tokens are plain decoding's), and trains
+online under DeepSpeed ZeRO-2 to the one-process head (HEAD_TOL). A tiny model at dp 2 ×
+tp 2 (4 processes, DDP) runs ``eaglekit prepare`` with sampled regeneration to the files one process writes
+and trains to the head one process with the same global batch trains. In one process: the refusals (launch
+sizes, heads that do not divide, no TP plan) and a capture through a device map that offloads to disk,
+byte-identical to the whole model's.
 """
 import json
 import os
@@ -25,6 +29,8 @@ from eaglekit.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN = "qwen2.5-coder-0.5b-instruct"
+REGEN_IDS = ["VY7cMKG_0", "i6IyJda_0", "6Zoa7wI_0", "tcgsdUu_0"]  # short ShareGPT turns; the first has 2
+CLI_PROMPT = "Write a Python function that checks whether a number is prime."
 FEATURE_TOL = 1e-5  # relative to the feature's largest magnitude (fp32 sums in another order, 24 layers)
 HEAD_TOL = 1e-5  # the largest weight difference of the trained heads
 
@@ -90,10 +96,16 @@ def test_device_map_offload_capture_is_byte_identical(tmp_path):
 
 
 # ---- real processes ---------------------------------------------------------------------------------------
-def _torchrun(processes: int, out: Path, *checks: str, timeout: int = 400) -> None:
+def _torchrun(processes: int, out: Path, *checks: str, timeout: int = 400, deepspeed: bool = False) -> None:
+    """One launch of tests/tp_checks.py running ``checks``: torchrun (training: DDP over gloo), or with
+    ``deepspeed`` accelerate launch with the ZeRO-2 CPU config (training: DeepSpeed ZeRO-2, client AdamW)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TP": "2", "ACCELERATE_USE_CPU": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-           str(ROOT / "tests/tp_checks.py"), str(out), *checks]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    if deepspeed:  # ACCELERATE_USE_CPU would silently turn DeepSpeed into plain DDP
+        del env["ACCELERATE_USE_CPU"]
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                    str(ROOT / "configs/accelerate/cpu-zero2-2proc.yaml"), "--num_processes", str(processes)]
+    cmd = [*launcher, str(ROOT / "tests/tp_checks.py"), str(out), *checks]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     print(r.stdout[-2000:])  # each check's time (pytest -s shows it)
@@ -127,14 +139,18 @@ def _largest_difference(a: dict, b: dict) -> float:
 
 @pytest.mark.slow
 @pytest.mark.real
-def test_qwen_split_two_ways_captures_decodes_and_trains_as_one_process(qwen05, tmp_path):
+def test_qwen_split_two_ways_captures_decodes_regenerates_and_trains_as_one_process(qwen05, tmp_path):
+    from tp_checks import REGEN_GREEDY
+
     from eaglekit.data_prep.conversations import load_sharegpt
+    from eaglekit.data_prep.prepare import first_turns
+    from eaglekit.data_prep.regenerate import RegenerateConfig, regenerate
     from eaglekit.data_prep.template import tokenize_conversations
+    from eaglekit.heads import HeadConfig, build_head, save_head
 
     convs = tmp_path / "convs.jsonl"
     with open(convs, "w") as fh:
-        for c in list(load_sharegpt(limit=24)):
-            fh.write(json.dumps(c) + "\n")
+        fh.writelines(json.dumps(c) + "\n" for c in list(load_sharegpt(limit=24)))
     samples, _ = tokenize_conversations(qwen05.tokenizer, [json.loads(x) for x in convs.read_text().splitlines()],
                                         max_length=48)
     samples = samples[:4]
@@ -146,10 +162,22 @@ def test_qwen_split_two_ways_captures_decodes_and_trains_as_one_process(qwen05, 
                                 **{"data.max_length": 40, "target.dtype": "float64", "optim.max_steps": 2,
                                    "save_interval": 1, "keep_last": 0})
     (tmp_path / "train.json").write_text(json.dumps(train_tp))
+    by_id = {c["id"]: c for c in load_sharegpt(limit=40)}
+    regen = [{**by_id[i], "messages": first_turns(by_id[i]["messages"], 2)} for i in REGEN_IDS]
+    (tmp_path / "regen.jsonl").write_text("".join(json.dumps(c) + "\n" for c in regen))
+    torch.manual_seed(0)  # an untrained EAGLE-3 head for the CLI: its drafts are checked, never trusted
+    save_head(build_head(HeadConfig.from_target(qwen05, kind="eagle3", aux_layer_ids=[0, 1, 23]), qwen05),
+              tmp_path / "head")
+    cli = [f"target={QWEN}", f"head={tmp_path / 'head'}", "tree=3,4,10", "max_new_tokens=12", f"prompt={CLI_PROMPT}"]
+    (tmp_path / "generate.json").write_text(json.dumps(cli))
     out = tmp_path / "out"
+    bench = [f"target={QWEN}", f"head={tmp_path / 'head'}", "tree=3,4,10", "prompts=1", "max_new_tokens=8",
+             "temperatures=[0.0]", "repeats=1", "hf_baselines=false", f"out={out / 'bench'}"]
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
     _torchrun(2, out, "capture", QWEN, str(tmp_path / "samples.json"),
               "decode", QWEN, "Write a Python function that reverses a list, and explain it.",
-              "train", str(tmp_path / "train.json"))
+              "regenerate", QWEN, str(tmp_path / "regen.jsonl"), "generate", str(tmp_path / "generate.json"),
+              "bench", str(tmp_path / "bench.json"), "train", str(tmp_path / "train.json"), deepspeed=True)
 
     # capture: fp32 features as one process computes them; the shards hold their bf16, written by one process
     ours, ref = torch.load(out / "features-tp.pt"), compute_features(qwen05, samples, dtype=torch.float32)
@@ -171,7 +199,37 @@ def test_qwen_split_two_ways_captures_decodes_and_trains_as_one_process(qwen05, 
     assert said[0]["tokens"] == said[1]["tokens"] and all(s["near_ties"] <= 1 for s in said)
     assert said[0]["tau"] > 1  # prompt lookup accepted some drafts: the KV rollback under TP was exercised
 
-    # online training: the one-process head, within HEAD_TOL
+    # regeneration: the bytes one process writes (fp32, greedy), written by the first process alone; resumed
+    # after a kill, it regenerates only the batch it had not finished
+    one = regenerate(qwen05, regen, tmp_path / "regen-one/regenerated.jsonl", RegenerateConfig(**REGEN_GREEDY),
+                     progress=False).read_bytes()
+    lines = [json.loads(x) for x in one.splitlines()]
+    assert [x["id"] for x in lines] == REGEN_IDS and all(len(x["messages"]) >= 2 for x in lines)
+    assert len(lines[0]["messages"]) == 4  # a second turn, regenerated on the first turn's new answer
+    for run in ("greedy", "resumed"):
+        assert sorted(p.name for p in (out / f"regen-{run}").iterdir()) == ["regenerated.jsonl"]
+        assert (out / f"regen-{run}/regenerated.jsonl").read_bytes() == one, run
+    said = _said(out, "regenerate", 2)
+    assert said[0]["generated"] == said[1]["generated"] == {"greedy": REGEN_IDS[::2], "resumed": REGEN_IDS[2:3]}
+
+    # eaglekit generate at tp_size=2: what it prints is one process's greedy answer
+    ids = qwen05.chat_ids(CLI_PROMPT)
+    ref = qwen05.model.generate(ids, max_new_tokens=12, do_sample=False, temperature=None, top_p=None, top_k=None)
+    said = _said(out, "generate", 2)
+    assert [s["code"] for s in said] == [0, 0] and said[1]["printed"] == ""  # the first process speaks
+    assert said[0]["printed"].strip() == qwen05.tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    # eaglekit bench at tp_size=2: the first process writes one report, in which the head's greedy tokens are
+    # plain decoding's on the split target
+    said = _said(out, "bench", 2)
+    assert [s["code"] for s in said] == [0, 0] and said[1]["printed"] == "" and "wrote" in said[0]["printed"]
+    (report,) = (out / "bench").glob("*.json")
+    report = json.loads(report.read_text())
+    assert report["config"]["tp_size"] == 2 and report["results"]["0.0"]["ours"]["identical_to_plain"] == "1/1"
+
+    # online training under DeepSpeed ZeRO-2 (the tiny dp 2 x tp 2 test trains with DDP): the one-process head,
+    # within HEAD_TOL
+    assert {(s["processes"], s["distributed_type"]) for s in _said(out, "train", 2)} == {(2, "DEEPSPEED")}
     one = _one_process_head([o for o in train_tp if not o.startswith("output_dir=")]
                             + [f"output_dir={tmp_path / 'train-one'}"])
     moved = _largest_difference(one, load_file(str(tmp_path / "train-tp/final/model.safetensors")))
@@ -190,16 +248,22 @@ def test_tiny_dp2_tp2_trains_the_one_process_head(tmp_path):
                             **{"head.draft_vocab_size": 40, "data.eval_samples": 4})
     (tmp_path / "train.json").write_text(json.dumps(base))
     prep = [f"target={tmp_path / 'tiny'}", f"data={tmp_path / 'convs.jsonl'}", "draft_vocab_size=40", "shard_mb=0.01",
-            "progress=false"]
+            "progress=false", "regenerate.enabled=true", "regenerate.temperature=0.9", "regenerate.max_new_tokens=10",
+            "regenerate.batch_size=4"]  # sampled: each TP group's processes draw the same tokens
     (tmp_path / "prepare.json").write_text(json.dumps(prep + [f"output_dir={tmp_path / 'prep-tp'}"]))
     _torchrun(4, tmp_path / "out", "prepare", str(tmp_path / "prepare.json"), "train", str(tmp_path / "train.json"))
-    assert {s["processes"] for s in _said(tmp_path / "out", "train", 4)} == {4}
+    assert {(s["processes"], s["distributed_type"]) for s in _said(tmp_path / "out", "train", 4)} == {(4, "MULTI_CPU")}
 
-    # the capture at dp 2 x tp 2: the files one process writes (bf16 features within one rounding step)
+    # the capture at dp 2 x tp 2: the files one process writes (bf16 features within one rounding step),
+    # after the same sampled answers (the groups' parts merged in batch order, no part left behind)
     from eaglekit.config import load_config
     from eaglekit.data_prep.prepare import PrepareConfig, run_prepare
 
     run_prepare(load_config(PrepareConfig, None, prep + [f"output_dir={tmp_path / 'prep-one'}"]))
+    regenerated = [(tmp_path / d / "regenerated.jsonl").read_text() for d in ("prep-one", "prep-tp")]
+    assert regenerated[0] == regenerated[1] and not list((tmp_path / "prep-tp").glob("*.part*"))
+    answers = {m[-1]["content"] for x in regenerated[0].splitlines() if (m := json.loads(x)["messages"])}
+    assert len(answers) > 12  # most of the 24 conversations got an answer of their own
     a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("prep-one", "prep-tp"))
     assert b["complete"] and len(b["shards"]) >= 4 and a["plan_hash"] == b["plan_hash"]
     for sh in a["shards"]:

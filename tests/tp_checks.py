@@ -7,8 +7,16 @@ compares them with one process. Checks:
   capture TARGET SAMPLES.json   fp32 features of the samples (compute_features) and a bf16 capture (shards)
   decode TARGET PROMPT          greedy speculative decoding (untrained EAGLE-3 head tree + prompt lookup)
                                 against the same split target's own greedy decoding (transformers generate)
+  regenerate TARGET CONVS.jsonl in-process regeneration (data_prep.regenerate) on the split target: greedy
+                                into regen-greedy/, the same resumed after a kill (its first batch and a torn
+                                line kept) into regen-resumed/ (REGEN_GREEDY below)
+  generate OVERRIDES.json       the ``eaglekit generate`` CLI with the given key=value overrides plus
+                                tp_size=TP (its target: the launch's split one, loaded once); what each
+                                rank printed goes to generate-rank*.json
+  bench OVERRIDES.json          the same for ``eaglekit bench`` (its report: where out= says)
   prepare OVERRIDES.json        eaglekit prepare (run_prepare) with the given key=value overrides
-  train OVERRIDES.json          online training (eaglekit.train) with the given key=value overrides
+  train OVERRIDES.json          online training (eaglekit.train) with the given key=value overrides (DDP, or
+                                DeepSpeed when launched by accelerate launch with a DeepSpeed config)
 TARGET is a model name or folder; every check loads it with target.tp_size from TP (environment, default 2).
 """
 import json
@@ -78,6 +86,74 @@ def check_decode(out: Path, name: str, prompt: str) -> None:
                          "tokens": got.sequences[0].tolist(), "tau": float(got.stats.tau)})
 
 
+REGEN_GREEDY = {"enabled": True, "max_new_tokens": 8, "batch_size": 2, "max_prompt_tokens": 256, "seed": 0}
+
+
+def check_regenerate(out: Path, name: str, conversations_file: str) -> None:
+    from eaglekit.data_prep import regenerate as regen
+
+    target = split_target(name)
+    convs = [json.loads(line) for line in Path(conversations_file).read_text().splitlines()]
+    generated = []  # the first conversation of each batch this process generated
+    batch = regen.regenerate_batch
+
+    def counted(t, cs, cfg, seed):
+        generated.append(cs[0]["id"])
+        return batch(t, cs, cfg, seed)
+
+    regen.regenerate_batch = counted
+    runs = {}
+    try:
+        for run in ("greedy", "resumed"):
+            path = out / f"regen-{run}" / "regenerated.jsonl"
+            if run == "resumed" and rank() == 0:  # a kill after the first batch, in the middle of a line
+                path.parent.mkdir(parents=True)
+                lines = (out / "regen-greedy/regenerated.jsonl").read_bytes().split(b"\n")
+                n = REGEN_GREEDY["batch_size"]
+                path.write_bytes(b"\n".join(lines[:n]) + b"\n" + lines[n][:20])
+            dist.barrier()
+            generated.clear()
+            regen.regenerate(target, convs, path, regen.RegenerateConfig(**REGEN_GREEDY), progress=False)
+            runs[run] = list(generated)
+    finally:
+        regen.regenerate_batch = batch
+    dump(out, "regenerate", {"generated": runs})
+
+
+def check_cli(out: Path, command: str, overrides_file: str) -> None:
+    """``eaglekit COMMAND`` (generate, bench) in this process, through the CLI's own entry point, with
+    tp_size=TP; what each rank printed goes to COMMAND-rank*.json. The CLI's load_target call is answered
+    with the split target the other checks loaded (after checking that it asks for exactly that split),
+    which saves the suite a second load of the model."""
+    import contextlib
+    import io
+
+    import eaglekit.bench.methods
+    import eaglekit.decode.cli
+    import eaglekit.target
+    from eaglekit.cli import main as cli
+
+    overrides = json.loads(Path(overrides_file).read_text()) + [f"tp_size={TP}"]
+    modules = [m for m in (eaglekit.target, eaglekit.decode.cli, eaglekit.bench.methods) if hasattr(m, "load_target")]
+    kept = [m.load_target for m in modules]
+
+    def loaded(name, **kw):
+        assert (kw["tp_size"], kw["only_tp"], str(kw["dtype"]).removeprefix("torch.")) == (TP, True, "float32"), kw
+        return split_target(str(name))
+
+    printed, streams = io.StringIO(), (sys.stdout, sys.stderr)
+    for m in modules:
+        m.load_target = loaded
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = cli([command, *overrides])
+    finally:  # the CLI silences its other ranks for the rest of the process
+        sys.stdout, sys.stderr = streams
+        for m, load in zip(modules, kept):
+            m.load_target = load
+    dump(out, command, {"code": code, "printed": printed.getvalue()})
+
+
 def check_prepare(out: Path, overrides_file: str) -> None:
     from eaglekit.config import load_config
     from eaglekit.data_prep.prepare import PrepareConfig, run_prepare
@@ -92,7 +168,7 @@ def check_train(out: Path, overrides_file: str) -> None:
 
     overrides = json.loads(Path(overrides_file).read_text()) + [f"target.tp_size={TP}"]
     metrics = train(load_train_config(None, overrides))
-    dump(out, "train", {"processes": metrics.get("processes")})
+    dump(out, "train", {"processes": metrics.get("processes"), "distributed_type": metrics.get("distributed_type")})
 
 
 def main() -> None:
@@ -106,6 +182,10 @@ def main() -> None:
             check_capture(out, args.pop(0), args.pop(0))
         elif check == "decode":
             check_decode(out, args.pop(0), args.pop(0))
+        elif check == "regenerate":
+            check_regenerate(out, args.pop(0), args.pop(0))
+        elif check in ("generate", "bench"):
+            check_cli(out, check, args.pop(0))
         elif check == "prepare":
             check_prepare(out, args.pop(0))
         elif check == "train":
