@@ -17,10 +17,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import save_tiny, tiny_config, tiny_conversations
+from helpers import save_tiny, tiny_config, tiny_conversations, tiny_tokenizer
 from safetensors.torch import load_file
 
 from eaglekit import tensor_parallel as tp
@@ -78,6 +79,29 @@ def test_generate_refuses_what_processes_could_decide_apart():
         check_split(GenerateConfig(tp_size=2, tree="3,4,10"))
     check_split(GenerateConfig(tp_size=2, tree="3,4,10", prompt="hi"))
     check_split(GenerateConfig())  # one process: anything goes
+
+
+def test_endpoint_regeneration_on_a_split_target_is_asked_and_written_by_the_writer_alone(tmp_path):
+    """With regenerate.endpoint the server needs no split forward: the TP group's first process asks it and
+    writes the file one process writes; the group's other processes send nothing and write nothing."""
+    sys.path.insert(0, str(ROOT / "tests/data_prep"))
+    from test_data_prep_regenerate_endpoint import FakeServer, conversations
+
+    from eaglekit.data_prep.regenerate import RegenerateConfig, regenerate
+
+    server, convs = FakeServer(), conversations()
+    try:
+        cfg = RegenerateConfig(endpoint=server.url, batch_size=3, concurrency=2)
+        one = regenerate(None, convs, tmp_path / "one.jsonl", cfg, progress=False).read_bytes()
+        asked = len(server.bodies)
+        split = SimpleNamespace(tokenizer=tiny_tokenizer(), layout=tp.Layout(tp_size=2, world_size=2, rank=1))
+        regenerate(split, convs, tmp_path / "tp.jsonl", cfg, progress=False, wait=False)
+        assert len(server.bodies) == asked and not (tmp_path / "tp.jsonl").exists()
+        split.layout = tp.Layout(tp_size=2, world_size=2, rank=0)
+        regenerate(split, convs, tmp_path / "tp.jsonl", cfg, progress=False)
+        assert (tmp_path / "tp.jsonl").read_bytes() == one and len(server.bodies) == 2 * asked
+    finally:
+        server.close()
 
 
 # ---- a device map that offloads to disk (one process) ---------------------------------------------------
