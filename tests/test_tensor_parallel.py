@@ -9,8 +9,8 @@ tokens, runs ``eaglekit bench`` (one report; the head's greedy tokens are plain 
 online under DeepSpeed ZeRO-2 to the one-process head (HEAD_TOL). A tiny model at dp 2 ×
 tp 2 (4 processes, DDP) runs ``eaglekit prepare`` with sampled regeneration to the files one process writes
 and trains to the head one process with the same global batch trains. In one process: the refusals (launch
-sizes, heads that do not divide, no TP plan) and a capture through a device map that offloads to disk,
-byte-identical to the whole model's.
+sizes, heads that do not divide, no TP plan), regeneration through an endpoint (the group's writer alone asks
+and writes) and a capture through a device map that offloads to disk, byte-identical to the whole model's.
 """
 import json
 import os
