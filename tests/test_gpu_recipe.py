@@ -1,6 +1,7 @@
 """The GPU recipe (benchmarks/gpu/): its two steps run end to end on the CPU with tiny sizes (regenerate →
-carry the JSONL → train, score, bench, bring the head back), and the pieces that move files on and off a
-lent machine (parts under 16 MiB, a gzip cap on whole lines, the data-scaling record, the bench runs)."""
+carry the JSONL → train EAGLE-3, P-EAGLE and DFlash heads, score, bench each, bring a head back), and the
+pieces that move files on and off a lent machine (parts under 16 MiB, a gzip cap on whole lines, the
+data-scaling record, the bench runs, the per-kind budget and bench summary)."""
 import gzip
 import hashlib
 import json
@@ -72,6 +73,38 @@ def test_bench_runs_are_valid_bench_configs_with_the_batch_sizes_split():
     base = ["dtype=float32"]  # what bench() puts first: a run's own keys come after and win
     assert load_config(BenchConfig, None, base + small["bf16"]).dtype == "bfloat16"
     assert load_config(BenchConfig, None, base + small["batch"]).batch_sizes == [1, 2]
+
+
+def test_kinds_share_the_budget_evenly_and_a_wrong_kind_is_named():
+    a = h200_run.parse(["--out", "x", "--budget-s", "1000", "--bench-reserve-s", "50", "--min-train-minutes", "0.5"])
+    assert h200_run.kinds_of(a) == ["eagle3", "peagle", "dflash"]
+    h200_run.start_clock()
+    minutes = h200_run.train_minutes(a, 3)  # (1000 - 3 * (50 + 45)) / 3 s each, less the few ms since the clock
+    assert 3.97 < minutes <= (1000 - 3 * 95) / 180
+    assert h200_run.train_minutes(h200_run.parse(["--out", "x", "--budget-s", "100"]), 3) == 1.0  # the floor
+    with pytest.raises(SystemExit, match="--kinds: eagel3; choose from eagle3, peagle, dflash"):
+        h200_run.kinds_of(h200_run.parse(["--out", "x", "--kinds", "eagle3,eagel3"]))
+    for kind, keys in h200_run.KIND_SET.items():  # each arm is a valid training config of its kind
+        from eaglekit.train.config import load_train_config
+
+        cfg = load_train_config(ROOT / a.train_config, ["data.conversations=x.jsonl", *keys])
+        assert cfg.head.kind == kind
+
+
+def test_bench_summary_keeps_tau_speed_and_step_costs():
+    report = {"tree": "TreeSpec(depth=5, top_k=4, total_tokens=10)", "load_average": [1.0], "date": "d",
+              "results": {"0.0": {
+                  "plain": {"tokens_per_s": 40.0, "tau": 1.0, "verify_s_per_forward": 0.025, "draft_s_per_forward": 0.0},
+                  "ours": {"tokens_per_s": 60.0, "tau": 2.5, "identical_to_plain": "8/8",
+                           "draft_s_per_forward": 0.004, "verify_s_per_forward": 0.03},
+                  "hf_lookup": {"tokens_per_s": 50.0}, "note": "not a method"}}}
+    got = gpu_io.bench_summary(report)
+    ours = got["0.0"]["ours"]
+    assert (ours["vs_plain"], ours["vs_hf_lookup"], ours["tau"], ours["identical_to_plain"]) == (1.5, 1.2, 2.5, "8/8")
+    assert ours["draft_ms_per_forward"] == pytest.approx(4.0) and ours["verify_ms_per_forward"] == pytest.approx(30.0)
+    assert set(got["0.0"]) == {"plain", "ours", "hf_lookup"} and got["tree"] == report["tree"]
+    batch = gpu_io.bench_summary({"mode": "batch", "results": {"0.0": {"4": report["results"]["0.0"]}}})
+    assert batch["0.0"]["4"]["ours"]["vs_plain"] == 1.5
 
 
 def test_regen_killed_at_the_deadline_keeps_its_whole_lines(tmp_path, monkeypatch):
@@ -163,17 +196,32 @@ def test_gpu_recipe_two_steps_on_cpu(tmp_path):
     assert sorted(p.name for p in out1.iterdir()) == [
         "draft_vocab.safetensors", "log.txt", "prepare.json", "regenerated.jsonl.gz", "summary.json"]
 
-    # the carry: step 1's files into .dev/regen; step 2 trains 4 steps (evaluating every 2) and benches
+    # the carry: step 1's files into .dev/regen; step 2 trains each kind 4 steps (evaluating every 2) and
+    # benches each head on one prompt with a fixed tree (tree=auto's cost probes and the HF baselines are
+    # the decode tests' business; here they would only add time)
     shutil.copytree(out1, dev / "regen")
     _run_step("train", dev, tmp_path / "out2",
               "--eval-interval 2 --benches main --bench-prompts 1 --bench-tokens 4 --bench-min-s 0 "
-              "--bench-set threads=1 lookup_tokens=0 --train-set optim.max_steps=4 data.eval_samples=1 data.batch_size=1 "
+              "--bench-set threads=1 lookup_tokens=0 tree=2,2,3 hf_baselines=false --train-set optim.max_steps=4 data.eval_samples=1 data.batch_size=1 "
               "data.max_length=64 loss.ttt_steps=2")
     out2 = tmp_path / "out2"
     summary = json.loads((out2 / "summary.json").read_text())
-    assert summary["held_out"]["step"] == 4 and summary["held_out"]["eval_tau_sim"] >= 1.0
-    assert all((out2 / n).stat().st_size <= 16 << 20 for n in summary["head_files"])
-    (tmp_path / "head.tar").write_bytes(gpu_io.join_parts(out2, "head.tar"))
+    assert list(summary["kinds"]) == ["eagle3", "peagle", "dflash"]
+    for kind, record in summary["kinds"].items():  # every arm trained, was scored and decoded losslessly
+        held = record["held_out"]
+        assert held["step"] == 4 and held["eval_tau_sim"] >= 1.0 and held["tau_sim_first_4"] >= 1.0, kind
+        assert record["train_budget_min"] == summary["train_budget_min_per_kind"], kind
+        main = record["bench"]["main"]["0.0"]
+        assert record["bench"]["main"]["tree"] == "TreeSpec(depth=2, top_k=2, total_tokens=3)", kind
+        assert main["ours"]["identical_to_plain"] == "1/1" and main["ours"]["tau"] >= 1.0, kind
+        assert main["ours"]["verify_ms_per_forward"] > 0 and "vs_plain" in main["ours"], kind
+        assert not record.get("benches_failed") and not record.get("benches_skipped"), kind
+    # the depths each kind scores: EAGLE-3 and P-EAGLE the 2 asked, DFlash its whole block of 8 (7 depths)
+    assert [sum(k.startswith("eval_acc_") for k in summary["kinds"][kind]["held_out"])
+            for kind in ("eagle3", "peagle", "dflash")] == [2, 2, 7]
+    assert all((out2 / n).stat().st_size <= 16 << 20 for n in summary["kinds"]["eagle3"]["head_files"])
+    assert "head_files" not in summary["kinds"]["dflash"]  # --bring-heads: eagle3 only (8 files come back)
+    (tmp_path / "head.tar").write_bytes(gpu_io.join_parts(out2, "head-eagle3.tar"))
     with tarfile.open(tmp_path / "head.tar") as tar:
         tar.extractall(tmp_path / "head", filter="data")
     from safetensors import safe_open
@@ -188,9 +236,10 @@ def test_gpu_recipe_two_steps_on_cpu(tmp_path):
     assert scaling["logged_steps"] == 4 and scaling["data"]["conversations"] == 3
     with tarfile.open(out2 / "results.tar.gz") as tar:
         names = tar.getnames()
-    assert {"head/log.jsonl", "head/metrics.json", "data/prepare.json", "data_scaling.json"} <= set(names)
-    bench = [n for n in names if n.startswith("bench/main/") and n.endswith(".json")]
-    assert bench, names
-    with tarfile.open(out2 / "results.tar.gz") as tar:
-        report = json.load(tar.extractfile(bench[0]))
-    assert {"plain", "ours", "hf", "hf_lookup"} <= set(report["results"]["0.0"])  # lookup: off here
+        configs = {k: json.load(tar.extractfile(f"heads/{k}/final/config.json")) for k in summary["kinds"]}
+        report = json.load(tar.extractfile(next(n for n in names if n.startswith("bench/eagle3/main/")
+                                                and n.endswith(".json"))))
+    assert {k: (c["kind"], c.get("block_size", 1)) for k, c in configs.items()} == {
+        "eagle3": ("eagle3", 1), "peagle": ("peagle", 4), "dflash": ("dflash", 8)}
+    assert {f"heads/{k}/log.jsonl" for k in configs} | {"data/prepare.json", "scaling/dflash.json"} <= set(names)
+    assert {"plain", "ours"} <= set(report["results"]["0.0"]) and "hf" not in report["results"]["0.0"]

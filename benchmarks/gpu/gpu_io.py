@@ -102,6 +102,37 @@ def scaling_record(log_path: Path) -> dict:
             "source": log_path.name}
 
 
+def bench_summary(report: dict) -> dict:
+    """An ``eaglekit bench`` report cut to what the summary compares, per temperature (and batch size, for
+    a batch bench) and method: τ, tokens/s, speedup vs plain (and vs HF prompt lookup where it ran),
+    tokens identical to plain, and the drafter's ms per step drafting and verifying (our loop only)."""
+    out = {"tree": report.get("tree"), "load_average": report.get("load_average"), "date": report.get("date")}
+    for temp, res in (report.get("results") or {}).items():
+        if report.get("mode") == "batch":
+            out[temp] = {size: _method_rows(per_size) for size, per_size in res.items()}
+        else:
+            out[temp] = _method_rows(res)
+    return out
+
+
+def _method_rows(res: dict) -> dict:
+    tps = {m: r["tokens_per_s"] for m, r in res.items() if isinstance(r, dict) and "tokens_per_s" in r}
+    rows = {}
+    for m, r in res.items():
+        if m not in tps:
+            continue
+        row = {"tokens_per_s": tps[m], "tau": r.get("tau"), "identical_to_plain": r.get("identical_to_plain")}
+        if tps.get("plain"):
+            row["vs_plain"] = tps[m] / tps["plain"]
+        if tps.get("hf_lookup"):
+            row["vs_hf_lookup"] = tps[m] / tps["hf_lookup"]
+        for key in ("draft_s_per_forward", "verify_s_per_forward"):
+            if r.get(key) is not None:
+                row[key.replace("_s_", "_ms_")] = 1000 * r[key]
+        rows[m] = row
+    return rows
+
+
 def write_scaling(record: dict, path: Path) -> None:
     """``path`` (JSON) and, where matplotlib is installed, a PNG beside it."""
     write_json(path, record)

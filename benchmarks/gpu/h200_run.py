@@ -1,4 +1,5 @@
-"""The GPU recipe for a lent device: regenerate ShareGPT with SmolLM2 → train an EAGLE-3 head → bench it.
+"""The GPU recipe for a lent device: regenerate ShareGPT with SmolLM2 → train EAGLE-3, P-EAGLE and DFlash
+heads on the same data, each with the same budget → bench each.
 
 Made for a lent GPU with a hard wall-clock budget, 64 MiB carried each way and no second try, in one call
 (``--step all``) or two (``--step regen``, then ``--step train`` on the JSONL the first brought back):
@@ -7,11 +8,16 @@ Made for a lent GPU with a hard wall-clock budget, 64 MiB carried each way and n
   regeneration appends whole batches and resumes, so only the batch in flight is lost), cut to what
   gzips into ``--max-gz-mib``; brings back ``regenerated.jsonl.gz`` (in parts if over 15 MiB),
   ``draft_vocab.safetensors`` and ``prepare.json`` (counts).
-* ``train``: joins and unzips ``--regen-dir``'s JSONL, trains with ``optim.max_minutes`` = what the
-  budget leaves after the bench reserve, evaluates held-out τ_sim every ``eval_interval`` steps (the
-  data-scaling record ``data_scaling.json``/``.png``), benches on this device (``tree="auto"``, plain,
-  lookup, HF and HF lookup; then the batch bench and T=1 while time is left) and brings back the head
-  (``head.tar``, in parts) and ``results.tar.gz`` (logs, metrics, bench JSON/PNG, records).
+* ``train``: joins and unzips ``--regen-dir``'s JSONL, then for each of ``--kinds`` (default eagle3,
+  peagle, dflash) trains one head, one after the other, with the same ``optim.max_minutes`` each (what the
+  budget leaves after a bench reserve per kind, split evenly), from ``--train-config`` plus the kind's
+  own head and loss keys (``KIND_SET``), evaluating held-out accuracy and τ_sim every ``eval_interval``
+  steps (the data-scaling record). Then the benches on this device, most wanted first and every kind
+  before the next bench (``tree="auto"``, plain, lookup, HF and HF lookup; then the batch bench and T=1
+  while time is left). ``summary.json`` holds per kind the held-out per-depth accuracy, τ_sim (all depths
+  and the first ``--common-depths``) and per bench the decode τ, tokens/s, speedups and draft/verify ms.
+  Brings back the heads of ``--bring-heads`` (``head-<kind>.tar``, in parts; at most 8 files come back)
+  and ``results.tar.gz`` (logs, metrics, bench JSON/PNG, records of every kind).
 
 Every result is copied under ``--out`` as soon as it exists, so a run cut short still returns what it
 finished. ``--device cpu`` with tiny sizes proves the path without a GPU (tests/test_gpu_recipe.py). Run by
@@ -30,6 +36,7 @@ import time
 from pathlib import Path
 
 from gpu_io import (
+    bench_summary,
     gzip_prefix,
     join_parts,
     regen_counts,
@@ -47,6 +54,13 @@ from eaglekit.fileio import write_bytes, write_json
 T0 = time.perf_counter()
 TARGET = "smollm2-135m-instruct"
 REGENERATED = "regenerated.jsonl"
+# Each kind's head and loss keys over the shared --train-config (data, optimiser and budget stay the same):
+# the shapes of configs/smollm2-135m-peagle.yaml and -dflash.yaml. loss.ttt_steps is the depths scored.
+KIND_SET = {
+    "eagle3": [],
+    "peagle": ["head.kind=peagle", "head.num_layers=2", "head.block_size=4", "loss.ttt_steps=4"],
+    "dflash": ["head.kind=dflash", "head.num_layers=2", "head.block_size=8", "loss.ttt_steps=7", "loss.anchors=64"],
+}
 
 
 def start_clock() -> None:
@@ -153,29 +167,55 @@ def unpack_regen(regen_dir: Path, data: Path) -> Path:
     return data
 
 
-def train(a, work: Path, data: Path, summary: dict) -> Path:
-    """Train to the budget minus the bench reserve; return the head's folder."""
-    minutes = max(a.min_train_minutes, (left(a) - a.bench_reserve_s - 45) / 60)
+def kinds_of(a) -> list[str]:
+    """``--kinds`` as a list; an unknown kind is refused before any work, naming it."""
+    kinds = [k for k in a.kinds.split(",") if k]
+    bad = [k for k in kinds if k not in KIND_SET]
+    if bad or not kinds:
+        raise SystemExit(f"--kinds: {', '.join(bad) or 'none given'}; choose from {', '.join(KIND_SET)}")
+    return kinds
+
+
+def train_minutes(a, kinds: int) -> float:
+    """Each kind's training budget: what is left after a bench reserve and ~45 s of start-up per kind,
+    split evenly (every kind gets the same, whatever it costs per step)."""
+    return max(a.min_train_minutes, (left(a) - kinds * (a.bench_reserve_s + 45)) / 60 / kinds)
+
+
+def train(a, kind: str, minutes: float, work: Path, data: Path, record: dict) -> Path:
+    """Train one ``kind`` head for ``minutes``; return its run folder (``work/heads/<kind>``)."""
     interval = a.eval_interval or max(1, int(a.steps_per_s * 60 * minutes / a.eval_points))
-    summary.update(train_budget_min=round(minutes, 2), eval_interval=interval)
+    record.update(train_budget_min=round(minutes, 2), eval_interval=interval)
     launch = [sys.executable, "-m", "accelerate.commands.launch", *(["--cpu"] if a.device == "cpu" else []),
               "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    vocab = data / "draft_vocab.safetensors"
+    vocab, run = data / "draft_vocab.safetensors", work / "heads" / kind
     cmd = launch + ["train_head.py", "--config", a.train_config, f"data.conversations={data / REGENERATED}",
-                    *([f"data.draft_vocab={vocab}"] if vocab.is_file() else []), f"output_dir={work / 'head'}",
+                    *([f"data.draft_vocab={vocab}"] if vocab.is_file() else []), f"output_dir={run}",
                     f"optim.max_minutes={minutes:.2f}", f"eval_interval={interval}", "log_interval=1",
-                    "save_interval=0", "trackers=[]", "progress=false", *a.train_set]
+                    "save_interval=0", "trackers=[]", "progress=false", *KIND_SET[kind], *a.train_set]
     env = {**os.environ, **({"DS_ACCELERATOR": "cpu"} if a.device == "cpu" else {})}
-    summary["train_wall_s"] = sh(cmd, 60 * minutes + a.train_slack_s, env=env)
-    return work / "head"
+    record["train_wall_s"] = sh(cmd, min(60 * minutes + a.train_slack_s, left(a) - 10), env=env)
+    return run
 
 
-def bring_head_back(head: Path, out: Path, summary: dict) -> None:
-    """The final head's folder as one tar (weights barely compress), in parts under 16 MiB."""
-    tarball = head / "final.tar"
+def held_out(run: Path, common: int) -> dict:
+    """The trainer's final held-out metrics, plus τ_sim over the first ``common`` depths (kinds that score
+    different numbers of depths compare on those)."""
+    from eaglekit.train.metrics import tau_sim  # torch: only where training ran
+
+    metrics = json.loads((run / "metrics.json").read_text())
+    out = {k: v for k, v in metrics.items() if k.startswith("eval_") or k == "step"}
+    acc = [metrics[f"eval_acc_{k}"] for k in range(64) if f"eval_acc_{k}" in metrics]
+    out[f"tau_sim_first_{common}"] = tau_sim(acc[:common])
+    return out
+
+
+def bring_head_back(kind: str, run: Path, out: Path, record: dict) -> None:
+    """A kind's final head folder as one tar (weights barely compress), in parts under 16 MiB."""
+    tarball = run / "final.tar"
     with tarfile.open(tarball, "w") as tar:
-        tar.add(head / "final", arcname="final")
-    summary["head_files"] = write_parts(tarball.read_bytes(), out, "head.tar")
+        tar.add(run / "final", arcname="final")
+    record["head_files"] = write_parts(tarball.read_bytes(), out, f"head-{kind}.tar")
     tarball.unlink()
 
 
@@ -198,49 +238,71 @@ def bench_runs(a) -> dict[str, list[str]]:
     return {name: runs[name] for name in a.benches.split(",") if name in runs}
 
 
-def bench(a, head: Path, work: Path, out: Path, summary: dict) -> None:
-    base = [sys.executable, "-m", "eaglekit.cli", "bench", f"target={TARGET}", f"head={head / 'final'}",
-            f"device={a.device}", "dtype=float32", f"repeats={a.bench_repeats}"]
+def bench(a, kinds: list[str], work: Path, out: Path, summary: dict) -> None:
+    """Every bench for every kind, a bench for all kinds before the next bench (so a budget cut keeps the
+    comparison), each kind's decode numbers into its summary record."""
     for name, extra in bench_runs(a).items():
-        room = left(a) - 10
-        if room < a.bench_min_s:
-            log(f"skipping bench {name}: {room:.0f}s left")
-            summary.setdefault("benches_skipped", []).append(name)
-            continue
-        try:
-            summary[f"bench_{name}_s"] = sh(base + extra + [f"out={work / 'bench' / name}", *a.bench_set], room)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-            log(f"bench {name} failed: {e}")
-            summary.setdefault("benches_failed", []).append(name)
-        bring_results_back(work, out, summary)
+        for kind in kinds:
+            record, room = summary["kinds"][kind], left(a) - 10
+            if room < a.bench_min_s:
+                log(f"skipping bench {name} of {kind}: {room:.0f}s left")
+                record.setdefault("benches_skipped", []).append(name)
+                continue
+            folder = work / "bench" / kind / name
+            cmd = [sys.executable, "-m", "eaglekit.cli", "bench", f"target={TARGET}",
+                   f"head={work / 'heads' / kind / 'final'}", f"device={a.device}", "dtype=float32",
+                   f"repeats={a.bench_repeats}", *extra, f"out={folder}", *a.bench_set]
+            try:
+                record[f"bench_{name}_s"] = sh(cmd, room)
+                reports = sorted(folder.glob("*.json"))
+                record.setdefault("bench", {})[name] = bench_summary(json.loads(reports[-1].read_text()))
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, IndexError) as e:
+                log(f"bench {name} of {kind} failed: {e}")
+                record.setdefault("benches_failed", []).append(name)
+            bring_results_back(work, out, summary)
 
 
 def bring_results_back(work: Path, out: Path, summary: dict) -> None:
-    """Logs, metrics, records and bench JSON/PNG in one tarball, the summary and scaling record beside it."""
+    """Logs, metrics, records and bench JSON/PNG of every kind in one tarball; the summary and the first
+    kind's scaling record beside it."""
     write_json(work / "summary.json", summary)
     write_json(out / "summary.json", summary)
-    if (work / "data_scaling.json").is_file() and summary["step"] == "train":  # (all: 8 files come back at most)
-        write_bytes(out / "data_scaling.json", (work / "data_scaling.json").read_bytes())
+    kinds = list(summary.get("kinds", {}))
+    if kinds and (work / "scaling" / f"{kinds[0]}.json").is_file() and summary["step"] == "train":
+        # (all: 8 files come back at most)
+        write_bytes(out / "data_scaling.json", (work / "scaling" / f"{kinds[0]}.json").read_bytes())
     bench_files = [*sorted((work / "bench").glob("**/*.json")), *sorted((work / "bench").glob("**/*.png"))]
+    per_kind = [work / "heads" / k / name for k in kinds for name in ("log.jsonl", "metrics.json", "final/config.json")]
     tar_files(out / "results.tar.gz", work, [
-        work / "head/log.jsonl", work / "head/metrics.json", work / "head/final/config.json",
-        work / "data/prepare.json", work / "data/draft_vocab.safetensors", work / "summary.json",
-        work / "data_scaling.json", work / "data_scaling.png", *bench_files])
+        *per_kind, work / "data/prepare.json", work / "data/draft_vocab.safetensors", work / "summary.json",
+        *sorted((work / "scaling").glob("*")), *bench_files])
 
 
 def train_and_bench(a, work: Path, out: Path, data: Path, summary: dict) -> None:
-    head = train(a, work, data, summary)
-    metrics = json.loads((head / "metrics.json").read_text())
-    summary["held_out"] = {k: v for k, v in metrics.items() if k.startswith("eval_") or k == "step"}
-    record = scaling_record(head / "log.jsonl")
-    if (data / "prepare.json").is_file():  # how much data there was (all of it, the held-out split included)
-        prep = json.loads((data / "prepare.json").read_text())
-        record["data"] = {k: prep.get(k) for k in ("conversations", "assistant_turns", "samples", "tokens")}
-    write_scaling(record, work / "data_scaling.json")
-    bring_head_back(head, out, summary)
-    bring_results_back(work, out, summary)
-    log(f"held-out tau_sim {metrics.get('eval_tau_sim', float('nan')):.3f}; head → {summary['head_files']}")
-    bench(a, head, work, out, summary)
+    """Train every kind (the same budget each), bring back what each left, then bench them all."""
+    kinds = kinds_of(a)
+    minutes = train_minutes(a, len(kinds))
+    summary.update(kinds={k: {} for k in kinds}, train_budget_min_per_kind=round(minutes, 2))
+    prep = json.loads((data / "prepare.json").read_text()) if (data / "prepare.json").is_file() else None
+    for kind in kinds:
+        record = summary["kinds"][kind]
+        try:
+            run = train(a, kind, minutes, work, data, record)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:  # the other kinds still run
+            log(f"training {kind} failed: {e}")
+            record["train_failed"] = str(e)
+            continue
+        record["held_out"] = held_out(run, a.common_depths)
+        scaling = scaling_record(run / "log.jsonl")
+        if prep:  # how much data there was (all of it, the held-out split included)
+            scaling["data"] = {k: prep.get(k) for k in ("conversations", "assistant_turns", "samples", "tokens")}
+        write_scaling(scaling, work / "scaling" / f"{kind}.json")
+        if kind in a.bring_heads.split(","):
+            bring_head_back(kind, run, out, record)
+        bring_results_back(work, out, summary)
+        log(f"{kind}: held-out tau_sim {record['held_out'].get('eval_tau_sim', float('nan')):.3f}")
+    trained = [k for k in kinds if "held_out" in summary["kinds"][k]]
+    bench(a, trained, work, out, summary)
 
 
 # ---- the command -----------------------------------------------------------------------------------
@@ -264,8 +326,12 @@ def parse(argv=None):
     g = ap.add_argument_group("train")
     g.add_argument("--regen-dir", default=".dev/regen", help="--step train: step 1's files, carried")
     g.add_argument("--train-config", default="configs/smollm2-135m-eagle3-gpu.yaml")
-    g.add_argument("--train-set", nargs="*", default=[], help="extra key=value training overrides")
-    g.add_argument("--bench-reserve-s", type=float, default=200, help="kept for the benches after training")
+    g.add_argument("--kinds", default="eagle3,peagle,dflash", help="head kinds trained one after the other, "
+                   "the same budget each (of " + ",".join(KIND_SET) + ")")
+    g.add_argument("--train-set", nargs="*", default=[], help="extra key=value training overrides (every kind)")
+    g.add_argument("--common-depths", type=int, default=4, help="τ_sim over this many first depths, for every kind")
+    g.add_argument("--bring-heads", default="eagle3", help="kinds whose head comes back (comma list; ~30 MiB each)")
+    g.add_argument("--bench-reserve-s", type=float, default=70, help="kept per kind for the benches after training")
     g.add_argument("--min-train-minutes", type=float, default=1.0)
     g.add_argument("--train-slack-s", type=float, default=240, help="start-up, evaluation and save")
     g.add_argument("--eval-interval", type=int, default=0, help="0: --eval-points evaluations over the budget")
@@ -286,6 +352,7 @@ def parse(argv=None):
 def main(argv=None) -> int:
     start_clock()
     a = parse(argv)
+    kinds_of(a)  # a misspelt kind stops here, before any work
     out, work = Path(a.out).resolve(), Path(a.work).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)

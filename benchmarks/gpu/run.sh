@@ -4,7 +4,9 @@
 #   STEP=regen: carry .dev/b and .dev/sharegpt; brings back regenerated.jsonl.gz (.partN if split),
 #               draft_vocab.safetensors, prepare.json.
 #   STEP=train: carry .dev/b and .dev/regen (step 1's files copied there; REGEN_DIR= another folder);
-#               brings back head.tar (.partN), results.tar.gz, summary.json, data_scaling.json.
+#               trains and benches EAGLE-3, P-EAGLE and DFlash (--kinds) with the same budget each; brings
+#               back head-eagle3.tar (.partN; --bring-heads), results.tar.gz, summary.json (per kind:
+#               held-out acc/τ_sim, decode τ, tokens/s, speedups), data_scaling.json (the first kind's).
 # The SmolLM2 GGUF is joined from its first part at $GGUF_A (copied by an earlier call from .dev/a) and
 # .dev/b/gguf.b unless the asset cache already holds the converted model (a warm machine, or a CPU).
 # BUDGET_S: seconds for this call (keep it under the 600 s a command may run); EXTRA_ARGS: more options of
