@@ -10,14 +10,14 @@ Modules, each importing only modules on the lines below it:
 
     cli                     eaglekit generate, and the options every decode CLI spells alike (parse_tree, ...)
     api                     the public call generate: which drafter (make_drafter, make_row_drafters), then
-                            loop.run (a batch: batch.run_batch)
-    cost, batch             measured costs and tree="auto"'s plan (auto_plan, Plan); the batch loop
-                            (BatchDecoder: rows in one target forward, a drafter per row)
-    loop, lookup, parallel  the loop (Decoder.step); the prompt-lookup wrapper; a parallel head's drafter
-                            (one forward per step, a tree from per-depth top-k)
+                            loop.run
+    cost                    measured costs and tree="auto"'s plan (auto_plan, Plan)
+    loop, lookup, parallel  the loop for one row or many (Decoder.step: draft, verify, accept, keep, commit);
+                            the prompt-lookup wrapper; a parallel head's drafter (one forward per step)
     drafters                Drafter protocol: PlainDrafter, ModelDrafter (chain), TreeDrafter
-    proposers, verify       HeadProposer / ModelProposer; verify forward and the acceptance walk
-    tree, kv, sampling, stats   Tree + EAGLE-2 expand; KV keep; Sampling + rules; DecodeStats, BatchStats
+    proposers               HeadProposer / ModelProposer, and the head catch-up of every row at once
+    tree, kv, sampling,     Tree + EAGLE-2 expand; KV keep and a row's output; Sampling + rules;
+    stats, stops            DecodeStats, BatchStats; what ends a row (EOS, stop strings, max tokens)
 """
 from eaglekit.decode.api import generate, make_drafter
 from eaglekit.decode.cost import Plan, auto_plan

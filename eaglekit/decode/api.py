@@ -1,7 +1,7 @@
 """``decode.generate``: lossless speculative decoding of one prompt or a batch with an EAGLE head, a draft
 model, any ``Drafter``, or none. It builds the drafter from what the caller passed (``make_drafter``: None,
 a draft Target, an EAGLE head or a ready drafter, optionally with a prompt-lookup branch grafted on; one per
-row for a batch, ``make_row_drafters``) and runs the loop (``loop.run``; ``batch.run_batch`` for a batch).
+row for a batch, ``make_row_drafters``) and runs the loop (``loop.run``, for one row or many).
 ``tree="auto"`` asks ``cost.auto_plan`` for the head's tree."""
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import warnings
 
 import torch
 
-from eaglekit.decode.batch import pad_prompts, run_batch
 from eaglekit.decode.cost import Plan, auto_plan
 from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelDrafter, PlainDrafter
 from eaglekit.decode.lookup import LookupDrafter
-from eaglekit.decode.loop import GenerateOutput, check_context, check_inputs, eos_ids, run
+from eaglekit.decode.loop import GenerateOutput, check_context, check_inputs, eos_ids, pad_prompts, run
 from eaglekit.decode.parallel import ParallelDrafter
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.stats import BatchStats
@@ -41,7 +40,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     unchanged.
 
     A batch: ``input_ids`` [B, T] left-padded with ``attention_mask`` (0 on the pads), or a list of 1-D
-    prompts (left-padded here). Each row decodes as it would alone (``batch.run_batch``: one target
+    prompts (left-padded here). Each row decodes as it would alone (``loop.run`` with a drafter per row: one target
     forward per step for all live rows, a drafter per row, rows ending independently). ``sequences`` is
     then [B, T + max_new_tokens]: row b's new tokens at ``sequences[b, T:]``, then ``pad_token_id`` (default
     the tokenizer's pad, else its EOS, else 0); ``stats`` a ``BatchStats`` (``tau`` the mean over rows,
@@ -86,8 +85,8 @@ def _generate_batch(target, drafter, input_ids, attention_mask, pad_token_id, ma
     drafters = make_row_drafters(target, drafter, B, sampling, generator, tree=tree, gamma=gamma,
                                  prompt_lookup=prompt_lookup)
     stop = [stop] if isinstance(stop, str) else stop
-    return run_batch(target, drafters, ids, starts, max_new_tokens, sampling, generator,
-                     eos_ids(target, eos_token_id), stop, pad_id)
+    return run(target, drafters, ids, max_new_tokens, sampling, generator, eos_ids(target, eos_token_id), stop,
+               starts=starts, pad_id=pad_id)
 
 
 def _pad_id(target, pad_token_id) -> int:

@@ -12,7 +12,7 @@ LAYERS = [  # lowest first
     {"proposers"},
     {"drafters"},
     {"loop", "lookup", "parallel"},
-    {"cost", "batch"},
+    {"cost"},
     {"api"},
     {"cli"},
 ]
