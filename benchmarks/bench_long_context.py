@@ -8,8 +8,9 @@ least ``--min-tokens`` long). Each conversation's features come from one target 
 unrolled ``--ttt`` steps exactly as in training's held-out evaluation (no noise), and each supervised
 prediction is filed under the bucket of the position of the token it predicts (``--buckets`` edges,
 default <512, 512-2k, >=2k). Accuracy = head argmax == target argmax over the full vocabulary (a target
-token outside the draft vocabulary counts as a miss), per TTT step and bucket; the 95% interval
-resamples whole conversations (positions in one conversation are not independent).
+token outside the draft vocabulary counts as a miss), per TTT step and bucket, and its difference from
+the first bucket; the 95% intervals resample whole conversations (positions in one conversation are not
+independent; the difference is paired: the same resampled conversations in both buckets).
 
     python benchmarks/bench_long_context.py --head runs/x/final --samples 8 --out long.json
 """
@@ -125,12 +126,16 @@ def summarise(per_conv: list, edges: list[int], steps: int, seed: int = 0) -> li
             right[c].index_add_(0, b, ok.float())
         pick = torch.randint(0, len(per_conv), (BOOTSTRAP, len(per_conv)), generator=gen)
         boot = right[pick].sum(1) / total[pick].sum(1).clamp(min=1)  # [BOOTSTRAP, buckets]
+        q = torch.tensor([0.025, 0.975], dtype=boot.dtype)
+        acc = right.sum(0) / total.sum(0).clamp(min=1)
         for b, name in enumerate(names):
             n = int(total[:, b].sum())
-            lo, hi = (boot[:, b].quantile(torch.tensor([0.025, 0.975])).tolist() if n else (float("nan"),) * 2)
-            rows.append({"step": k, "bucket": name, "positions": n,
-                         "conversations": int((total[:, b] > 0).sum()),
-                         "acc": float(right[:, b].sum() / max(n, 1)), "ci95": [lo, hi]})
+            ci = boot[:, b].quantile(q).tolist() if n else [float("nan")] * 2
+            # paired with the first bucket: the same resampled conversations, so content differences cancel
+            diff = (boot[:, b] - boot[:, 0]).quantile(q).tolist() if n and b else [0.0, 0.0]
+            rows.append({"step": k, "bucket": name, "positions": n, "conversations": int((total[:, b] > 0).sum()),
+                         "acc": float(acc[b]), "ci95": ci, "minus_first": float(acc[b] - acc[0]),
+                         "minus_first_ci95": diff})
     return rows
 
 
@@ -167,7 +172,9 @@ def main() -> None:
     print("|---" * (a.ttt + 2) + "|")
     for name in dict.fromkeys(r["bucket"] for r in rows):
         cells = [r for r in rows if r["bucket"] == name]
-        print(f"| {name} | " + " | ".join(f"{r['acc']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" for r in cells)
+        print(f"| {name} | " + " | ".join(
+            f"{r['acc']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]; {r['minus_first']:+.3f} "
+            f"[{r['minus_first_ci95'][0]:+.3f}, {r['minus_first_ci95'][1]:+.3f}]" for r in cells)
               + f" | {cells[0]['positions']} |")
     if a.out:
         from eaglekit.fileio import write_json
