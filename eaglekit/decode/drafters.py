@@ -22,8 +22,8 @@ from eaglekit.decode.tree import Tree, TreeSpec, expand
 class Drafter(Protocol):
     """What the decode loop calls, once per sequence (``prefill``) and then once per verify forward.
 
-    ``layer_ids``: the target layers the verify forward taps (``Target.forward``; ``()`` none, None the
-    target's defaults).
+    ``layer_ids``: the target layers the verify forward taps (``Target.forward``), exactly; ``()`` or None
+    taps none.
     ``prefill(prompt, out, root)``: after the target's prefill (``out`` its ``TargetOutput``; ``root`` the
     first token, not yet in the target's cache). ``draft(max_depth) -> Tree``: proposals below the current
     root, at most ``max_depth`` deep. ``commit(tree, path, next_token, out, rows)``: after acceptance, with

@@ -59,7 +59,9 @@ class Decoder:
 
     def __init__(self, target, drafters: list, sampling: Sampling, generator: torch.Generator | None = None):
         self.target, self.drafters, self.sampling, self.generator = target, list(drafters), sampling, generator
-        self.layer_ids = drafters[0].layer_ids  # the taps every row's drafter reads (one kind per batch)
+        # the target layers every row's drafter reads (one kind per batch); None, as a drafter written for the
+        # older kind=None protocol says, taps nothing
+        self.layer_ids = tuple(getattr(drafters[0], "layer_ids", None) or ())
         self.cache = kv.new_cache(target.model)
 
     def prefill(self, ids: torch.Tensor, starts: list[int]) -> list[int]:
