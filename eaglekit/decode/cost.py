@@ -112,18 +112,18 @@ def _medians(fns: dict, repeats: int) -> dict:
 
 
 @torch.no_grad()
-def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SIZES, kind=None,
-                 layer_ids=None) -> dict:
-    """m -> median seconds of a target forward over m new tokens per row on the cached ``prefix`` [B, P]."""
+def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SIZES, layer_ids=()) -> dict:
+    """m -> median seconds of a target forward over m new tokens per row on the cached ``prefix`` [B, P],
+    tapping ``layer_ids`` (what a head reads; () none)."""
     dev, (rows, prefix_len) = target.device, prefix.shape
     cache = kv.new_cache(target.model)
-    target.forward(prefix.to(dev), past_key_values=cache, kind=None)
+    target.forward(prefix.to(dev), past_key_values=cache, layer_ids=())
 
     def run(m):
         ids = torch.randint(10, target.vocab_size - 1, (rows, m), device=dev)
 
         def fn():
-            target.forward(ids, past_key_values=cache, kind=kind, layer_ids=layer_ids)
+            target.forward(ids, past_key_values=cache, layer_ids=layer_ids)
             kv.crop(cache, prefix_len)
         return fn
     return _medians({m: run(m) for m in sizes}, repeats)
@@ -144,7 +144,7 @@ def measure(target, head, prefix_len: int = 128, repeats: int = 5, batch_size: i
     ``batch_size``), and of a head step (one row)."""
     prefix = torch.randint(10, target.vocab_size - 1, (batch_size, prefix_len), device=target.device)
     taps = HeadProposer(target, head)  # the verify forward returns what this head reads
-    verify_s = verify_costs(target, prefix, repeats, batch_verify_sizes(target.device, batch_size), kind=taps.kind,
+    verify_s = verify_costs(target, prefix, repeats, batch_verify_sizes(target.device, batch_size),
                             layer_ids=taps.layer_ids)
     if getattr(head, "parallel", False):  # one drafting forward whatever the tree: no per-level cost
         draft_s = block_cost(head, prefix_len, repeats)
@@ -226,7 +226,7 @@ def calibrate(target, head, ids: torch.Tensor, contexts: int = 4, depth: int = M
               ks=LEVEL_SIZES) -> dict:
     """Per top_k: for each calibration context, every pool node's (depth, path probability)."""
     taps = HeadProposer(target, head)  # what the head reads of the target
-    out = target.forward(ids, kind=taps.kind, layer_ids=taps.layer_ids, logits=False)
+    out = target.forward(ids, layer_ids=taps.layer_ids, logits=False)
     L = ids.shape[1]
     cuts = [int(L * (i + 1) / (contexts + 1)) for i in range(contexts)]
     make, depth = (ParallelDrafter if getattr(head, "parallel", False) else EagleDrafter), min(depth, _max_depth(head))
