@@ -143,15 +143,13 @@ class Target:
 
     @torch.no_grad()
     def forward(self, input_ids, *, attention_mask=None, position_ids=None, past_key_values=None,
-                kind: str | None = "eagle3", layer_ids=None, logits: bool = True,
-                logits_to_keep: int = 0) -> TargetOutput:
+                layer_ids=None, logits: bool = True, logits_to_keep: int = 0) -> TargetOutput:
         """One target forward returning logits (optional), ``last`` and the inputs of ``layer_ids`` as ``taps``.
 
         ``layer_ids``: the layers to tap (a head's ``taps``; ``()`` taps none, None the default taps).
-        ``kind`` is how older callers ask: ``None`` or ``"eagle1"`` tap nothing whatever ``layer_ids`` says.
         ``logits=False`` runs the decoder without the lm_head, which saves the [B, S, V] matmul during capture.
         """
-        layer_ids = self.tap_ids(kind, layer_ids)
+        layer_ids = self.default_taps if layer_ids is None else tuple(layer_ids)
         kw = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": past_key_values is not None}
         cache_name = cache_kwarg(type(self.model if logits else self.decoder))
         if past_key_values is not None:
@@ -166,17 +164,10 @@ class Target:
         taps = torch.cat([seen[i] for i in layer_ids], dim=-1) if layer_ids else None
         return TargetOutput(lg, seen["last"], taps, getattr(out, cache_name, None))  # output field: same name
 
-    def tap_ids(self, kind: str | None, layer_ids) -> tuple[int, ...]:
-        """The layers a forward taps: ``layer_ids`` (None: the default taps), none for an older caller's
-        ``kind`` of None or "eagle1"."""
-        if kind in (None, "eagle1"):
-            return ()
-        return self.default_taps if layer_ids is None else tuple(layer_ids)
-
-    def features(self, input_ids, attention_mask=None, kind: str | None = "eagle3", layer_ids=None) -> TargetOutput:
-        """What a head trains on: ``last`` (EAGLE-1 feature, teacher) and ``taps`` (EAGLE-3)."""
-        return self.forward(input_ids, attention_mask=attention_mask, kind=kind, layer_ids=layer_ids,
-                            logits=False)
+    def features(self, input_ids, attention_mask=None, layer_ids=None) -> TargetOutput:
+        """What a head trains on: ``last`` (EAGLE-1 feature, teacher) and ``taps`` (EAGLE-3; ``layer_ids`` as in
+        ``forward``)."""
+        return self.forward(input_ids, attention_mask=attention_mask, layer_ids=layer_ids, logits=False)
 
 
 def _find(module: nn.Module, names, what: str):

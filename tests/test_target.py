@@ -36,6 +36,8 @@ def test_default_taps():
     t = tiny_target("llama", layers=6)
     out = t.forward(torch.randint(0, 64, (1, 5)))
     assert t.default_taps == (2, 3, 3) and out.taps.shape[-1] == 3 * t.hidden_size  # layer_ids=None: the defaults
+    with pytest.raises(TypeError, match="kind"):  # the taps are asked for by layer_ids only
+        t.forward(torch.randint(0, 64, (1, 5)), kind=None)
 
 
 def test_lora_changes_taps_and_merge_equals_live(tmp_path):
