@@ -4,7 +4,7 @@ aten's CPU ``linear`` multiplies by the row-major weight on every call. For the 
 forward has (1 token in plain decoding, a 4–16-node tree in verification) that is far from the memory
 bound. With each weight reordered once into oneDNN's blocked layout (the kernels torch.compile's CPU
 freezing pass emits) these few-row forwards run faster, with outputs equal up to float rounding
-(benchmarks/bench_packed_linear.py; figures in benchmarks/RESULTS.md, "Where the time goes on the CPU").
+(benchmarks/bench_packed_linear.py; figures in benchmarks/RESULTS.md, "Where the time goes").
 Plain decoding gets faster and a verify forward costs less relative to one token, which is what
 speculative decoding lives on.
 

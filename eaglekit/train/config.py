@@ -76,7 +76,7 @@ class LossConfig:
     token_weight: NonNegFloat = 0.1  # EAGLE-1: soft CE against the target distribution
     noise: NonNegFloat = 0.1  # EAGLE-1: feature noise U(-noise, noise) (scaled like EAGLE's uniform noise)
     topk: NonNegInt = 0  # HASS-style top-K distillation: > 0 adds topk_weight * CE over the teacher's top-K
-    topk_weight: NonNegFloat = 0.0  # (an experiment; benchmarks/RESULTS.md, "Sample efficiency")
+    topk_weight: NonNegFloat = 0.0  # (an experiment; benchmarks/RESULTS.md, "Training recipe")
     objective: Literal["kl", "lk", "lk_alpha", "lk_tv"] = "kl"  # per-position term: soft CE (kl) or an LK
     # loss on the acceptance rate (arXiv 2602.23881; docs/training.md "Training objectives")
     lk_eta: NonNegFloat = 3.0  # lk: the KL weight is exp(-lk_eta * alpha), alpha the position's acceptance
