@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--lookup-tokens", default="2,5,10")
-    ap.add_argument("--bench-threads", type=int, default=1, help="2 threads on 2 shared cores stall (RESULTS, "Threads on a busy CPU")")
+    ap.add_argument("--bench-threads", type=int, default=1, help="2 threads on 2 shared cores stall (RESULTS, 'Threads on a busy CPU')")
     ap.add_argument("--train-only", action="store_true")
     a = ap.parse_args()
     with ThreadPoolExecutor(len(a.kinds)) as pool:
