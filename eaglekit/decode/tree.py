@@ -124,13 +124,6 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return m.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def verify_mask(tree: Tree, past_len: int, dtype, device) -> torch.Tensor:
-    """[1, 1, n+1, past_len + n+1]: every row sees the whole prefix, then only its ancestors (and itself)."""
-    a = ancestors(tree.parents.to(device))
-    prefix = torch.ones(len(a), past_len, dtype=torch.bool, device=device)
-    return additive(torch.cat([prefix, a], dim=1), dtype)[None, None]
-
-
 def select_best(scores: torch.Tensor, parents: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the ``total`` best nodes of a pool (scores = log path probability), in pool order.
 
