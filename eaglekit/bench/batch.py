@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from eaglekit.bench.methods import load_models, run_in_order
+from eaglekit.bench.methods import run_in_order
 from eaglekit.bench.plots import plot_batch
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates
 from eaglekit.bench.theory import expectations, memory, memory_lines
 from eaglekit.decode import cost
 from eaglekit.decode.api import generate
-from eaglekit.decode.cli import parse_tree, with_draft_tree
+from eaglekit.decode.cli import load_models, parse_tree, with_draft_tree
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.fileio import write_text
 from eaglekit.timing import load_average

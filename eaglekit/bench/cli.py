@@ -33,13 +33,13 @@ import torch
 from pydantic import Field
 
 from eaglekit.bench.batch import batch_table, run_batch_bench, write_batch
-from eaglekit.bench.methods import load_models, methods, run_in_order
+from eaglekit.bench.methods import methods, run_in_order
 from eaglekit.bench.prompts import load_questions
 from eaglekit.bench.report import rates, speedup_per_category, summarise, table, write
 from eaglekit.bench.theory import memory
 from eaglekit.config import Dtype, NonNegFloat, NonNegInt, PosInt, load_config
 from eaglekit.decode import cost
-from eaglekit.decode.cli import CPU_LINEAR, parse_tree, refuse_auto_tree_split
+from eaglekit.decode.cli import CPU_LINEAR, load_models, parse_tree, refuse_auto_tree_split
 from eaglekit.decode.stats import DecodeStats
 from eaglekit.tensor_parallel import launch_layout
 from eaglekit.timing import load_average

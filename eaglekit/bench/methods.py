@@ -10,20 +10,8 @@ from __future__ import annotations
 import torch
 
 from eaglekit.decode.api import generate
-from eaglekit.decode.cli import load_drafter, speak_on_first_process, use_cpu_linear, with_draft_tree
-from eaglekit.target import load_target
+from eaglekit.decode.cli import with_draft_tree
 from eaglekit.timing import timed
-
-
-def load_models(cfg):
-    """(target, drafter, linears packed) for a bench config. ``tp_size`` > 1: the target split over that many
-    processes (torchrun), each running the same bench; the first prints and writes. No packed linears then
-    (DTensor weights), for every method alike."""
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, tp_size=cfg.tp_size, only_tp=True)
-    speak_on_first_process(target)
-    drafter = load_drafter(cfg, target)
-    packed = use_cpu_linear("aten" if cfg.tp_size > 1 else cfg.cpu_linear, target, drafter)  # HF's too
-    return target, drafter, packed
 
 
 def methods(cfg, target, drafter, tree) -> dict:

@@ -79,6 +79,17 @@ def add_arguments(p):
     p.epilog = "keys: " + ", ".join(GenerateConfig.__dataclass_fields__)
 
 
+
+def load_models(cfg):
+    """(target, drafter, linears packed) for a generate or bench config. ``tp_size`` > 1: the target split over that many
+    processes (torchrun), each running the same bench; the first prints and writes. No packed linears then
+    (DTensor weights), for every method alike."""
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, tp_size=cfg.tp_size, only_tp=True)
+    speak_on_first_process(target)
+    drafter = load_drafter(cfg, target)
+    packed = use_cpu_linear("aten" if cfg.tp_size > 1 else cfg.cpu_linear, target, drafter)  # HF's too
+    return target, drafter, packed
+
 def run(args) -> int:
     from transformers import TextStreamer
 
@@ -99,10 +110,7 @@ def run(args) -> int:
         if cfg.draft and not cfg.draft_tree:
             raise ValueError(f"prompt_lookup={cfg.prompt_lookup} with draft= and no draft_tree=: {SAMPLED}")
     check_split(cfg)
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, tp_size=cfg.tp_size, only_tp=True)
-    speak_on_first_process(target)
-    drafter = load_drafter(cfg, target)
-    use_cpu_linear("aten" if cfg.tp_size > 1 else cfg.cpu_linear, target, drafter)  # no packing of DTensors
+    target, drafter, _ = load_models(cfg)
     drafter = with_draft_tree(cfg, target, drafter)
     tree = parse_tree(cfg.tree)
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
