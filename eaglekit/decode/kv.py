@@ -79,9 +79,10 @@ def keep(cache, past_len: int, lengths: list[int], rows: list[torch.Tensor]) -> 
     new = [n + len(r) for n, r in zip(lengths, rows)]
     end = max(new)
     in_place = all(n == past_len and torch.equal(r, torch.arange(len(r))) for n, r in zip(lengths, rows))
-    width = max(len(r) for r in rows)
-    src = torch.stack([torch.cat([r, r[-1:].expand(width - len(r))]) for r in rows]) + past_len
-    dst = torch.stack([torch.arange(n, n + width) for n in lengths])  # a padded copy lands past the row's end
+    if not in_place:
+        width = max(len(r) for r in rows)
+        src = torch.stack([torch.cat([r, r[-1:].expand(width - len(r))]) for r in rows]) + past_len
+        dst = torch.stack([torch.arange(n, n + width) for n in lengths])  # a padded copy lands past the row's end
     moved: dict = {}  # (device, heads, width) -> the expanded (src, dst) indices: built once per shape
     for get, put in _slots(cache):
         k, v = get()

@@ -59,8 +59,8 @@ class Decoder:
 
     def __init__(self, target, drafters: list, sampling: Sampling, generator: torch.Generator | None = None):
         self.target, self.drafters, self.sampling, self.generator = target, list(drafters), sampling, generator
-        # the target layers every row's drafter reads (one kind per batch); None, as a drafter written for the
-        # older kind=None protocol says, taps nothing
+        # the target layers every row's drafter reads (one kind per batch); a drafter without taps (None or
+        # no layer_ids) reads none: () tells Target.forward to tap nothing, where None means its default taps
         self.layer_ids = tuple(getattr(drafters[0], "layer_ids", None) or ())
         self.cache = kv.new_cache(target.model)
 
