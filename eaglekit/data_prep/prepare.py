@@ -107,7 +107,8 @@ def _size(n: float) -> str:
 def run_prepare(cfg: PrepareConfig) -> dict:
     if cfg.kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
-    say = print if dist_info()[0] == 0 else (lambda *a, **k: None)
+    first = dist_info()[0] == 0  # the first of all processes (a TP group's processes share a data rank)
+    say = print if first else (lambda *a, **k: None)
     out = Path(cfg.output_dir)
     target = load_target_from(cfg.target)
     rank, world = data_ranks(target)  # TP groups, when the target is split; else the processes
@@ -128,7 +129,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             convs,
             out / REGENERATED,
             cfg.regenerate,
-            progress=cfg.progress and dist_info()[0] == 0,  # one bar, also when a TP group shares rank
+            progress=cfg.progress and first,  # one bar
             rank=rank,
             world_size=world,
         )
@@ -136,7 +137,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         say(f"regenerated answers in {path} ({convs.unanswered} conversation(s) without an answer: "
             "a prompt over regenerate.max_prompt_tokens or an empty answer, each line's regenerate_error)")
     samples, empty = tokenize_conversations(
-        target.tokenizer, convs, cfg.max_length, progress=cfg.progress and rank == 0
+        target.tokenizer, convs, cfg.max_length, progress=cfg.progress and first
     )
     tokens = sum(len(s["input_ids"]) for s in samples)
     say(
