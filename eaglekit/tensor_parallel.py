@@ -65,6 +65,11 @@ class Layout:
 SINGLE = Layout()
 
 
+def layout_of(target) -> Layout:
+    """How ``target`` is split over processes (no target, as with an endpoint, or a whole one: one process)."""
+    return getattr(target, "layout", SINGLE)
+
+
 def launch_layout(tp_size: int, only_tp: bool = False) -> Layout:
     """This process's layout for ``tp_size`` under the launcher's RANK / WORLD_SIZE, refused when the launch
     cannot hold it (``only_tp``: a job that supports no data parallelism, whose world must equal tp_size)."""
@@ -186,7 +191,7 @@ def agree_in_group(layout: Layout, value) -> bool:
 def data_parallel(acc, target) -> tuple[int, int]:
     """(world, rank) over which a training run splits its batches: the processes (``acc``, an Accelerator),
     or their TP groups when ``target`` is split (world = dp × tp; each group's processes share one batch)."""
-    size = getattr(target, "layout", SINGLE).tp_size
+    size = layout_of(target).tp_size
     return acc.num_processes // size, acc.process_index // size
 
 

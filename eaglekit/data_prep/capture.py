@@ -75,7 +75,7 @@ def dist_info() -> tuple[int, int]:
 def data_ranks(target) -> tuple[int, int]:
     """(rank, world_size) over which the shards are split: the launch's processes, or its TP groups when the
     target is split (the processes of a group capture the same shards together; its first one writes)."""
-    layout = getattr(target, "layout", tp.SINGLE)
+    layout = tp.layout_of(target)
     return (layout.dp_rank, layout.dp_size) if layout.tp_size > 1 else dist_info()
 
 
@@ -249,7 +249,7 @@ def capture_features(
     a TP group (``target.layout``): the group's processes run every forward together and its first process
     alone writes, so the files are those of a run with one process per group.
     """
-    layout = getattr(target, "layout", tp.SINGLE)
+    layout = tp.layout_of(target)
     env_rank, env_world = data_ranks(target)
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size

@@ -111,7 +111,7 @@ def _generate(target, prompts: list[list[dict]], cfg: RegenerateConfig, seed: in
         if cfg.temperature > 0
         else {"do_sample": False}
     )
-    if _layout(target).tp_size > 1:
+    if tp.layout_of(target).tp_size > 1:
         # each TP group decodes its own batches: transformers would otherwise step every process of the
         # launch together (synced_gpus, for the FSDP wrapper of a dp x tp layout), and the groups' batch and
         # turn counts differ
@@ -269,7 +269,7 @@ def regenerate(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ids = [str(c["id"]) for c in conversations]
-    layout = _layout(target)
+    layout = tp.layout_of(target)
     if world_size == 1:
         _regenerate_part(target, conversations, out_path, cfg, range(0, len(ids), cfg.batch_size), progress)
     else:
@@ -286,11 +286,6 @@ def regenerate(
     return out_path
 
 
-def _layout(target) -> tp.Layout:
-    """How ``target`` is split over processes (no target, as with an endpoint, or a whole one: one process)."""
-    return getattr(target, "layout", tp.SINGLE)
-
-
 def part_path(out_path: Path, rank: int, world_size: int) -> Path:
     return out_path.with_name(f"{out_path.stem}.part{rank}-of-{world_size}.jsonl")
 
@@ -301,7 +296,7 @@ def _regenerate_part(target, conversations, path: Path, cfg: RegenerateConfig, f
     from tqdm.auto import tqdm
 
     mine = [c for f in firsts for c in conversations[f : f + cfg.batch_size]]
-    layout = _layout(target)
+    layout = tp.layout_of(target)
     if cfg.endpoint and not layout.writes:  # the server needs no split forward: the writer asks it alone
         return
     if cfg.endpoint:  # any whole line is kept: a conversation's seed is its index, not its batch's
