@@ -68,8 +68,10 @@ def common(a) -> list[str]:
             "trackers=[]", "progress=false"]
 
 
-def steps_for(a) -> int:
-    """Optimizer steps whose micro-batches (length-bucketed, as the trainer plans them) hold >= ``tokens``."""
+def steps_for(a) -> tuple[int, int]:
+    """Optimizer steps whose micro-batches (length-bucketed, as the trainer plans them) hold >= ``tokens``, and
+    the epochs they need: a capture with fewer training tokens than ``tokens`` is read several times (every arm
+    sees the same samples in the same order, so the comparison stays paired; the report says how many)."""
     from eaglekit.train.config import load_train_config
 
     batch = load_train_config(CONFIG, common(a)).data.batch_size  # the runs' own micro-batch size
@@ -78,12 +80,10 @@ def steps_for(a) -> int:
     lengths = manifest["lengths"][:-a.eval_samples]
     mean = sum(lengths) / len(lengths)
     steps = -(-int(1.05 * tokens) // int(mean * batch))  # 5% over: micro-batches vary in length
-    if steps * batch > len(lengths):
-        sys.exit(f"{features}: {sum(lengths):,} training tokens, fewer than --tokens {tokens:,}")
-    return steps
+    return steps, -(-steps * batch // len(lengths))
 
 
-def train(arm: str, seed: int, a, steps: int) -> Path:
+def train(arm: str, seed: int, a, steps: int, epochs: int) -> Path:
     out = Path(a.out) / f"{arm}-s{seed}"
     if (out / "final").is_dir():
         return out / "final"
@@ -91,7 +91,7 @@ def train(arm: str, seed: int, a, steps: int) -> Path:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *device, "--num_processes", "1", "--num_machines",
            "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train_head.py"),
            "--config", str(CONFIG), *common(a), f"output_dir={out}", f"seed={seed}",
-           f"optim.max_steps={steps}", f"optim.warmup_steps={max(1, steps // 10)}", "optim.epochs=1", "eval_interval=0",
+           f"optim.max_steps={steps}", f"optim.warmup_steps={max(1, steps // 10)}", f"optim.epochs={epochs}", "eval_interval=0",
            # a checkpoint every ~10% of the run: a run killed midway resumes (resume=auto) instead of restarting
            f"save_interval={max(1, steps // 10)}", "keep_last=1", *ARMS[arm]]
     t0 = time.time()
@@ -221,10 +221,10 @@ def main() -> None:
     a = ap.parse_args()
     if "base" not in a.arms and not a.train_only:
         a.arms.insert(0, "base")
-    steps = steps_for(a)
+    steps, epochs = steps_for(a)
     runs = [(arm, seed) for seed in a.seeds for arm in a.arms]
     with ThreadPoolExecutor(a.parallel) as pool:  # a.threads each: small matmuls scale poorly past 1-2 cores
-        heads = dict(zip(runs, pool.map(lambda r: train(*r, a, steps), runs)))
+        heads = dict(zip(runs, pool.map(lambda r: train(*r, a, steps, epochs), runs)))
     if a.train_only:
         return
     scores = {}
@@ -234,7 +234,7 @@ def main() -> None:
             write_json(cached, per_sample(head, a, arm))  # atomic: a killed scoring leaves no half file to reuse
         scores.setdefault(arm, {})[seed] = json.loads(cached.read_text())
     seen = {f"{arm}-s{seed}": training_record(head.parent) for (arm, seed), head in heads.items()}
-    report = {"runs": seen, "steps": steps, "ttt": a.ttt, "seeds": a.seeds, "held_out": len(scores["base"][a.seeds[0]]),
+    report = {"runs": seen, "steps": steps, "epochs": epochs, "ttt": a.ttt, "seeds": a.seeds, "held_out": len(scores["base"][a.seeds[0]]),
               "arms": compare(scores)}
     if a.decode_questions:
         for arm, d in decode_all(heads, a).items():
