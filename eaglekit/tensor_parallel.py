@@ -178,13 +178,17 @@ def same_in_group(layout: Layout, value):
 
 def agree_in_group(layout: Layout, value) -> bool:
     """Whether every process of this TP group holds an equal ``value`` (a picklable object); every process
-    gets the same answer, so all of them can stop together when it is False."""
+    gets the same answer, so all of them can stop together when it is False. Only a digest of the pickled
+    value travels (a batch of regenerated conversations is tens of KB per process)."""
     if layout.tp_size == 1:
         return True
+    import hashlib
+    import pickle
+
     import torch.distributed as dist
 
     seen = [None] * layout.tp_size
-    dist.all_gather_object(seen, value, group=group(layout))
+    dist.all_gather_object(seen, hashlib.sha256(pickle.dumps(value)).hexdigest(), group=group(layout))
     return all(v == seen[0] for v in seen)
 
 
