@@ -17,6 +17,7 @@ independent; the difference is paired: the same resampled conversations in both 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -112,7 +113,7 @@ def bucket_of(where: torch.Tensor, edges: list[int]) -> torch.Tensor:
 
 def summarise(per_conv: list, edges: list[int], steps: int, seed: int = 0) -> list[dict]:
     """Rows (bucket, step): accuracy pooled over conversations and its conversation-bootstrap 95% interval."""
-    names = [f"<{edges[0]}"] + [f"{a}-{b}" for a, b in zip(edges, edges[1:])] + [f">={edges[-1]}"]
+    names = [f"<{edges[0]}"] + [f"{a}-{b}" for a, b in itertools.pairwise(edges)] + [f">={edges[-1]}"]
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for k in range(steps):

@@ -120,13 +120,13 @@ def summarise_bench(report: dict) -> dict:
 
 
 def table(report: dict) -> str:
-    rows = ["| kind | steps, train tok/s | held-out acc per depth | τ_sim (first d) | τ_sim (all) | tree | ours ×plain (τ) "
-            "| ours+lookup ×plain (τ) | ×HF lookup | draft / verify ms |", "|" + "---|" * 10]
+    rows = [("| kind | steps, train tok/s | held-out acc per depth | τ_sim (first d) | τ_sim (all) | tree | ours ×plain (τ) "
+            "| ours+lookup ×plain (τ) | ×HF lookup | draft / verify ms |"), "|" + "---|" * 10]
     depths = f"tau_sim_{report['common_depths']}"
     for kind, r in report["kinds"].items():
         h, b = r["held_out"], r.get("bench", {}).get("methods", {})
         ours, both = b.get("ours", {}), b.get("ours_lookup", {})
-        fmt = lambda x, p=2: f"{x:.{p}f}" if isinstance(x, (int, float)) else "–"  # noqa: E731
+        fmt = lambda x, p=2: f"{x:.{p}f}" if isinstance(x, (int, float)) else "–"
         rows.append(f"| {kind} | {h['steps']}, {h['train_tokens_per_s']:.0f} | {' / '.join(f'{x:.3f}' for x in h['acc'])} "
                     f"| {fmt(h[depths], 3)} | {fmt(h['tau_sim'], 3)} "
                     f"| {r.get('bench', {}).get('tree', '–')} | {fmt(ours.get('vs_plain'))}x ({fmt(ours.get('tau'))}) "

@@ -115,10 +115,10 @@ def training_record(run: Path) -> dict:
 def per_sample(head_dir: Path, a, arm: str) -> list[dict]:
     """Per held-out sample: supervised positions and top-1 hits per TTT step (under the arm's own settings:
     head.init_from refuses a head whose options, e.g. EAGLE 3.1's, differ from the config's)."""
+    from eaglekit.heads.objectives import TTTModel
     from eaglekit.train.build import assemble
     from eaglekit.train.config import load_train_config
     from eaglekit.train.data import collate, fetch_with_top, tensors_to
-    from eaglekit.heads.objectives import TTTModel
 
     cfg = load_train_config(CONFIG, [*common(a), *ARMS[arm], f"head.init_from={head_dir}", "eval_only=true",
                                      f"output_dir={head_dir.parent / 'eval'}"])
@@ -156,7 +156,6 @@ def decode_all(heads: dict, a) -> dict:
     from eaglekit import assets
     from eaglekit.heads import load_head
     from eaglekit.target import load_target
-
     from eaglekit.train.config import load_train_config
 
     target = load_target(load_train_config(CONFIG, common(a)).target.name)  # the runs' own target

@@ -105,9 +105,9 @@ def step_speed(args) -> dict:
     import torch
 
     from eaglekit.heads import HeadConfig, build_head
+    from eaglekit.heads.objectives import Teacher, TTTModel
     from eaglekit.target import load_target_from
     from eaglekit.train.config import load_train_config
-    from eaglekit.heads.objectives import Teacher, TTTModel
 
     torch.manual_seed(0)
     cfg = load_train_config(args.config, ["data.conversations=unused", *args.overrides])
@@ -121,8 +121,8 @@ def step_speed(args) -> dict:
     t2d[:Vd] = True
     model = TTTModel(head, Teacher.build(target.lm_head.weight, t2d), cfg.loss)
     B, S = args.batch, args.seq
-    batch = dict(input_ids=torch.randint(0, Vd, (B, S)), loss_mask=torch.ones(B, S),
-                 last=torch.randn(B, S, H).bfloat16(), top=torch.randint(0, Vd, (B, S)))
+    batch = {"input_ids": torch.randint(0, Vd, (B, S)), "loss_mask": torch.ones(B, S),
+                 "last": torch.randn(B, S, H).bfloat16(), "top": torch.randint(0, Vd, (B, S))}
     if taps:
         batch["taps"] = torch.randn(B, S, taps * H).bfloat16()
 

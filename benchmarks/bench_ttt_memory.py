@@ -26,9 +26,10 @@ import time
 
 def vm(field: str) -> int:
     """``field`` (VmHWM, VmRSS) of this process in bytes."""
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 

@@ -19,16 +19,16 @@ BF16 = 2
 TAPS = 3  # EAGLE-3's default taps; the feature file also holds the last hidden state
 
 TARGETS = {  # name: (config class, the published config's shape)
-    "Llama-3.1-8B": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                         tie_word_embeddings=False)),
-    "Llama-3.1-70B": ("LlamaConfig", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                                          tie_word_embeddings=False)),
-    "Qwen3-235B-A22B": ("Qwen3MoeConfig", dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
-                                               num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
-                                               head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                               vocab_size=151936, tie_word_embeddings=False)),
+    "Llama-3.1-8B": ("LlamaConfig", {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                                         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                                         "tie_word_embeddings": False}),
+    "Llama-3.1-70B": ("LlamaConfig", {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                                          "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+                                          "tie_word_embeddings": False}),
+    "Qwen3-235B-A22B": ("Qwen3MoeConfig", {"hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                                               "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+                                               "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                                               "vocab_size": 151936, "tie_word_embeddings": False}),
 }
 
 

