@@ -122,12 +122,11 @@ def test_decode_batch_keep_moves_each_rows_path():
     t = tiny_target(vocab_size=64, layers=2)
     cache = kv.new_cache(t.model)
     t.forward(torch.arange(2, 22).view(2, 10), past_key_values=cache, layer_ids=())
-    before = [g()[0].clone() for g, _ in kv._slots(cache)]
+    before = [k.clone() for k, _ in kv.entries(cache)]
     # row 0 held 4 slots, row 1 held 6; the last 4 slots are the verify rows
     lengths = kv.keep(cache, 6, [4, 6], [torch.tensor([0, 2, 3]), torch.tensor([0])])
     assert lengths == [7, 7]
-    for b, (g, _) in zip(before, kv._slots(cache)):
-        k = g()[0]
+    for b, (k, _) in zip(before, kv.entries(cache)):
         assert k.shape[-2] == 7
         torch.testing.assert_close(k[0, :, :7], b[0, :, [0, 1, 2, 3, 6, 8, 9]], atol=0, rtol=0)
         torch.testing.assert_close(k[1, :, :7], b[1, :, [0, 1, 2, 3, 4, 5, 6]], atol=0, rtol=0)

@@ -90,15 +90,14 @@ def watch_cache(monkeypatch, target, tol):
 
     def watched_step(self, roots, max_depths):
         steps, *seconds = step(self, roots, max_depths)
-        slots = [g() for g, _ in kv._slots(self.cache)]
+        slots = kv.entries(self.cache)
         assert kv.cache_length(self.cache) == max(self.lengths)
         for b, s in enumerate(steps):
             self.texts[b] += s.emitted
             fresh = kv.new_cache(target.model)
             target.forward(torch.tensor([self.texts[b][:-1]]), past_key_values=fresh, layer_ids=())
             assert self.lengths[b] - self.starts[b] == len(self.texts[b]) - 1
-            for (k, v), (g, _) in zip(slots, kv._slots(fresh)):
-                fk, fv = g()
+            for (k, v), (fk, fv) in zip(slots, kv.entries(fresh)):
                 got = slice(self.starts[b], self.lengths[b])
                 torch.testing.assert_close(k[b:b + 1, :, got], fk, atol=tol, rtol=tol)
                 torch.testing.assert_close(v[b:b + 1, :, got], fv, atol=tol, rtol=tol)
@@ -131,10 +130,9 @@ def test_decode_kv_keep_moves_non_contiguous_rows():
     t = tiny_target(vocab_size=64, layers=2)
     cache = kv.new_cache(t.model)
     t.forward(torch.arange(2, 12)[None], past_key_values=cache, layer_ids=())
-    before = [g()[0].clone() for g, _ in kv._slots(cache)]
+    before = [k.clone() for k, _ in kv.entries(cache)]
     assert kv.keep(cache, 4, [4], [torch.tensor([0, 2, 5])]) == [7]
-    for b, (g, _) in zip(before, kv._slots(cache)):
-        k = g()[0]
+    for b, (k, _) in zip(before, kv.entries(cache)):
         assert k.shape[-2] == 7
         torch.testing.assert_close(k, b[..., [0, 1, 2, 3, 4, 6, 9], :], atol=0, rtol=0)
 
