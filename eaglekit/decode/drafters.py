@@ -173,10 +173,7 @@ def catch_up_rows(drafters: list) -> None:
     """Before drafting, the rows drafting with an EAGLE head (``TreeDrafter``s, bare or under a
     ``LookupDrafter``) run their pending elements in: the rows of each head in one head forward
     (``proposers.catch_up``). Other drafters catch up in their own ``draft``."""
-    groups: dict[int, list] = {}
-    for d in drafters:
-        p = getattr(getattr(d, "inner", d), "proposer", None)
-        if isinstance(p, HeadProposer) and p.caught is None:
-            groups.setdefault(id(p.head), []).append(p)
-    for group in groups.values():
-        catch_up(group)
+    rows = [p for d in drafters if isinstance(p := getattr(getattr(d, "inner", d), "proposer", None), HeadProposer)
+            and p.caught is None]
+    if rows:
+        catch_up(rows)

@@ -24,7 +24,8 @@ import weakref
 import torch
 
 from eaglekit.decode import kv
-from eaglekit.heads import HeadCache, check_target
+from eaglekit.heads import check_target
+from eaglekit.heads.cache import HeadRows, RowsStep
 
 
 class HeadProposer:
@@ -51,7 +52,7 @@ class HeadProposer:
         return copy.copy(self)  # start() replaces the per-sequence state a copy shares
 
     def start(self, prompt, out, root: int) -> None:
-        self.cache, self.caught = HeadCache(), None
+        self.cache, self.caught = rows_of(self.head).row(), None
         self.pending = (torch.tensor(prompt[0, 1:].tolist() + [root], device=self.device),
                         self._features(out, torch.arange(prompt.shape[1])))
 
@@ -78,53 +79,54 @@ class HeadProposer:
         self.cache.crop(n)
 
 
+# head -> the HeadRows every decode row of that head keeps its cache in (one buffer, a batch row each)
+_HEAD_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rows_of(head) -> HeadRows:
+    rows = _HEAD_ROWS.get(head)
+    if rows is None:
+        rows = _HEAD_ROWS[head] = HeadRows(head.config.num_layers)
+    return rows
+
+
 @torch.no_grad()
 def catch_up(proposers: list[HeadProposer]) -> None:
-    """Run the rows' pending elements (rows of one head) through one head forward; each row's next
+    """Run the rows' pending elements through one head forward per head; each row's next
     ``HeadProposer.catch_up`` returns its last element's output. One row runs on its own cache, causally.
-    Several: each row's cache left-padded to the longest and its pending elements right-padded, under a mask
-    that lets row b see only its own cache and elements; each row then gets its new cache entries and the
-    output it would have computed alone (up to float rounding: the sums run over padded lengths)."""
-    if len(proposers) == 1:
-        p = proposers[0]
-        ids, g = p.pending
-        pos = torch.arange(p.length, p.length + len(ids), device=p.device)
-        hidden, logits = p.head.step(ids[None], g[None], pos[None], cache=p.cache)
-        p.caught = hidden[0, -1], logits[0, -1]
-        return
-    head, first = proposers[0].head, proposers[0]
-    cfg, dev, dtype = head.config, first.device, first.dtype
-    lengths, counts = [p.length for p in proposers], [len(p.pending[0]) for p in proposers]
-    T, P, B = max(lengths), max(counts), len(proposers)
-    ids = torch.zeros(B, P, dtype=torch.long, device=dev)
-    g = torch.zeros(B, P, cfg.hidden_size, dtype=dtype, device=dev)
-    pos = torch.zeros(B, P, dtype=torch.long)
-    allowed = torch.zeros(B, P, T + P, dtype=torch.bool)
-    allowed[:, :, T:] = torch.eye(P, dtype=torch.bool)  # a padding element sees itself only
-    for b, (p, length, n) in enumerate(zip(proposers, lengths, counts)):
-        ids[b, :n], g[b, :n] = p.pending[0], p.pending[1]
-        pos[b] = length + torch.arange(P).clamp_max(max(n - 1, 0))
-        allowed[b, :n, T - length:T] = True
-        allowed[b, :n, T:T + n] = torch.ones(n, n, dtype=torch.bool).tril()
-    cache = HeadCache()
-    for layer in range(cfg.num_layers):
-        for name in ("keys", "values"):
-            rows = [_left_pad(getattr(p.cache, name), layer, T, cfg, dtype, dev) for p in proposers]
-            getattr(cache, name).append(torch.cat(rows) if T else None)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    hidden, logits = head.step(ids, g, pos.to(dev), cache=cache, attn_mask=mask[:, None].to(dev))
-    for b, (p, n) in enumerate(zip(proposers, counts)):
-        for layer in range(cfg.num_layers):
-            p.cache.update(layer, cache.keys[layer][b:b + 1, :, T:T + n], cache.values[layer][b:b + 1, :, T:T + n])
-        p.caught = hidden[b, n - 1], logits[b, n - 1]
+    Several rows of one head: their pending elements, right-padded to the longest, go through one forward
+    over the rows' shared buffer (``RowsStep``: row b's new entries written in place at its own length, a
+    mask that lets it see only its own cache and elements), so each row gets the output and cache entries
+    it would have computed alone (up to float rounding: the sums run over padded lengths)."""
+    groups: dict[int, list[HeadProposer]] = {}
+    for p in proposers:
+        groups.setdefault(id(p.cache.rows), []).append(p)
+    for group in groups.values():
+        (_catch_up_one if len(group) == 1 else _catch_up_rows)(group)
 
 
-def _left_pad(tensors: list, layer: int, width: int, cfg, dtype, dev) -> torch.Tensor | None:
-    """A row's cached [1, kv_heads, L, head_dim] for ``layer``, zero-padded on the left to ``width``."""
-    t = tensors[layer] if layer < len(tensors) else None
-    have = 0 if t is None else t.shape[2]
-    pad = torch.zeros(1, cfg.num_key_value_heads, width - have, cfg.head_dim, dtype=dtype, device=dev)
-    return pad if t is None else torch.cat([pad, t], dim=2)
+def _catch_up_one(group: list[HeadProposer]) -> None:
+    p = group[0]
+    ids, g = p.pending
+    pos = torch.arange(p.length, p.length + len(ids), device=p.device)
+    hidden, logits = p.head.step(ids[None], g[None], pos[None], cache=p.cache)
+    p.caught = hidden[0, -1], logits[0, -1]
+
+
+def _catch_up_rows(group: list[HeadProposer]) -> None:
+    first, slots = group[0], [p.cache.slot for p in group]
+    lo, new = min(slots), max(len(p.pending[0]) for p in group)
+    step = RowsStep(first.cache.rows, lo, max(slots) + 1, first.device)
+    ids = torch.zeros(len(step.offsets), new, dtype=torch.long, device=first.device)
+    g = torch.zeros(len(step.offsets), new, first.head.config.hidden_size, dtype=first.dtype, device=first.device)
+    for p in group:
+        n = len(p.pending[0])
+        ids[p.cache.slot - lo, :n], g[p.cache.slot - lo, :n] = p.pending
+    hidden, logits = first.head.step(ids, g, step.positions(new), cache=step, attn_mask=step.mask(new, first.dtype))
+    for p in group:
+        n = len(p.pending[0])
+        step.advance(p.cache.slot, n)
+        p.caught = hidden[p.cache.slot - lo, n - 1], logits[p.cache.slot - lo, n - 1]
 
 
 # draft tokenizer -> target tokenizers it was found equal to: ``get_vocab()`` on two large vocabularies is a
