@@ -92,7 +92,7 @@ def features(target, sample: dict, kind: str, taps: list[int], cache: Path | Non
 @torch.no_grad()
 def score_positions(head, teacher, batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per TTT step k: (positions of the predicted tokens, right or not) at the supervised positions."""
-    from eaglekit.heads.cache import shift_left
+    from eaglekit.heads.layers import shift_left
     from eaglekit.heads.objectives import ttt_unroll
 
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]

@@ -3,7 +3,7 @@
 Each length runs in a fresh process (the kernel's high-water mark, VmHWM, never goes down): one batch of
 one sequence, ``--ttt`` steps, forward and backward of ``heads.objectives.ttt_loss``, a warm-up pass first.
 Reported: peak RSS above the process's RSS before the first pass, seconds per pass (median of
-``--repeats``), and the size the largest TTT attention mask would have (``heads.cache.ttt_mask``: [S, (k+1)·S]
+``--repeats``), and the size the largest TTT attention mask would have (``heads.layers.ttt_mask``: [S, (k+1)·S]
 floats at step k). The unroll used to build and keep those masks (memory quadratic in S);
 ``heads.ttt_attention`` needs none, so run this file from an earlier checkout (PYTHONPATH) for the
 "before" numbers. ``--shape smollm2`` is a SmolLM2-135M-sized head (H 576, 9 heads / 3 KV heads of 64,
@@ -95,7 +95,7 @@ def time_attention(S: int, steps: int, shape: str, repeats: int) -> dict:
     import torch.nn.functional as F
 
     from eaglekit.heads import ttt_attention as ta
-    from eaglekit.heads.cache import ttt_mask
+    from eaglekit.heads.layers import ttt_mask
 
     def masked(q, keys, values):  # the old path: SDPA over every step's keys under ttt_mask
         rep = q.shape[1] // keys[0].shape[1]

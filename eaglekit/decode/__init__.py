@@ -14,8 +14,8 @@ Modules, each importing only modules on the lines below it:
     cost                    measured costs and tree="auto"'s plan (auto_plan, Plan)
     loop, lookup, parallel  the loop for one row or many (Decoder.step: draft, verify, accept, keep, commit);
                             the prompt-lookup wrapper; a parallel head's drafter (one forward per step)
-    drafters                Drafter protocol: PlainDrafter, ModelDrafter (chain), TreeDrafter
-    proposers               HeadProposer / ModelProposer, and the head catch-up of every row at once
+    drafters                Drafter protocol: PlainDrafter, ModelDrafter (chain), TreeDrafter; what grows
+                            their trees (HeadProposer / ModelProposer), the head catch-up of every row at once
     tree, kv, sampling,     Tree + EAGLE-2 expand; KV keep and a row's output; Sampling + rules;
     stats, stops            DecodeStats, BatchStats; what ends a row (EOS, stop strings, max tokens)
 """

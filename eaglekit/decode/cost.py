@@ -37,9 +37,8 @@ import torch
 
 from eaglekit import __version__, assets
 from eaglekit.decode import kv, loop
-from eaglekit.decode.drafters import EagleDrafter, PlainDrafter
+from eaglekit.decode.drafters import EagleDrafter, HeadProposer, PlainDrafter
 from eaglekit.decode.parallel import ParallelDrafter
-from eaglekit.decode.proposers import HeadProposer
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.tree import TreeSpec
 from eaglekit.fileio import write_text

@@ -17,19 +17,20 @@ Modules, each importing only modules on the lines below it (tests/test_architect
     peagle, dflash          the parallel drafters (one forward drafts a block): P-EAGLE, DFlash
     eagle1, eagle3          the two heads: what each reads, fuses, predicts over and trains with
     base                    DraftHead: borrowed target modules, draft vocabulary, step checks
-    layers, cache           Llama-style layers; HeadCache, masks, shift_left
+    layers                  Llama-style layers; HeadCache (and HeadRows: a head's decode rows), masks,
+                            shift_left
     config                  HeadConfig, EAGLE1/EAGLE3, check_target
     export_engines          data: how each engine's loader reads an export
     export_verifier         the verifier (target) id an export or model card names
 """
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.cache import HeadCache, causal_mask, ttt_mask
 from eaglekit.heads.config import EAGLE1, EAGLE3, KINDS, HeadConfig, check_target
 from eaglekit.heads.eagle1 import Eagle1Head
 from eaglekit.heads.eagle3 import Eagle3Head
 from eaglekit.heads.export import export_head, load_export, load_head
 from eaglekit.heads.hub import model_card, push_head
 from eaglekit.heads.io import save_head
+from eaglekit.heads.layers import HeadCache, causal_mask, ttt_mask
 from eaglekit.heads.layouts import LAYOUTS, validate_export
 from eaglekit.heads.registry import HEADS, build_head, head_class, tap_layers
 

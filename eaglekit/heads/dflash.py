@@ -25,9 +25,8 @@ import zlib
 import torch
 from torch import nn
 
-from eaglekit.heads.cache import HeadCache, shift_left
 from eaglekit.heads.config import DFLASH, HeadConfig
-from eaglekit.heads.layers import MLP, RMSNorm, apply_rope
+from eaglekit.heads.layers import MLP, HeadCache, RMSNorm, apply_rope, shift_left
 from eaglekit.heads.objectives import StepStats, position_loss, teacher_probs
 from eaglekit.heads.parallel import ParallelHead
 

@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.cache import HeadCache, shift_left
 from eaglekit.heads.config import EAGLE1, HeadConfig
-from eaglekit.heads.layers import DecoderLayer
+from eaglekit.heads.layers import DecoderLayer, HeadCache, shift_left
 
 
 class Eagle1Head(DraftHead):

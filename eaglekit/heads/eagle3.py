@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.cache import HeadCache
 from eaglekit.heads.config import EAGLE3, HeadConfig
-from eaglekit.heads.layers import MLP, Attention, DecoderLayer, RMSNorm
+from eaglekit.heads.layers import MLP, Attention, DecoderLayer, HeadCache, RMSNorm
 
 
 class Eagle3FirstLayer(nn.Module):

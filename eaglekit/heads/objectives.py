@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from eaglekit.heads.cache import shift_left
+from eaglekit.heads.layers import shift_left
 from eaglekit.heads.ttt_attention import TTTCache
 
 __all__ = ["OBJECTIVES", "AcceptanceLoss", "SoftCrossEntropy", "StepStats", "TTTModel", "Teacher",

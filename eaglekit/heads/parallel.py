@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.cache import HeadCache
+from eaglekit.heads.layers import HeadCache
 
 
 class ParallelHead(DraftHead):

@@ -21,10 +21,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from eaglekit.heads.cache import HeadCache, shift_left
 from eaglekit.heads.config import PEAGLE, HeadConfig
 from eaglekit.heads.eagle3 import Eagle3FirstLayer, Eagle3Head
-from eaglekit.heads.layers import DecoderLayer, RMSNorm
+from eaglekit.heads.layers import DecoderLayer, HeadCache, RMSNorm, shift_left
 from eaglekit.heads.objectives import StepStats, position_loss, teacher_probs
 from eaglekit.heads.parallel import ParallelHead
 from eaglekit.heads.ttt_attention import TTTCache

@@ -1,7 +1,7 @@
 """Training-time-test attention in memory linear in the sequence length.
 
 At TTT step k, element t attends the step-0 keys at indices <= t (causal) and the step-j keys
-(1 <= j <= k) at exactly index t (a diagonal: its own drafted chain). ``heads.cache.ttt_mask`` spells
+(1 <= j <= k) at exactly index t (a diagonal: its own drafted chain). ``heads.layers.ttt_mask`` spells
 this as an additive ``[S, (k+1)·S]`` mask, which costs memory quadratic in S (and is kept for the
 backward pass). Here the same softmax is computed without any mask:
 

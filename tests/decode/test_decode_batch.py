@@ -12,8 +12,8 @@ from test_decode_greedy_exact import OracleDrafter, argmax_second
 from test_decode_sampling import CONFIG, peaky_target
 
 from eaglekit import decode
-from eaglekit.decode import kv, loop, proposers
-from eaglekit.decode.drafters import ModelTreeDrafter
+from eaglekit.decode import kv, loop
+from eaglekit.decode.drafters import ModelTreeDrafter, catch_up
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.sampling import Sampling, accept_minpq_on_topk
 from eaglekit.decode.tree import TreeSpec
@@ -247,7 +247,7 @@ def test_decode_batch_head_catch_up_of_rows_equals_alone(kind):
                 n = 1 + b
                 pending = (torch.randint(7, 64, (n,), generator=g), torch.randn(n, 32, generator=g))
                 together[b].pending = alone[b].pending = pending
-        proposers.catch_up(together)
+        catch_up(together)
         for a, b in zip(together, alone):
             for x, y in zip(a.catch_up(), b.catch_up()):
                 torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)

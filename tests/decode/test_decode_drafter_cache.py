@@ -14,14 +14,13 @@ import eaglekit
 from eaglekit import decode
 from eaglekit.decode import loop
 from eaglekit.decode.tree import TreeSpec
-from eaglekit.heads import cache as head_cache
-from eaglekit.heads.cache import HeadCache, HeadRows
+from eaglekit.heads.layers import HeadCache, HeadRows, RowsStep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(eaglekit.__file__).parent
 # the drafter's cache code: the head caches and the catch-up that feeds them
-CACHE_FILES = {"heads/cache.py", "decode/proposers.py"}
+CACHE_FILES = {"heads/layers.py", "decode/drafters.py"}
 CACHE_CODE = ("HeadCache.", "HeadRows.", "RowCache.", "RowsStep.", "_grown", "HeadProposer.", "catch_up",
               "_catch_up_one", "_catch_up_rows", "rows_of")
 
@@ -111,7 +110,7 @@ def test_decode_rows_step_equals_each_row_alone():
             ids, feat = torch.randint(5, 64, (1, n), generator=g), torch.randn(1, n, 32, generator=g)
             head.step(ids, feat, torch.arange(n)[None], cache=shared)
             head.step(ids, feat, torch.arange(n)[None], cache=own)
-    step = head_cache.RowsStep(rows, 0, 3, torch.device("cpu"))
+    step = RowsStep(rows, 0, 3, torch.device("cpu"))
     ids, feat = torch.randint(5, 64, (3, 2), generator=g), torch.randn(3, 2, 32, generator=g)
     hidden, _ = head.step(ids, feat, step.positions(2), cache=step, attn_mask=step.mask(2, torch.float32))
     for b, (shared, own) in enumerate(zip(caches, alone)):

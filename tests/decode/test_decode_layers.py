@@ -9,7 +9,6 @@ import eaglekit.decode
 DECODE = Path(eaglekit.decode.__file__).parent
 LAYERS = [  # lowest first
     {"tree", "kv", "sampling", "stats", "stops"},
-    {"proposers"},
     {"drafters"},
     {"loop", "lookup", "parallel"},
     {"cost"},

@@ -22,7 +22,7 @@ from eaglekit.heads import (
     head_class,
 )
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.cache import shift_left
+from eaglekit.heads.layers import shift_left
 from eaglekit.heads.registry import tap_layers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -87,8 +87,9 @@ def test_heads_base_imports_no_saving_or_hub():
 
 
 HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lower layers
-    {"config", "export_engines", "export_verifier", "cache", "ttt_attention"},
-    {"layers", "objectives"},
+    {"config", "export_engines", "export_verifier", "ttt_attention"},
+    {"layers"},
+    {"objectives"},
     {"base"},
     {"parallel"},
     {"eagle1", "eagle3"},
@@ -104,7 +105,7 @@ HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lo
 
 
 def test_heads_modules_import_only_lower_layers():
-    """config → layers/cache → base → eagle1/eagle3 → registry → io → layouts → export → hub → CLIs
+    """config → layers → objectives → base → eagle1/eagle3 → registry → io → layouts → export → hub → CLIs
     (function-local imports counted, tests/test_architecture.py's graph)."""
     graph = import_graph()
     names = {m.rsplit(".", 1)[1] for m in graph if m.startswith("eaglekit.heads.")}

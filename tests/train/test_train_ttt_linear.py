@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import tiny_target
 
 from eaglekit.heads import HeadCache, HeadConfig, build_head, objectives, ttt_attention, ttt_mask
-from eaglekit.heads.cache import shift_left
+from eaglekit.heads.layers import shift_left
 from eaglekit.heads.objectives import Teacher, ttt_loss
 from eaglekit.train.config import LossConfig
 
