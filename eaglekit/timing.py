@@ -20,12 +20,16 @@ def sync(device: torch.device | str | None = None) -> None:
 
 
 class Stopwatch:
-    """Seconds since the last ``lap()`` (and since the start, ``elapsed()``), the device synced at each reading
-    and at the start (the caller's earlier queued kernels are not the timed work's)."""
+    """Seconds since the last ``lap()`` (and since the start, ``elapsed()``), the device synced once at each
+    reading, and at the start (the caller's earlier queued kernels are not the timed work's) unless
+    ``synced``: the caller has just waited for the device itself (a decode step started right after the
+    previous step's last lap), so a second wait would find nothing queued and only cost a host round trip.
+    A step timed in two laps then syncs twice, not three times; on a CPU nothing is synced either way."""
 
-    def __init__(self, device: torch.device | str | None = None):
+    def __init__(self, device: torch.device | str | None = None, synced: bool = False):
         self.device = device
-        sync(device)
+        if not synced:
+            sync(device)
         self.start = self.last = time.perf_counter()
 
     def lap(self) -> float:

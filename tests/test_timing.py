@@ -1,6 +1,7 @@
 """eaglekit.timing's view of a shared CPU: the CPUs other work keeps busy (from /proc/stat), the torch
 threads that leaves, and the passive OpenMP wait a child process gets; and, on the real libgomp, that
-passive waiting reaches a child (no timing claims here: benchmarks/RESULTS.md has the measurements)."""
+passive waiting reaches a child (no timing claims here: benchmarks/RESULTS.md has the measurements); and
+how often a Stopwatch waits for a GPU."""
 import subprocess
 import sys
 
@@ -55,3 +56,15 @@ def test_a_child_gets_the_threads_and_wait_policy():
 def test_load_average():
     load = timing.load_average()
     assert load is None or (len(load) == 3 and all(x >= 0 for x in load))
+
+
+def test_stopwatch_syncs_a_cuda_device_once_per_reading(monkeypatch):
+    """torch.cuda.synchronize counted (patched: no GPU needed): a two-lap stopwatch waits at its start and at
+    each lap, three times; one started with ``synced=True`` (the caller has just waited) twice; a CPU none."""
+    waits = []
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    for device, synced, expected in [("cuda", False, 3), ("cuda", True, 2), ("cpu", False, 0)]:
+        waits.clear()
+        watch = timing.Stopwatch(device, synced=synced)
+        assert watch.lap() >= 0 and watch.lap() >= 0
+        assert len(waits) == expected, (device, synced, waits)
