@@ -77,7 +77,8 @@ class PlainDrafter:
 
 
 class HeadProposer:
-    """An EAGLE-1/EAGLE-3 head with its own ``HeadCache``.
+    """An EAGLE-1/EAGLE-3 head with its own cache: one row of the buffer every decode row of that head shares
+    (``rows_of(head)``, a ``heads.layers.HeadRows``), taken at ``start``, freed when dropped.
 
     The head's element t is (feature g_t, token x_{t+1}) at position t. Accepted tokens are fed back with
     the *target's* features from the verify forward (the tree's own elements, drafted from the head's
