@@ -164,10 +164,75 @@ class Target:
         taps = torch.cat([seen[i] for i in layer_ids], dim=-1) if layer_ids else None
         return TargetOutput(lg, seen["last"], taps, getattr(out, cache_name, None))  # output field: same name
 
+    @torch.no_grad()
+    def compiled_forward(self, input_ids, *, attention_mask, position_ids, past_key_values, layer_ids=(),
+                         mode: str | None = None) -> TargetOutput:
+        """``forward`` through ``torch.compile`` (``mode``: torch.compile's, e.g. ``"reduce-overhead"`` for CUDA
+        graphs): one graph per input shape, so the caller keeps shapes static (a preallocated cache written at a
+        tensor offset, its own 4-D mask, bucketed query lengths). The taps come from hooks registered once per
+        target (a hook added per call would change the graph's guards every call). Whatever dynamo or the
+        backend cannot compile is one ``CompileError`` naming the model: never a silent eager fallback."""
+        fn = self._compiled_fn(tuple(layer_ids), mode)
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs were read already
+        self._recording = True
+        try:
+            logits, last, taps = fn(input_ids, attention_mask, position_ids, past_key_values)
+        except Exception as e:  # dynamo's Unsupported, a backend's failure, ... all mean "cannot compile"
+            raise CompileError(f"compile=True: torch.compile cannot compile {self.name or type(self.model).__name__}'s "
+                               f"verify forward ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); "
+                               "decode it with compile=False") from e
+        finally:
+            self._recording = False
+            self._tap_store.clear()  # the hooks' references to this forward's tensors (a CUDA graph's outputs)
+        if mode == "reduce-overhead":  # a CUDA graph's outputs are overwritten by its next replay
+            logits, last, taps = (None if x is None else x.clone() for x in (logits, last, taps))
+        return TargetOutput(logits, last, taps, past_key_values)
+
+    def _compiled_fn(self, layer_ids: tuple, mode):
+        compiled = self.__dict__.setdefault("_compiled", {})
+        if (layer_ids, mode) not in compiled:
+            self._tap_hooks()
+            store, cache_name = self._tap_store, cache_kwarg(type(self.model))
+
+            def verify_forward(ids, mask, pos, cache):
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                                 **{cache_name: cache})
+                taps = torch.cat([store[i] for i in layer_ids], dim=-1) if layer_ids else None
+                return out.logits, store["last"], taps
+
+            # one graph per shape (dynamic=False): the caller buckets the shapes, (rows, bucket) pairs are a few
+            # dozen at most; past the limit dynamo would run eagerly without a word, so it fails instead
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+            compiled[layer_ids, mode] = torch.compile(verify_forward, mode=mode, dynamic=False, fullgraph=True)
+        return compiled[layer_ids, mode]
+
+    def _tap_hooks(self) -> None:
+        """Hooks on every layer and the final norm, once, that record into ``_tap_store`` during compiled
+        forwards only (``_recording``); eager forwards keep their own per-call hooks (``_taps``)."""
+        if getattr(self, "_tap_store", None) is not None:
+            return
+        self._tap_store, self._recording = {}, False
+
+        def keep(key):
+            def hook(_mod, args, kwargs, out=None):
+                if self._recording:
+                    self._tap_store[key] = out if key == "last" else (args[0] if args else kwargs["hidden_states"])
+            return hook
+
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_pre_hook(keep(i), with_kwargs=True)
+        self.norm.register_forward_hook(keep("last"), with_kwargs=True)
+
     def features(self, input_ids, attention_mask=None, layer_ids=None) -> TargetOutput:
         """What a head trains on: ``last`` (EAGLE-1 feature, teacher) and ``taps`` (EAGLE-3; ``layer_ids`` as in
         ``forward``)."""
         return self.forward(input_ids, attention_mask=attention_mask, layer_ids=layer_ids, logits=False)
+
+
+class CompileError(RuntimeError):
+    """``compile=True`` asked for a model torch.compile cannot compile."""
 
 
 def _find(module: nn.Module, names, what: str):

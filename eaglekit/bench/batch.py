@@ -42,7 +42,7 @@ def batch_methods(cfg, target, drafter, tree) -> dict:
     def method(dr, tree=tree, lookup=0):
         def fn(prompts, temp, seed):
             out = generate(target, dr, prompts, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
-                           gamma=cfg.gamma, prompt_lookup=lookup)
+                           gamma=cfg.gamma, prompt_lookup=lookup, compile=cfg.compile)
             return out.stats, out.sequences
         return fn
 

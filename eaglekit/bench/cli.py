@@ -70,6 +70,7 @@ class BenchConfig:
     seed: int = 0
     threads: NonNegInt = 0  # torch CPU threads (0 = torch's default)
     cpu_linear: CPU_LINEAR = "packed"  # "packed" (oneDNN pre-packed weights, every method alike) or "aten"
+    compile: bool = False  # our loop's verify forward through torch.compile (static shapes; CUDA graphs on a GPU)
     out: str = "benchmarks/results/decode"
     batch_sizes: list[PosInt] = field(default_factory=list)  # e.g. [1,2,4,8,16]: the batch bench (bench.batch)
     tp_size: PosInt = 1  # > 1: the target split over tp_size processes (torchrun --nproc_per_node tp_size), each

@@ -21,7 +21,7 @@ def methods(cfg, target, drafter, tree) -> dict:
     def ours(dr, lookup=0):
         def fn(ids, temp, seed):
             out = generate(target, dr, ids, cfg.max_new_tokens, temperature=temp, seed=seed, tree=tree,
-                           gamma=cfg.gamma, prompt_lookup=lookup)
+                           gamma=cfg.gamma, prompt_lookup=lookup, compile=cfg.compile)
             return out.stats.new_tokens, out.stats, out.sequences
         return fn
 

@@ -23,7 +23,8 @@ from eaglekit.decode.tree import TreeSpec
 def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eos_token_id=None, stop: list[str] | str | None = None,
              seed: int | None = None, generator: torch.Generator | None = None, tree=None, gamma: int = 4,
-             streamer=None, prompt_lookup=0, attention_mask=None, pad_token_id: int | None = None) -> GenerateOutput:
+             streamer=None, prompt_lookup=0, attention_mask=None, pad_token_id: int | None = None,
+             compile: bool = False) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``input_ids`` [1, T] with ``drafter``: None (plain decoding),
     a draft Target sharing the tokenizer (a chain of ``gamma`` tokens), an EAGLE head, or a ``Drafter``
     (e.g. ``ModelTreeDrafter``, ``LookupDrafter``).
@@ -45,11 +46,15 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     then [B, T + max_new_tokens]: row b's new tokens at ``sequences[b, T:]``, then ``pad_token_id`` (default
     the tokenizer's pad, else its EOS, else 0); ``stats`` a ``BatchStats`` (``tau`` the mean over rows,
     ``rows[b]`` row b's own). ``drafter`` may then be a list with one per row. No streamer for a batch.
+
+    ``compile=True`` runs the target's verify forward through ``torch.compile`` with static shapes (CUDA graphs
+    on a GPU; trees padded to a bucket of 1, 2, 4, ..., 64 nodes): the first steps of each bucket compile, the
+    tokens are the same as eager decoding's. A model torch.compile cannot compile raises ``CompileError``.
     """
     if isinstance(input_ids, (list, tuple)) or attention_mask is not None or torch.as_tensor(input_ids).shape[0] > 1:
         return _generate_batch(target, drafter, input_ids, attention_mask, pad_token_id, max_new_tokens,
                                temperature, top_p, top_k, eos_token_id, stop, seed, generator, tree, gamma,
-                               streamer, prompt_lookup)
+                               streamer, prompt_lookup, compile)
     input_ids = torch.as_tensor(input_ids)
     check_inputs(target, input_ids, max_new_tokens)
     sampling = Sampling(temperature, top_p, top_k)
@@ -59,11 +64,11 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     drafter = make_drafter(target, drafter, sampling, generator, tree=tree, gamma=gamma,
                            prompt_lookup=prompt_lookup)
     stop = [stop] if isinstance(stop, str) else stop
-    return run(target, drafter, input_ids, max_new_tokens, sampling, generator, eos, stop, streamer)
+    return run(target, drafter, input_ids, max_new_tokens, sampling, generator, eos, stop, streamer, compile=compile)
 
 
 def _generate_batch(target, drafter, input_ids, attention_mask, pad_token_id, max_new_tokens, temperature, top_p,
-                    top_k, eos_token_id, stop, seed, generator, tree, gamma, streamer, prompt_lookup):
+                    top_k, eos_token_id, stop, seed, generator, tree, gamma, streamer, prompt_lookup, compile):
     if streamer is not None:
         raise ValueError("a streamer takes one sequence: decode a batch without one (or one prompt at a time)")
     pad_id = _pad_id(target, pad_token_id)
@@ -73,7 +78,7 @@ def _generate_batch(target, drafter, input_ids, attention_mask, pad_token_id, ma
     if B == 1:  # one prompt: the one-sequence loop (no masks), its output laid out as a batch's
         one = generate(target, drafter[0] if isinstance(drafter, (list, tuple)) else drafter, ids[:, starts[0]:],
                        max_new_tokens, temperature, top_p, top_k, eos_token_id, stop, seed, generator, tree,
-                       gamma, None, prompt_lookup)
+                       gamma, None, prompt_lookup, compile=compile)
         seq = torch.full((1, T + max_new_tokens), pad_id, dtype=ids.dtype, device=one.sequences.device)
         seq[:, :T] = ids
         seq[:, T:T + one.stats.new_tokens] = one.sequences[:, T - starts[0]:]
@@ -86,7 +91,7 @@ def _generate_batch(target, drafter, input_ids, attention_mask, pad_token_id, ma
                                  prompt_lookup=prompt_lookup)
     stop = [stop] if isinstance(stop, str) else stop
     return run(target, drafters, ids, max_new_tokens, sampling, generator, eos_ids(target, eos_token_id), stop,
-               starts=starts, pad_id=pad_id)
+               starts=starts, pad_id=pad_id, compile=compile)
 
 
 def _pad_id(target, pad_token_id) -> int:

@@ -48,6 +48,7 @@ class GenerateConfig:
     dtype: Dtype = "float32"  # read by config.parse_dtype (through load_target), the one reader of dtype names
     device: str = "cpu"
     cpu_linear: CPU_LINEAR = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
+    compile: bool = False  # the target's verify forward through torch.compile (static shapes; CUDA graphs on a GPU)
     tp_size: PosInt = 1  # > 1: the target split over tp_size processes (torchrun --nproc_per_node tp_size);
     # every process runs the same loop, the first prints
 
@@ -131,7 +132,7 @@ def run(args) -> int:
         streamer = TextStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True)
         out = generate(target, drafter, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                        top_k=cfg.top_k, seed=cfg.seed, tree=tree, gamma=cfg.gamma, streamer=streamer,
-                       prompt_lookup=cfg.prompt_lookup)
+                       prompt_lookup=cfg.prompt_lookup, compile=cfg.compile)
         answer = target.tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
         s = out.stats

@@ -6,13 +6,19 @@ per row of a left-padded batch; ``decode.generate`` builds them from a head, a d
 (``api.make_drafter``) and calls it. ``Decoder`` holds the state (the target's cache with each row's slots,
 a drafter per row); ``run`` adds what ends a generation (``stops.Ending``), streaming and the stats.
 
-The target's cache (a ``DynamicCache``, ``[B, heads, S, dim]``) keeps rows ragged with *masked slots*:
-row b's text is in slots ``[start_b, length_b)``, where ``start_b`` is its left padding. A verify forward
-appends 1 + N tokens per row at slots S.. (the root and the row's tree, padded with dummy nodes to the
-largest tree); its mask lets row b see its own slots and the ancestors of each node, its positions count
-from ``length_b - start_b``. ``kv.keep`` then moves each row's root and accepted nodes to slots
-``length_b``.. and cuts the cache to the longest row. A finished row leaves the batch (``kv.select_rows``).
+The target's cache (``kv.RowsCache``: buffers ``[B, heads, capacity, dim]`` allocated once, sized from the
+prompt and ``max_new_tokens``) keeps rows ragged with *masked slots*: row b's text is in slots
+``[start_b, length_b)``, where ``start_b`` is its left padding. A verify forward writes 1 + N tokens per row
+at slots S.. (S the cache's length: the root and the row's tree, padded with dummy nodes to the largest
+tree); its mask lets row b see its own slots and the ancestors of each node, its positions count from
+``length_b - start_b``. ``kv.keep`` then moves each row's root and accepted nodes to slots ``length_b``.. in
+place and sets the cache's length to the longest row's. A finished row leaves the batch (``kv.select_rows``).
 One sequence has no pad and no ragged slots: a chain is then verified under the model's own causal mask.
+
+``compile=True``: the verify forward runs through ``torch.compile`` (``Target.compiled_forward``; CUDA graphs
+on a GPU) with static shapes: the keys are the whole buffer, written at a tensor offset (``kv.static``), the
+mask is ``[B, 1, q, capacity]`` with the unused slots blocked, and trees are padded with dummy nodes to a
+bucket (``BUCKETS``), so one graph serves every step of a bucket. The prefill and the drafters stay eager.
 """
 from __future__ import annotations
 
@@ -57,18 +63,21 @@ class Decoder:
     when rows leave. After a step row b's slots hold its prompt and every emitted token but the last (the
     next root). Decoder row i is whichever prompt the caller maps it to; ``keep`` renumbers them."""
 
-    def __init__(self, target, drafters: list, sampling: Sampling, generator: torch.Generator | None = None):
+    def __init__(self, target, drafters: list, sampling: Sampling, generator: torch.Generator | None = None,
+                 max_new_tokens: int = 0, compile: bool = False):
         self.target, self.drafters, self.sampling, self.generator = target, list(drafters), sampling, generator
         # the target layers every row's drafter reads (one kind per batch); a drafter without taps (None or
         # no layer_ids) reads none: () tells Target.forward to tap nothing, where None means its default taps
         self.layer_ids = tuple(getattr(drafters[0], "layer_ids", None) or ())
-        self.cache = kv.new_cache(target.model)
+        self.max_new_tokens, self.compile = max_new_tokens, compile
+        self.cache = self.static = None  # made by prefill, sized from the prompt
 
     def prefill(self, ids: torch.Tensor, starts: list[int]) -> list[int]:
         """Run the left-padded prompts ``ids`` [B, T] into the cache; returns each row's first new token."""
         B, T = ids.shape
         self.starts, self.lengths = list(starts), [T] * B
         dev = self.target.device
+        self.cache = kv.new_cache(self.target.model, capacity(T, self.max_new_tokens))
         mask = pos = None  # no pad: the model's own causal mask and positions
         if any(starts):
             s = torch.tensor(starts)[:, None, None]
@@ -81,6 +90,8 @@ class Decoder:
         out = self.target.forward(ids.to(dev), attention_mask=mask, position_ids=pos, past_key_values=self.cache,
                                   layer_ids=self.layer_ids, logits_to_keep=1)
         last = out.logits[:, -1]
+        if self.compile:
+            self.static = StaticVerify(self.target, self.cache)
         if self.sampling.greedy:
             roots = last.argmax(-1).tolist()  # one read for every row
         else:
@@ -97,7 +108,8 @@ class Decoder:
         catch_up_rows(self.drafters)  # heads: every row's accepted tokens in one head forward
         trees = [d.draft(m) for d, m in zip(self.drafters, max_depths)]
         draft_s = clock.lap()
-        out, past = verify(self.target, self.cache, roots, trees, self.starts, self.lengths, self.layer_ids)
+        out, past = verify(self.target, self.cache, roots, trees, self.starts, self.lengths, self.layer_ids,
+                           self.static)
         # one read from the device for every row: the trees' nodes and (greedy) the verify rows' argmax
         best = fetch(trees, out.logits.argmax(-1) if self.sampling.greedy else None)
         steps = []
@@ -115,6 +127,8 @@ class Decoder:
         """Keep decoder rows ``rows`` (in that order) and drop the others; cut the slots no kept row uses."""
         start, end = min(self.starts[b] for b in rows), max(self.lengths[b] for b in rows)
         kv.select_rows(self.cache, rows, start, end)
+        if self.static is not None:
+            self.static.rebind()  # new buffers: static writes again, at their new addresses
         self.starts = [self.starts[b] - start for b in rows]
         self.lengths = [self.lengths[b] - start for b in rows]
         self.drafters = [self.drafters[b] for b in rows]
@@ -126,34 +140,104 @@ class Decoder:
 # rule accepts; where none is, it samples the next token from what the rule left.
 
 def verify(target, cache, roots: list[int], trees: list[Tree], starts: list[int], lengths: list[int],
-           layer_ids=()):
+           layer_ids=(), static: StaticVerify | None = None):
     """One target forward over every row's root and tree, tapping ``layer_ids``; row b's cache slots
-    [starts[b], lengths[b]) are its text. Trees are padded to the largest with dummy nodes (the root's token,
-    seeing the row's text and themselves: finite, never accepted, their KV never kept). Row b's verify row
-    i + 1 is its node i, at position (its text length) + depth. Ids, positions and mask are built on the
-    target's device from the trees' index tensors. Returns (the ``TargetOutput``, the cache length before)."""
-    past, dev = max(lengths), target.device  # the cache is cut to its longest row
+    [starts[b], lengths[b]) are its text. Trees are padded to the largest (``static``: to its bucket) with dummy
+    nodes (the root's token, seeing the row's text and themselves: finite, never accepted, their KV never kept).
+    Row b's verify row i + 1 is its node i, at position (its text length) + depth. Ids, positions and mask are
+    built on the target's device from the trees' index tensors. Returns (the ``TargetOutput``, the cache length
+    before)."""
+    past, dev = max(lengths), target.device  # the cache's length is its longest row's
     n = max(len(t) for t in trees)
+    if static is not None:
+        n = bucket(n)
     ids = torch.tensor(roots, device=dev)[:, None].repeat(1, 1 + n)
     pos = torch.tensor([m - s for s, m in zip(starts, lengths)], device=dev)[:, None].repeat(1, 1 + n)
     for b, tree in enumerate(trees):
         ids[b, 1:1 + len(tree)] = tree.tokens.to(dev)
         pos[b, 1:1 + len(tree)] += tree.depths.to(dev)
+    if static is not None:
+        allowed, k_pos = tree_allowed(trees, starts, lengths, past, pos, static.room(past + 1 + n))
+        return static.forward(ids, pos, layer_masks(target, allowed, pos, k_pos), past, layer_ids), past
     mask = None
     uniform = not any(starts) and all(m == past for m in lengths)  # one sequence, or rows of one length
     # chains of one length on uniform rows are causal: the model's own mask (its windows included) is the same
     if not (uniform and all(len(t) == n and t.is_chain for t in trees)):
-        allowed = torch.zeros(len(trees), 1 + n, past + 1 + n, dtype=torch.bool, device=dev)
-        allowed[:, :, past:] = torch.eye(1 + n, dtype=torch.bool, device=dev)
-        for b, tree in enumerate(trees):
-            k = len(tree)
-            allowed[b, :, starts[b]:lengths[b]] = True
-            allowed[b, :1 + k, past:past + 1 + k] = ancestors(tree.parents.to(dev))
-        # row b's text slot s is at position s - start
-        slots = torch.arange(past, device=dev)[None] - torch.tensor(starts, device=dev)[:, None]
-        mask = layer_masks(target, allowed, pos, torch.cat([slots, pos], 1))
+        allowed, k_pos = tree_allowed(trees, starts, lengths, past, pos, past + 1 + n)
+        mask = layer_masks(target, allowed, pos, k_pos)
     out = target.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, layer_ids=layer_ids)
     return out, past
+
+
+def tree_allowed(trees: list[Tree], starts: list[int], lengths: list[int], past: int, pos: torch.Tensor,
+                 width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(allowed [B, 1 + n, width], the keys' positions [B, width]) of a verify forward writing at slots past..:
+    row b's verify rows see its text slots [starts[b], lengths[b]) and their own ancestors; a dummy row sees
+    itself; every other slot (stale, or past the forward's end) is blocked. Text slot s is at position
+    s - start, a verify slot at its row's position."""
+    dev, q = pos.device, pos.shape[1]
+    j = torch.arange(width, device=dev)[None]
+    s, m = (torch.tensor(x, device=dev)[:, None] for x in (starts, lengths))
+    allowed = ((j >= s) & (j < m))[:, None, :].repeat(1, q, 1)
+    allowed[:, :, past:past + q] = torch.eye(q, dtype=torch.bool, device=dev)
+    for b, tree in enumerate(trees):
+        k = len(tree)
+        allowed[b, :1 + k, past:past + 1 + k] = ancestors(tree.parents.to(dev))
+    k_pos = (j - s).clone()
+    k_pos[:, past:past + q] = pos
+    return allowed, k_pos
+
+
+# ---- compile=True: the verify forward with static shapes ----------------------------------------------------
+
+BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)  # tree sizes a compiled verify pads to (past 64: powers of two)
+
+
+def bucket(n: int) -> int:
+    """The smallest bucket holding ``n`` nodes: one compiled graph per bucket, not per tree size."""
+    return next((b for b in BUCKETS if b >= n), 1 << (n - 1).bit_length())
+
+
+def capacity(prompt_len: int, max_new_tokens: int) -> int:
+    """Cache entries a generation needs: the prompt, every new token, the largest bucketed verify forward (its
+    root and tree) past them; rounded up to 128 so that nearby lengths share one compiled graph. A longer tree
+    grows the cache (``kv.RowsLayer.reserve``), which a compiled verify pays with a new graph."""
+    need = prompt_len + max_new_tokens + 1 + BUCKETS[-1]
+    return -(-need // 128) * 128
+
+
+def compile_mode(device: torch.device) -> str | None:
+    """torch.compile's mode: CUDA graphs on a GPU (a small decode step is bound by kernel launches), inductor's
+    default elsewhere."""
+    return "reduce-overhead" if device.type == "cuda" else None
+
+
+class StaticVerify:
+    """The target's cache written statically (``kv.static``: at the tensor offset ``at``, into buffers of a fixed
+    capacity) and its compiled verify forward."""
+
+    def __init__(self, target, cache):
+        self.target, self.cache, self.mode = target, cache, compile_mode(target.device)
+        self.at = torch.zeros((), dtype=torch.long, device=target.device)
+        self.capacity = cache.capacity
+        self.rebind()
+
+    def rebind(self) -> None:
+        kv.static(self.cache, self.at, self.capacity)
+
+    def room(self, end: int) -> int:
+        """The capacity, doubled first if a forward ending at ``end`` would not fit (a new graph: rare)."""
+        if end > self.capacity:
+            self.capacity = max(end, 2 * self.capacity)
+            self.rebind()
+        return self.capacity
+
+    def forward(self, ids, pos, mask, past: int, layer_ids):
+        self.at.fill_(past)  # in place on the device: the graph reads the offset, it is not baked in
+        out = self.target.compiled_forward(ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                                           layer_ids=layer_ids, mode=self.mode)
+        kv.set_length(self.cache, past + ids.shape[1])
+        return out
 
 
 def layer_masks(target, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
@@ -211,14 +295,15 @@ def accepted_rows(path: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def run(target, drafter, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
         generator: torch.Generator | None = None, eos: set[int] = frozenset(), stop: list[str] | None = None,
-        streamer=None, starts: list[int] | None = None, pad_id: int = 0) -> GenerateOutput:
+        streamer=None, starts: list[int] | None = None, pad_id: int = 0, compile: bool = False) -> GenerateOutput:
     """Decode up to ``max_new_tokens`` after each row of ``ids`` [B, T] (see ``check_inputs``).
 
     ``drafter`` one drafter: one sequence (``ids`` [1, T]); ``sequences`` is then [1, T + new], ``stats`` a
     ``DecodeStats``, and ``streamer`` (a transformers streamer) gets the prompt, then each step's tokens as
     they are accepted. A list with one drafter per row: a batch, left-padded (row b starts at ``starts[b]``);
     ``sequences`` is [B, T + max_new_tokens], ``pad_id`` after a row ended, ``stats`` a ``BatchStats``. A row
-    ends after an ``eos`` token (kept), a ``stop`` string or ``max_new_tokens``."""
+    ends after an ``eos`` token (kept), a ``stop`` string or ``max_new_tokens``. ``compile``: the verify forward
+    through torch.compile (see the module's docstring)."""
     many = isinstance(drafter, (list, tuple))
     drafters = list(drafter) if many else [drafter]
     B, T = ids.shape
@@ -230,7 +315,7 @@ def run(target, drafter, ids: torch.Tensor, max_new_tokens: int, sampling: Sampl
     if max_new_tokens > 0:
         _stream(streamer, ids.cpu())
         clock = Stopwatch(target.device)  # the caller's queued kernels are not this prefill's
-        decoder = Decoder(target, drafters, sampling, generator)
+        decoder = Decoder(target, drafters, sampling, generator, max_new_tokens, compile)
         roots = decoder.prefill(ids, starts)
         for b in range(B):
             ends[b].add([roots[b]])
