@@ -63,11 +63,12 @@ def test_scaling_record_sums_tokens_up_to_each_evaluation(tmp_path):
 def test_bench_runs_are_valid_bench_configs_with_the_batch_sizes_split():
     a = h200_run.parse(["--out", "x"])
     runs = h200_run.bench_runs(a)
-    assert list(runs) == ["main", "batch", "batch-large", "t1"]
+    assert list(runs) == ["main", "compiled", "batch", "batch-large", "t1"]
     cfgs = {name: load_config(BenchConfig, None, extra) for name, extra in runs.items()}
     assert cfgs["main"].tree == "auto" and cfgs["main"].hf_baselines and cfgs["main"].temperatures == [0.0]
     assert cfgs["batch"].batch_sizes == [1, 2, 4, 8] and cfgs["batch-large"].batch_sizes == [16, 32, 64]
     assert cfgs["batch-large"].prompts == 64 and cfgs["t1"].temperatures == [1.0]
+    assert cfgs["compiled"].compile and not cfgs["main"].compile and not cfgs["compiled"].hf_baselines
     small = h200_run.bench_runs(h200_run.parse(["--out", "x", "--batch-sizes", "1,2", "--benches", "batch,bf16"]))
     assert list(small) == ["batch", "bf16"]
     base = ["dtype=float32"]  # what bench() puts first: a run's own keys come after and win

@@ -13,7 +13,8 @@ Made for a lent GPU with a hard wall-clock budget, 64 MiB carried each way and n
   budget leaves after a bench reserve per kind, split evenly), from ``--train-config`` plus the kind's
   own head and loss keys (``KIND_SET``), evaluating held-out accuracy and τ_sim every ``eval_interval``
   steps (the data-scaling record). Then the benches on this device, most wanted first and every kind
-  before the next bench (``tree="auto"``, plain, lookup, HF and HF lookup; then the batch bench and T=1
+  before the next bench (``tree="auto"``, plain, lookup, HF and HF lookup; plain and the head again with
+  ``compile=true``; then the batch bench and T=1
   while time is left). ``summary.json`` holds per kind the held-out per-depth accuracy, τ_sim (all depths
   and the first ``--common-depths``) and per bench the decode τ, tokens/s, speedups and draft/verify ms.
   Brings back the heads of ``--bring-heads`` (``head-<kind>.tar``, in parts; at most 8 files come back)
@@ -220,13 +221,15 @@ def bring_head_back(kind: str, run: Path, out: Path, record: dict) -> None:
 
 
 def bench_runs(a) -> dict[str, list[str]]:
-    """The benches, most wanted first: T=0 with every baseline, the batch bench (small then large
-    batches, so that the first fits even when the second does not), T=1."""
+    """The benches, most wanted first: T=0 with every baseline, the same with ``compile=true`` (plain and the
+    head, compiled: CUDA graphs), the batch bench (small then large batches, so that the first fits even
+    when the second does not), T=1."""
     sizes = [int(b) for b in a.batch_sizes.split(",") if b]
     small, large = [b for b in sizes if b <= 8], [b for b in sizes if b > 8]
     one = [f"prompts={a.bench_prompts}", "prompt_order=spread", f"max_new_tokens={a.bench_tokens}"]
     batch = ["temperatures=[0.0]", "prompt_order=spread", f"max_new_tokens={a.batch_tokens}"]
     runs = {"main": one + ["temperatures=[0.0]", "lookup_tokens=2,5,10"],
+            "compiled": one + ["temperatures=[0.0]", "compile=true", "hf_baselines=false"],
             "batch": batch + [f"batch_sizes=[{','.join(map(str, small))}]", f"prompts={max(small or [1])}"],
             "batch-large": batch + [f"batch_sizes=[{','.join(map(str, large))}]", f"prompts={max(large or [1])}"],
             "t1": one + ["temperatures=[1.0]", "hf_baselines=false"],
@@ -338,7 +341,8 @@ def parse(argv=None):
     g.add_argument("--eval-points", type=int, default=8)
     g.add_argument("--steps-per-s", type=float, default=10.0, help="expected training steps/s (H200: ~10.8)")
     g = ap.add_argument_group("bench")
-    g.add_argument("--benches", default="main,batch,batch-large,t1", help="of main,batch,batch-large,t1,bf16")
+    g.add_argument("--benches", default="main,compiled,batch,batch-large,t1",
+                   help="of main,compiled,batch,batch-large,t1,bf16")
     g.add_argument("--bench-prompts", type=int, default=8)
     g.add_argument("--bench-tokens", type=int, default=128)
     g.add_argument("--bench-repeats", type=int, default=1)
