@@ -301,7 +301,8 @@ class ModelDrafter:
         keep = min(len(path), fed)
         p.crop(p.length - (fed - keep))
         rest = torch.tensor(tree.path_tokens(path)[keep:] + [next_token], device=p.device)
-        p.pending = torch.cat([p.pending, rest])
+        # draft() leaves nothing pending (its last token is never fed) unless it drafted nothing
+        p.pending = torch.cat([p.pending, rest]) if len(p.pending) else rest
 
 
 class TreeDrafter:
