@@ -133,3 +133,20 @@ def test_decode_rows_step_equals_each_row_alone():
         torch.testing.assert_close(hidden[b:b + 1], h, atol=1e-5, rtol=1e-5)
         assert shared.length == own.length
         torch.testing.assert_close(shared.keys[0], own.keys[0], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_batch_keeps_nothing_alive_after_it_ends(monkeypatch):
+    """While a batch decodes (a row ending early), the head's shared buffer holds a slot per row it started at
+    most; once the decode returns and its drafters are dropped, it holds no slot and no buffer."""
+    t = tiny_target(vocab_size=64, layers=3)
+    head = tiny_head(t, "eagle3", 48)
+    eos = hf_row(t, PROMPTS[0], 3)[-1]  # row 0 ends at its third token
+    live, step = [], loop.Decoder.step
+
+    def traced(self, *a, **k):
+        live.append((len(self.drafters), sum(n is not None for n in drafters.rows_of(head).lengths)))
+        return step(self, *a, **k)
+    monkeypatch.setattr(loop.Decoder, "step", traced)
+    decode.generate(t, head, PROMPTS[:3], 10, eos_token_id=eos, tree=TreeSpec(3, 3, 8))
+    assert live[0] == (3, 3) and min(n for n, _ in live) < 3 and all(held <= 3 for _, held in live), live
+    assert drafters.rows_of(head).lengths == [] and drafters.rows_of(head).buffers == [None] * head.config.num_layers
