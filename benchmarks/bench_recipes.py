@@ -65,7 +65,7 @@ GRID = ["base", "lk", "eagle31", "lk_eagle31"]  # issue 27's grid (the default -
 def common(a) -> list[str]:
     return [f"data.features_dir={a.features}", "data.conversations=null", f"loss.ttt_steps={a.ttt}",
             f"data.eval_samples={a.eval_samples}", f"optim.bf16={str(a.bf16).lower()}",
-            "trackers=[]", "progress=false"]
+            "trackers=[]", "progress=false", *a.set]
 
 
 def steps_for(a) -> tuple[int, int]:
@@ -210,6 +210,8 @@ def main() -> None:
     ap.add_argument("--ttt", type=int, default=3, help="TTT steps, trained and scored")
     ap.add_argument("--eval-samples", type=int, default=64, help="held-out samples (the last N)")
     ap.add_argument("--bf16", action="store_true", help="autocast (fast only with avx512_bf16/AMX or a GPU)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="training config overrides for every arm (before the arm's own), e.g. head.draft_vocab_size=4096")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per training run")
     ap.add_argument("--parallel", type=int, default=1, help="training runs at once")
     ap.add_argument("--decode-questions", type=int, default=8, help="MT-bench questions each head decodes (0: none)")

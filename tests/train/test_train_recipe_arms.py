@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "benchmarks" / "bench_recipes.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
-ARGS = types.SimpleNamespace(features="features", ttt=3, eval_samples=64, bf16=False)
+ARGS = types.SimpleNamespace(features="features", ttt=3, eval_samples=64, bf16=False, set=["head.draft_vocab_size=4096"])
 
 
 @pytest.mark.parametrize("arm", list(bench.ARMS))
@@ -25,6 +25,7 @@ def test_train_recipe_arm_is_a_valid_config(arm):
     assert cfg.head.fc_norm == cfg.head.norm_output == ("eagle31" in arm)
     assert (cfg.loss.lk_acceptance == "greedy") == (arm == "lk_greedy")
     assert base.loss.objective == "kl" and not base.head.fc_norm  # the defaults stay today's recipe
+    assert cfg.head.draft_vocab_size == 4096  # --set reaches every arm
 
 
 def test_train_recipe_default_grid():
