@@ -26,10 +26,10 @@ MIN_CAPACITY = 64  # positions a layer's first buffer holds at least
 
 def _grown(old, like: torch.Tensor, rows: int, need: int) -> tuple[torch.Tensor, torch.Tensor]:
     """New zeroed key and value buffers [rows, kv_heads, capacity, head_dim] (like ``like``) with room for
-    ``need`` positions, holding ``old``'s contents. A full buffer is replaced by one at least twice as long,
-    so over a whole decode the copies cost O(1) per position appended (amortised) and happen a handful of
-    times. Zeros, not empty memory: positions past a row's length are read under a mask, and a masked NaN
-    would still poison the softmax."""
+    ``need`` positions, holding ``old``'s contents (converted if the head was moved or cast). A full buffer
+    is replaced by one at least twice as long, so over a whole decode the copies cost O(1) per position
+    appended (amortised) and happen a handful of times. Zeros, not empty memory: positions past a row's
+    length are read under a mask, and a masked NaN would still poison the softmax."""
     have = 0 if old is None else old[0].shape[2]
     if old is None:
         capacity = max(2 * need, MIN_CAPACITY)
@@ -72,7 +72,7 @@ class HeadCache:
         buf = self._buffers[layer]
         if buf is not None and buf[0].shape[0] != like.shape[0]:
             raise ValueError(f"HeadCache.update: layer {layer} holds {buf[0].shape[0]} rows, got {like.shape[0]}")
-        if buf is None or buf[0].shape[2] < need:
+        if buf is None or buf[0].shape[2] < need or buf[0].dtype != like.dtype or buf[0].device != like.device:
             buf = self._buffers[layer] = _grown(buf, like, like.shape[0], need)
         return buf
 
@@ -158,7 +158,8 @@ class HeadRows:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"HeadRows: layer {layer} out of range for a head of {self.num_layers} layers")
         buf = self.buffers[layer]
-        if buf is None or buf[0].shape[2] < need or buf[0].shape[0] < len(self.lengths):
+        if (buf is None or buf[0].shape[2] < need or buf[0].shape[0] < len(self.lengths)
+                or buf[0].dtype != like.dtype or buf[0].device != like.device):
             buf = self.buffers[layer] = _grown(buf, like, len(self.lengths), need)
         return buf
 
@@ -217,6 +218,7 @@ class RowsStep:
     def advance(self, slot: int, n: int) -> None:
         """Slot ``slot``'s row now holds its first ``n`` new elements too."""
         self.rows.lengths[slot][:] = [self.offsets[slot - self.lo] + n] * self.rows.num_layers
+
 
 def blocked(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min

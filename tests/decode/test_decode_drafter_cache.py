@@ -150,3 +150,12 @@ def test_decode_batch_keeps_nothing_alive_after_it_ends(monkeypatch):
     decode.generate(t, head, PROMPTS[:3], 10, eos_token_id=eos, tree=TreeSpec(3, 3, 8))
     assert live[0] == (3, 3) and min(n for n, _ in live) < 3 and all(held <= 3 for _, held in live), live
     assert drafters.rows_of(head).lengths == [] and drafters.rows_of(head).buffers == [None] * head.config.num_layers
+
+
+def test_decode_head_cache_follows_a_head_cast_to_another_dtype():
+    """Keys of another dtype (the head was cast between two updates) get a buffer of that dtype, holding the
+    old entries converted, not zeros."""
+    c, k = HeadCache(), torch.randn(1, 2, 3, 4)
+    c.update(0, k, k)
+    keys, _ = c.update(0, k.double(), k.double())
+    assert keys.dtype == torch.float64 and torch.equal(keys, torch.cat([k, k], 2).double())
