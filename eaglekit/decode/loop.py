@@ -104,7 +104,8 @@ class Decoder:
         """Each row drafts (at most ``max_depths[b]`` deep below ``roots[b]``), one verify forward for all,
         each row accepts, keeps its accepted rows' KV and commits. Returns the rows' ``Step`` and the seconds
         spent drafting and verifying (verify forward, acceptance, keep, commits)."""
-        clock = Stopwatch(self.target.device)
+        # the previous lap (the prefill's or the last step's) waited for the device already: no third sync
+        clock = Stopwatch(self.target.device, synced=True)
         catch_up_rows(self.drafters)  # heads: every row's accepted tokens in one head forward
         trees = [d.draft(m) for d, m in zip(self.drafters, max_depths)]
         draft_s = clock.lap()
@@ -296,7 +297,7 @@ def accepted_rows(path: list[int]) -> torch.Tensor:
 def run(target, drafter, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
         generator: torch.Generator | None = None, eos: set[int] = frozenset(), stop: list[str] | None = None,
         streamer=None, starts: list[int] | None = None, pad_id: int = 0, compile: bool = False) -> GenerateOutput:
-    """Decode up to ``max_new_tokens`` after each row of ``ids`` [B, T] (see ``check_inputs``).
+    """Decode up to ``max_new_tokens`` after each row of ``ids`` [B, T] (see ``api.check_inputs``).
 
     ``drafter`` one drafter: one sequence (``ids`` [1, T]); ``sequences`` is then [1, T + new], ``stats`` a
     ``DecodeStats``, and ``streamer`` (a transformers streamer) gets the prompt, then each step's tokens as
@@ -365,82 +366,3 @@ def run(target, drafter, ids: torch.Tensor, max_new_tokens: int, sampling: Sampl
 def _stream(streamer, tokens: torch.Tensor) -> None:
     if streamer is not None:
         streamer.put(tokens)
-
-
-def pad_prompts(input_ids, attention_mask, pad_id: int) -> tuple[torch.Tensor, list[int]]:
-    """``input_ids`` as a left-padded [B, T] tensor and each row's left padding. Takes a list of 1-D
-    prompts (padded here with ``pad_id``) or a [B, T] tensor with ``attention_mask`` (1 on tokens, 0 on
-    the left pads; None = no padding)."""
-    if isinstance(input_ids, (list, tuple)):
-        if attention_mask is not None:
-            raise ValueError("a list of prompts is padded by generate: pass no attention_mask with it")
-        rows = [torch.as_tensor(p, dtype=torch.long).flatten() for p in input_ids]
-        if not rows:
-            raise ValueError("empty list of prompts")
-        for b, r in enumerate(rows):
-            if r.numel() == 0:
-                raise ValueError(f"prompt {b} is empty: pass at least one token (e.g. the BOS token)")
-        width = max(len(r) for r in rows)
-        ids = torch.stack([torch.cat([r.new_full((width - len(r),), pad_id), r]) for r in rows])
-        return ids, [width - len(r) for r in rows]
-    ids = torch.as_tensor(input_ids)
-    if ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, T] or a list of 1-D prompts, got shape {tuple(ids.shape)}")
-    if ids.shape[1] == 0:
-        raise ValueError("empty prompt: pass at least one token (e.g. the BOS token or a chat template)")
-    if attention_mask is None:
-        return ids, [0] * ids.shape[0]
-    mask = torch.as_tensor(attention_mask).to(ids.device)
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask {tuple(mask.shape)} must have input_ids' shape {tuple(ids.shape)}")
-    starts = []
-    for b, row in enumerate(mask.long().cpu().tolist()):
-        n = len(row) - sum(row)
-        if any(x not in (0, 1) for x in row) or row != [0] * n + [1] * (len(row) - n):
-            hint = ("it is right-padded: tokenize with tokenizer.padding_side = 'left', or pass a list of 1-D "
-                    "prompts" if row == [1] * (len(row) - n) + [0] * n else f"got {_short(row)}")
-            raise ValueError(f"attention_mask row {b} must be 0 on left pads then 1 on the prompt (left "
-                             f"padding): {hint}")
-        if n == len(row):
-            raise ValueError(f"attention_mask row {b} is all 0: an empty prompt")
-        starts.append(n)
-    return ids, starts
-
-
-def _short(row: list, keep: int = 12) -> str:
-    """A mask row for an error message: whole if short, else its ends."""
-    if len(row) <= 2 * keep:
-        return str(row)
-    return f"[{', '.join(map(str, row[:keep]))}, ... ({len(row) - 2 * keep} more), {', '.join(map(str, row[-keep:]))}]"
-
-
-def check_inputs(target, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"one sequence: input_ids must be [1, T], got {input_ids.shape[0]} rows (a batch is a "
-                         "list of prompts or [B, T] with attention_mask; decode.generate takes both)")
-    if input_ids.shape[1] == 0:
-        raise ValueError("empty prompt: pass at least one token (e.g. the BOS token or a chat template)")
-    check_context(target, input_ids.shape[1], max_new_tokens)
-
-
-def check_context(target, prompt_len: int, max_new_tokens: int) -> None:
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    ctx = getattr(target.config, "max_position_embeddings", None)
-    if ctx and prompt_len + max_new_tokens > ctx:
-        raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"the target's context of {ctx} tokens (max_position_embeddings)")
-
-
-def eos_ids(target, eos_token_id) -> set[int]:
-    """``eos_token_id`` (an id, a list, None = the model's generation config, False = none) as a set."""
-    if eos_token_id is None:
-        eos_token_id = getattr(target.model.generation_config, "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = target.tokenizer.eos_token_id
-    if eos_token_id is None or eos_token_id is False:
-        return set()
-    many = isinstance(eos_token_id, (list, tuple, set))
-    return {int(e) for e in (eos_token_id if many else [eos_token_id])}

@@ -5,7 +5,7 @@ parents before children; ``parents[i] = -1`` means a child of the root. In the v
 is the root and row ``i + 1`` is node ``i``; a node's position id is ``past_len + depth``.
 
 ``expand`` grows an EAGLE-2 dynamic tree from any *proposer* (an EAGLE head or a draft model, see
-``proposers.py``): something that runs a few tokens through its own cache under a given mask.
+``drafters.py``): something that runs a few tokens through its own cache under a given mask.
 """
 from __future__ import annotations
 
