@@ -80,7 +80,6 @@ def add_arguments(p):
     p.epilog = "keys: " + ", ".join(GenerateConfig.__dataclass_fields__)
 
 
-
 def load_models(cfg):
     """(target, drafter, linears packed) for a generate or bench config. ``tp_size`` > 1: the target split over that many
     processes (torchrun), each running the same bench; the first prints and writes. No packed linears then
@@ -90,6 +89,7 @@ def load_models(cfg):
     drafter = load_drafter(cfg, target)
     packed = use_cpu_linear("aten" if cfg.tp_size > 1 else cfg.cpu_linear, target, drafter)  # HF's too
     return target, drafter, packed
+
 
 def run(args) -> int:
     from transformers import TextStreamer

@@ -201,7 +201,7 @@ def check_same_tokenizer(target, draft) -> None:
 
 
 class ModelProposer:
-    """A draft model sharing the target's tokenizer, on its own ``DynamicCache``: element t is token t at
+    """A draft model sharing the target's tokenizer, on its own cache (``kv.new_cache``): element t is token t at
     position t. It reads no target features, and feeds none to its children."""
 
     kind, layer_ids = None, ()

@@ -133,7 +133,7 @@ def cache_length(cache) -> int:
 
 
 def set_length(cache, length: int) -> None:
-    for layer in cache.layers:
+    for layer in _layers(cache):
         layer.length = length
 
 
@@ -144,7 +144,6 @@ def entries(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def crop(cache, length: int) -> None:
     """Keep the first ``length`` entries (moves the length; the buffers stay)."""
-    _layers(cache)
     set_length(cache, min(cache_length(cache), length))
 
 
@@ -186,7 +185,6 @@ def keep(cache, past_len: int, lengths: list[int], rows: list[torch.Tensor]) -> 
                                   for i in (src, dst)]
                 i_src, i_dst = moved[key]
                 x.scatter_(2, i_dst, x.gather(2, i_src))
-    _layers(cache)
     set_length(cache, max(new))
     return new
 
