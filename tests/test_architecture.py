@@ -1,5 +1,8 @@
-"""The package's shape: imports run one way (no cycle, function-local imports counted), no module over 400
+"""The package's shape: imports run one way (no cycle, function-local imports counted), no module over 600
 lines, and the EAGLE-1 / EAGLE-3 difference lives in eaglekit/heads/ (at most 3 kind comparisons outside it).
+
+600 rather than less: fewer, fuller files that a reader does not hop between, so a decode step's code sits
+in a few files (gpt-fast style), while a module still fits in one reading.
 
 The import graph has one node per module; an edge for every ``import`` / ``from ... import`` of an
 eaglekit module anywhere in a file (inside functions too), plus an edge to each package above the
@@ -14,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "eaglekit"
-MAX_LINES = 400
+MAX_LINES = 600
 MAX_KIND_BRANCHES_OUTSIDE_HEADS = 3
 KIND_NAMES = {"eagle1", "eagle3", "EAGLE1", "EAGLE3"}
 
@@ -106,7 +109,7 @@ def test_eaglekit_imports_have_no_cycle():
     assert cycles(import_graph()) == []
 
 
-def test_no_module_over_400_lines():
+def test_no_module_over_600_lines():
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}
 
