@@ -21,7 +21,7 @@ import torch
 
 from eaglekit import assets, decode
 from eaglekit.decode.cli import use_cpu_linear
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 from eaglekit.heads import HeadConfig, build_head
 from eaglekit.target import load_target
 

@@ -6,9 +6,8 @@ import time
 
 import torch
 
-from eaglekit.decode.drafters import EagleDrafter
+from eaglekit.decode.drafters import EagleDrafter, Tree, TreeSpec
 from eaglekit.decode.parallel import ParallelDrafter
-from eaglekit.decode.tree import Tree, TreeSpec
 from eaglekit.heads import HeadConfig, build_head
 from eaglekit.packed_linear import pack_linears
 from eaglekit.target import load_target

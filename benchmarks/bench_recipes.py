@@ -140,7 +140,7 @@ def decode_tau(target, head, prompts: list, depth: int, max_new_tokens: int) -> 
     """Greedy decoding of ``prompts`` with a chain of ``depth`` drafts per step: τ = emitted tokens per
     verify forward over all of them (the prompts' steps pooled), and per prompt."""
     from eaglekit import decode
-    from eaglekit.decode.tree import TreeSpec
+    from eaglekit.decode.drafters import TreeSpec
 
     chain = TreeSpec(depth=depth, top_k=1, total_tokens=depth)
     lengths, per_prompt = [], []

@@ -16,7 +16,7 @@ from helpers import tiny_tokenizer
 
 from eaglekit import decode
 from eaglekit.architectures import UnsupportedArchitecture, check_supported
-from eaglekit.decode.tree import Tree
+from eaglekit.decode.drafters import Tree
 from eaglekit.heads import HeadConfig, build_head
 from eaglekit.heads.export import ExportError, export_head
 from eaglekit.heads.export_engines import ENGINES, LAYOUT_ENGINES

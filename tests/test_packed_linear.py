@@ -6,7 +6,7 @@ import torch
 from helpers import tiny_target
 
 from eaglekit import decode
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 from eaglekit.packed_linear import available, dtype_supported, pack_linears, packed_count, unpack_linears
 
 pytestmark = [pytest.mark.skipif(not available(), reason="this torch build has no oneDNN packed linear"),

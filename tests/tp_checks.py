@@ -73,7 +73,7 @@ def check_decode(out: Path, name: str, prompt: str) -> None:
     from test_decode_real import assert_same_or_near_tie
 
     from eaglekit.decode import generate
-    from eaglekit.decode.tree import TreeSpec
+    from eaglekit.decode.drafters import TreeSpec
 
     target = split_target(name)
     ids = target.chat_ids(prompt)

@@ -15,19 +15,27 @@ Modules, each importing only modules on the lines below it:
     loop, lookup, parallel  the loop for one row or many (Decoder.step: draft, verify, accept, keep, commit);
                             the prompt-lookup wrapper; a parallel head's drafter (one forward per step)
     drafters                Drafter protocol: PlainDrafter, ModelDrafter (chain), TreeDrafter; what grows
-                            their trees (HeadProposer / ModelProposer), the head catch-up of every row at once
-    tree, kv, sampling,     Tree + EAGLE-2 expand; KV keep and a row's output; Sampling + rules;
+                            their trees (HeadProposer / ModelProposer), the head catch-up of every row at once;
+                            Tree, TreeSpec and the EAGLE-2 expand
+    kv, sampling,           KV keep and a row's output; Sampling + rules;
     stats, stops            DecodeStats, BatchStats; what ends a row (EOS, stop strings, max tokens)
 """
 from eaglekit.decode.api import generate, make_drafter
 from eaglekit.decode.cost import Plan, auto_plan
-from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelTreeDrafter, PlainDrafter, TreeDrafter
+from eaglekit.decode.drafters import (
+    Drafter,
+    EagleDrafter,
+    ModelTreeDrafter,
+    PlainDrafter,
+    Tree,
+    TreeDrafter,
+    TreeSpec,
+)
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput
 from eaglekit.decode.parallel import ParallelDrafter
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.stats import BatchStats, DecodeStats
-from eaglekit.decode.tree import Tree, TreeSpec
 
 __all__ = [
            "BatchStats",

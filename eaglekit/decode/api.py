@@ -10,13 +10,12 @@ import warnings
 import torch
 
 from eaglekit.decode.cost import Plan, auto_plan
-from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelDrafter, PlainDrafter
+from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelDrafter, PlainDrafter, TreeSpec
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput, run
 from eaglekit.decode.parallel import ParallelDrafter
 from eaglekit.decode.sampling import Sampling
 from eaglekit.decode.stats import BatchStats
-from eaglekit.decode.tree import TreeSpec
 
 
 @torch.no_grad()

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from eaglekit.config import Dtype, NonNegFloat, NonNegInt, PosFraction, PosInt, load_config
-from eaglekit.decode.drafters import ModelTreeDrafter
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import ModelTreeDrafter, TreeSpec
 from eaglekit.heads import load_head
 from eaglekit.packed_linear import pack_linears
 from eaglekit.target import load_target

@@ -37,10 +37,9 @@ import torch
 
 from eaglekit import __version__, assets
 from eaglekit.decode import kv, loop
-from eaglekit.decode.drafters import EagleDrafter, HeadProposer, PlainDrafter
+from eaglekit.decode.drafters import EagleDrafter, HeadProposer, PlainDrafter, TreeSpec
 from eaglekit.decode.parallel import ParallelDrafter
 from eaglekit.decode.sampling import Sampling
-from eaglekit.decode.tree import TreeSpec
 from eaglekit.fileio import write_text
 from eaglekit.heads import HeadCache
 from eaglekit.packed_linear import packed_count

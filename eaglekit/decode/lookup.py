@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglekit.decode.drafters import ModelDrafter, PlainDrafter
-from eaglekit.decode.tree import Tree, prune
+from eaglekit.decode.drafters import ModelDrafter, PlainDrafter, Tree, prune
 
 SAMPLED = ("prompt lookup grafts onto a tree of chosen tokens; a draft-model chain is sampled (Leviathan's "
            "rule): use a draft-model tree (draft_tree= / ModelTreeDrafter) instead")

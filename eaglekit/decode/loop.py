@@ -27,11 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from eaglekit.decode import kv
-from eaglekit.decode.drafters import catch_up_rows
+from eaglekit.decode.drafters import Tree, additive, ancestors, catch_up_rows, fetch
 from eaglekit.decode.sampling import Sampling, rule_for, sample
 from eaglekit.decode.stats import BatchStats, DecodeStats
 from eaglekit.decode.stops import Ending
-from eaglekit.decode.tree import Tree, additive, ancestors, fetch
 from eaglekit.timing import Stopwatch
 
 

@@ -26,7 +26,7 @@ import copy
 import torch
 
 from eaglekit.decode import kv
-from eaglekit.decode.tree import Tree, TreeSpec, select_best
+from eaglekit.decode.drafters import Tree, TreeSpec, select_best
 from eaglekit.heads import check_target
 
 

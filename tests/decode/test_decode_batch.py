@@ -13,10 +13,9 @@ from test_decode_sampling import CONFIG, peaky_target
 
 from eaglekit import decode
 from eaglekit.decode import kv, loop
-from eaglekit.decode.drafters import ModelTreeDrafter, catch_up
+from eaglekit.decode.drafters import ModelTreeDrafter, TreeSpec, catch_up
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.sampling import Sampling, accept_minpq_on_topk
-from eaglekit.decode.tree import TreeSpec
 from eaglekit.target import TargetOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest

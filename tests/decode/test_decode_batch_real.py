@@ -10,7 +10,7 @@ import torch
 from test_decode_real import assert_same_or_near_tie, fitted_head, hf_greedy, mt_bench_prompts, random_head
 
 from eaglekit import decode
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 
 # ~50 s (SmolLM2) and ~70 s (Qwen) on the shared 2-core VM under load
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

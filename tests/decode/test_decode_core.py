@@ -6,8 +6,7 @@ from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
 from eaglekit.decode import kv, loop
-from eaglekit.decode.drafters import ModelTreeDrafter
-from eaglekit.decode.tree import Tree, TreeSpec
+from eaglekit.decode.drafters import ModelTreeDrafter, Tree, TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 

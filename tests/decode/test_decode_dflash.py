@@ -13,9 +13,9 @@ import torch
 from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
+from eaglekit.decode.drafters import TreeSpec
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.parallel import ParallelDrafter
-from eaglekit.decode.tree import TreeSpec
 from eaglekit.heads import HeadConfig, build_head
 from eaglekit.heads.objectives import Teacher
 

@@ -13,7 +13,7 @@ from test_decode_core import tiny_head
 import eaglekit
 from eaglekit import decode
 from eaglekit.decode import drafters, loop
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 from eaglekit.heads import layers
 from eaglekit.heads.layers import HeadCache, HeadRows, RowsStep
 
@@ -72,7 +72,7 @@ def test_decode_head_steps_concatenate_nothing_in_the_drafter_cache(monkeypatch,
                           tree=TreeSpec(3, 3, 8))
     got = [out.sequences[0, len(prompts[0]):].tolist()] if rows == 1 else new_rows(out, 12)
     assert got == [hf_row(t, p, 12) for p in prompts]  # still the target's own greedy decoding
-    assert calls, "the patched torch.cat saw no call at all during the steps (tree.expand concatenates)"
+    assert calls, "the patched torch.cat saw no call at all during the steps (drafters.expand concatenates)"
     in_cache = [f"{c.co_filename}:{c.co_firstlineno} {c.co_name}" for c in calls if c in CACHE_CODE]
     assert in_cache == [], in_cache
 

@@ -19,7 +19,7 @@ from helpers import tiny_target
 from test_decode_core import tiny_head
 
 from eaglekit import decode
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 from eaglekit.heads import HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest

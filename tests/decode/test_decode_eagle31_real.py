@@ -6,7 +6,7 @@ import torch
 from test_decode_real import assert_same_or_near_tie, hf_greedy, mt_bench_prompts
 
 from eaglekit import decode
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 from eaglekit.heads import HeadConfig, build_head
 
 pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]

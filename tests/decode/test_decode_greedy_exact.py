@@ -13,9 +13,8 @@ from test_decode_core import tiny_head
 
 from eaglekit import decode
 from eaglekit.decode import kv, loop
-from eaglekit.decode.drafters import EagleDrafter
+from eaglekit.decode.drafters import EagleDrafter, Tree, TreeSpec
 from eaglekit.decode.sampling import Sampling
-from eaglekit.decode.tree import Tree, TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 

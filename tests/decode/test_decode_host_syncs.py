@@ -11,7 +11,7 @@ from test_decode_core import tiny_head
 
 from eaglekit import decode
 from eaglekit.decode import loop
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__")
 

@@ -8,7 +8,7 @@ import eaglekit.decode
 
 DECODE = Path(eaglekit.decode.__file__).parent
 LAYERS = [  # lowest first
-    {"tree", "kv", "sampling", "stats", "stops"},
+    {"kv", "sampling", "stats", "stops"},
     {"drafters"},
     {"loop", "lookup", "parallel"},
     {"cost"},

@@ -6,9 +6,16 @@ from helpers import tiny_target
 from test_decode_core import PROMPTS, TREE, hf_greedy, tiny_head, watch_cache
 
 from eaglekit import decode
-from eaglekit.decode.drafters import EagleDrafter, ModelTreeDrafter, PlainDrafter
+from eaglekit.decode.drafters import (
+    EagleDrafter,
+    ModelTreeDrafter,
+    PlainDrafter,
+    Tree,
+    TreeSpec,
+    ancestors,
+    prune,
+)
 from eaglekit.decode.lookup import BY_MATCH, LookupDrafter, NgramIndex, branch_lengths, graft_chain
-from eaglekit.decode.tree import Tree, TreeSpec, ancestors, prune
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 

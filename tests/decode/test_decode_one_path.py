@@ -15,7 +15,7 @@ from test_decode_core import tiny_head
 import eaglekit
 from eaglekit import decode
 from eaglekit.decode import loop
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

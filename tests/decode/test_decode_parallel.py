@@ -10,10 +10,10 @@ from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
 from eaglekit.decode import api, cost
+from eaglekit.decode.drafters import TreeSpec
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.parallel import ParallelDrafter, block_tree
 from eaglekit.decode.sampling import accept_minpq_on_topk
-from eaglekit.decode.tree import TreeSpec
 from eaglekit.heads import HeadCache, HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest

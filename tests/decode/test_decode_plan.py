@@ -8,7 +8,7 @@ from helpers import tiny_target
 
 from eaglekit import decode
 from eaglekit.decode import api, cost
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 

@@ -20,7 +20,7 @@ import torch
 from helpers import shared_greedy
 
 from eaglekit import assets, decode
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 
 pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]  # one thread: see conftest
 N_PROMPTS, TIE_GAP = 5, 1e-4

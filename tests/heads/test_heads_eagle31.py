@@ -10,7 +10,7 @@ from helpers import tiny_target
 
 from eaglekit import decode
 from eaglekit.config import ConfigError
-from eaglekit.decode.tree import TreeSpec
+from eaglekit.decode.drafters import TreeSpec
 from eaglekit.heads import HeadCache, HeadConfig, build_head, export_head, load_head
 from eaglekit.heads.export import ExportError
 from eaglekit.heads.objectives import shift_left, ttt_unroll
