@@ -11,6 +11,7 @@ bootstrap over prompts, and how many prompts it decodes with a higher τ.
     python benchmarks/bench_tau_check.py --head runs/gpu-h200/run1/head \
         --data runs/gpu-h200/run2/regenerated.jsonl --metrics runs/gpu-h200/eval-run1/metrics.json
     python benchmarks/bench_tau_check.py --head runs/base/final runs/eagle31/final --data <x>.jsonl --n 64 --depth 3
+    python benchmarks/bench_tau_check.py --head runs/base/final runs/eagle31/final --data mt-bench --n 80 --depth 3
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head", nargs="+", required=True, help="one head, or several compared with the first")
     ap.add_argument("--target", default="smollm2-135m-instruct", help="the target the head was trained for")
-    ap.add_argument("--data", required=True, help="regenerated .jsonl (held-out = its last --n lines)")
+    ap.add_argument("--data", required=True,
+                    help="regenerated .jsonl (held-out = its last --n lines), or mt-bench (its first --n questions)")
     ap.add_argument("--metrics", default=None, help="metrics.json of `train_head.py eval_only=true` (one head)")
     ap.add_argument("--n", type=int, default=12)
     ap.add_argument("--depth", type=int, default=5)
@@ -58,8 +60,13 @@ def main() -> None:
 
     target = load_target(a.target)
     heads = [load_head(h, target) for h in a.head]
-    rows = [json.loads(line) for line in Path(a.data).read_text().splitlines()]
-    rows = [r for r in rows if r["messages"]][-a.n:]
+    if a.data == "mt-bench":
+        from eaglekit import assets
+        rows = [{"id": f"mt-bench-{q['question_id']}", "messages": [{"role": "user", "content": q["turns"][0]}]}
+                for q in assets.load_mt_bench()[:a.n]]
+    else:
+        rows = [json.loads(line) for line in Path(a.data).read_text().splitlines()]
+        rows = [r for r in rows if r["messages"]][-a.n:]
     chain = TreeSpec(depth=a.depth, top_k=1, total_tokens=a.depth)
     per = [{"taus": [], "accepted": [], "steps": []} for _ in heads]
     for r in rows:  # prompt-major: a load change during the run hits every head alike
