@@ -45,3 +45,22 @@ def test_train_recipe_decode_tau_counts_tokens_per_verify_step():
     got = bench.decode_tau(target, head, prompts, depth=2, max_new_tokens=9)
     assert got["steps"] >= 2 * 3 and len(got["per_prompt"]) == 2  # >= 3 steps each: at most 3 tokens a step
     assert 1.0 <= got["tau"] <= 3.0
+
+
+def test_train_recipe_decode_check_paired_ci():
+    """bench_tau_check's paired comparison: a head accepting one more token on every prompt is ahead with a CI
+    above 0 and wins every prompt; the same counts give a zero difference and no wins."""
+    spec = importlib.util.spec_from_file_location("bench_tau_check", ROOT / "benchmarks" / "bench_tau_check.py")
+    tau = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tau)
+    steps = [10, 40, 25, 60, 15, 30, 50, 20]
+    base = {"steps": steps, "accepted": [round(1.4 * s) for s in steps], "taus": []}
+    base["taus"] = [a / s for a, s in zip(base["accepted"], steps)]
+    ahead = {"steps": steps, "accepted": [a + 3 for a in base["accepted"]], "taus": []}
+    ahead["taus"] = [a / s for a, s in zip(ahead["accepted"], steps)]
+    got = tau.paired_ci(base, ahead, n_boot=2000)
+    assert got["diff"] == pytest.approx(3 * len(steps) / sum(steps))
+    assert 0 < got["ci95"][0] <= got["diff"] <= got["ci95"][1]
+    assert (got["prompts_higher"], got["prompts_lower"]) == (len(steps), 0)
+    same = tau.paired_ci(base, base, n_boot=200)
+    assert same["diff"] == 0 and same["ci95"] == [0, 0] and same["prompts_higher"] == 0
