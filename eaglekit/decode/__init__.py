@@ -17,8 +17,10 @@ Modules, each importing only modules on the lines below it:
     drafters                Drafter protocol: PlainDrafter, ModelDrafter (chain), TreeDrafter; what grows
                             their trees (HeadProposer / ModelProposer), the head catch-up of every row at once;
                             Tree, TreeSpec and the EAGLE-2 expand
-    kv, sampling,           KV keep and a row's output; Sampling + rules;
-    stats, stops            DecodeStats, BatchStats; what ends a row (EOS, stop strings, max tokens)
+    sampling, stats, stops  Sampling + rules; DecodeStats, BatchStats; what ends a row (EOS, stop strings,
+                            max tokens)
+
+The target's KV cache (RowsCache, keep_accepted, row_output) lives beside the target, in eaglekit/target.py.
 """
 from eaglekit.decode.api import generate, make_drafter
 from eaglekit.decode.cost import Plan, auto_plan

@@ -36,13 +36,14 @@ from itertools import pairwise
 import torch
 
 from eaglekit import __version__, assets
-from eaglekit.decode import kv, loop
+from eaglekit.decode import loop
 from eaglekit.decode.drafters import EagleDrafter, HeadProposer, PlainDrafter, TreeSpec
 from eaglekit.decode.parallel import ParallelDrafter
 from eaglekit.decode.sampling import Sampling
 from eaglekit.fileio import write_text
 from eaglekit.heads import HeadCache
 from eaglekit.packed_linear import packed_count
+from eaglekit.target import crop_cache, new_cache
 from eaglekit.timing import timed
 
 # dense up to 8: on a CPU the cost is lumpy there (not monotone in the rows; see benchmarks/RESULTS.md,
@@ -114,7 +115,7 @@ def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SI
     """m -> median seconds of a target forward over m new tokens per row on the cached ``prefix`` [B, P],
     tapping ``layer_ids`` (what a head reads; () none)."""
     dev, (rows, prefix_len) = target.device, prefix.shape
-    cache = kv.new_cache(target.model)
+    cache = new_cache(target.model)
     target.forward(prefix.to(dev), past_key_values=cache, layer_ids=())
 
     def run(m):
@@ -122,7 +123,7 @@ def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SI
 
         def fn():
             target.forward(ids, past_key_values=cache, layer_ids=layer_ids)
-            kv.crop(cache, prefix_len)
+            crop_cache(cache, prefix_len)
         return fn
     return _medians({m: run(m) for m in sizes}, repeats)
 

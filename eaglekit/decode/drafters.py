@@ -33,10 +33,10 @@ from typing import Protocol
 
 import torch
 
-from eaglekit.decode import kv
 from eaglekit.decode.sampling import Sampling, sample
 from eaglekit.heads import check_target
 from eaglekit.heads.layers import HeadRows, RowsStep
+from eaglekit.target import cache_length, crop_cache, new_cache, row_output
 
 # ---- trees: the structure, its verification mask, EAGLE-2 expansion ------------------------------------------
 
@@ -289,7 +289,7 @@ class HeadProposer:
         self.device, self.dtype = p.device, p.dtype
 
     def _features(self, out, rows: torch.Tensor) -> torch.Tensor:
-        return self.head.fuse_output(kv.row_output(out, 0, rows, self.device))[0]
+        return self.head.fuse_output(row_output(out, 0, rows, self.device))[0]
 
     def fork(self) -> HeadProposer:
         return copy.copy(self)  # start() replaces the per-sequence state a copy shares
@@ -395,7 +395,7 @@ def check_same_tokenizer(target, draft) -> None:
 
 
 class ModelProposer:
-    """A draft model sharing the target's tokenizer, on its own cache (``kv.new_cache``): element t is token t at
+    """A draft model sharing the target's tokenizer, on its own cache (``new_cache``): element t is token t at
     position t. It reads no target features, and feeds none to its children."""
 
     kind, layer_ids = None, ()
@@ -409,7 +409,7 @@ class ModelProposer:
         return copy.copy(self)  # start() replaces the per-sequence state a copy shares
 
     def start(self, prompt, out, root: int) -> None:
-        self.cache = kv.new_cache(self.model.model)
+        self.cache = new_cache(self.model.model)
         self.pending = torch.tensor(prompt[0].tolist() + [root], device=self.device)
 
     def accept(self, tokens: list[int], out, rows) -> None:
@@ -441,10 +441,10 @@ class ModelProposer:
 
     @property
     def length(self) -> int:
-        return kv.cache_length(self.cache)
+        return cache_length(self.cache)
 
     def crop(self, n: int) -> None:
-        kv.crop(self.cache, n)
+        crop_cache(self.cache, n)
 
 
 class ModelDrafter:

@@ -6,17 +6,17 @@ per row of a left-padded batch; ``decode.generate`` builds them from a head, a d
 (``api.make_drafter``) and calls it. ``Decoder`` holds the state (the target's cache with each row's slots,
 a drafter per row); ``run`` adds what ends a generation (``stops.Ending``), streaming and the stats.
 
-The target's cache (``kv.RowsCache``: buffers ``[B, heads, capacity, dim]`` allocated once, sized from the
+The target's cache (``target.RowsCache``: buffers ``[B, heads, capacity, dim]`` allocated once, sized from the
 prompt and ``max_new_tokens``) keeps rows ragged with *masked slots*: row b's text is in slots
 ``[start_b, length_b)``, where ``start_b`` is its left padding. A verify forward writes 1 + N tokens per row
 at slots S.. (S the cache's length: the root and the row's tree, padded with dummy nodes to the largest
 tree); its mask lets row b see its own slots and the ancestors of each node, its positions count from
-``length_b - start_b``. ``kv.keep`` then moves each row's root and accepted nodes to slots ``length_b``.. in
-place and sets the cache's length to the longest row's. A finished row leaves the batch (``kv.select_rows``).
+``length_b - start_b``. ``keep_accepted`` then moves each row's root and accepted nodes to slots ``length_b``.. in
+place and sets the cache's length to the longest row's. A finished row leaves the batch (``select_cache_rows``).
 One sequence has no pad and no ragged slots: a chain is then verified under the model's own causal mask.
 
 ``compile=True``: the verify forward runs through ``torch.compile`` (``Target.compiled_forward``; CUDA graphs
-on a GPU) with static shapes: the keys are the whole buffer, written at a tensor offset (``kv.static``), the
+on a GPU) with static shapes: the keys are the whole buffer, written at a tensor offset (``static_writes``), the
 mask is ``[B, 1, q, capacity]`` with the unused slots blocked, and trees are padded with dummy nodes to a
 bucket (``BUCKETS``), so one graph serves every step of a bucket. The prefill and the drafters stay eager.
 """
@@ -26,11 +26,18 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglekit.decode import kv
 from eaglekit.decode.drafters import Tree, additive, ancestors, catch_up_rows, fetch
 from eaglekit.decode.sampling import Sampling, rule_for, sample
 from eaglekit.decode.stats import BatchStats, DecodeStats
 from eaglekit.decode.stops import Ending
+from eaglekit.target import (
+    keep_accepted,
+    new_cache,
+    row_output,
+    select_cache_rows,
+    set_cache_length,
+    static_writes,
+)
 from eaglekit.timing import Stopwatch
 
 
@@ -76,7 +83,7 @@ class Decoder:
         B, T = ids.shape
         self.starts, self.lengths = list(starts), [T] * B
         dev = self.target.device
-        self.cache = kv.new_cache(self.target.model, capacity(T, self.max_new_tokens))
+        self.cache = new_cache(self.target.model, capacity(T, self.max_new_tokens))
         mask = pos = None  # no pad: the model's own causal mask and positions
         if any(starts):
             s = torch.tensor(starts)[:, None, None]
@@ -96,7 +103,7 @@ class Decoder:
         else:
             roots = [sample(self.sampling.probs(last[b]), self.generator) for b in range(B)]
         for b, drafter in enumerate(self.drafters):
-            drafter.prefill(ids[b:b + 1, starts[b]:].to(dev), kv.row_output(out, b, slice(starts[b], T)), roots[b])
+            drafter.prefill(ids[b:b + 1, starts[b]:].to(dev), row_output(out, b, slice(starts[b], T)), roots[b])
         return roots
 
     def step(self, roots: list[int], max_depths: list[int]) -> tuple[list[Step], float, float]:
@@ -118,15 +125,15 @@ class Decoder:
                                       argmax=None if best is None else best[b])
             steps.append(Step(tree, path, next_token))
         rows = [accepted_rows(s.path) for s in steps]
-        self.lengths = kv.keep(self.cache, past, self.lengths, rows)
+        self.lengths = keep_accepted(self.cache, past, self.lengths, rows)
         for b, (drafter, s) in enumerate(zip(self.drafters, steps)):
-            drafter.commit(s.tree, s.path, s.next_token, kv.row_output(out, b, slice(0, 1 + len(s.tree))), rows[b])
+            drafter.commit(s.tree, s.path, s.next_token, row_output(out, b, slice(0, 1 + len(s.tree))), rows[b])
         return steps, draft_s, clock.lap()
 
     def keep(self, rows: list[int]) -> None:
         """Keep decoder rows ``rows`` (in that order) and drop the others; cut the slots no kept row uses."""
         start, end = min(self.starts[b] for b in rows), max(self.lengths[b] for b in rows)
-        kv.select_rows(self.cache, rows, start, end)
+        select_cache_rows(self.cache, rows, start, end)
         if self.static is not None:
             self.static.rebind()  # new buffers: static writes again, at their new addresses
         self.starts = [self.starts[b] - start for b in rows]
@@ -201,7 +208,7 @@ def bucket(n: int) -> int:
 def capacity(prompt_len: int, max_new_tokens: int) -> int:
     """Cache entries a generation needs: the prompt, every new token, the largest bucketed verify forward (its
     root and tree) past them; rounded up to 128 so that nearby lengths share one compiled graph. A longer tree
-    grows the cache (``kv.RowsLayer.reserve``), which a compiled verify pays with a new graph."""
+    grows the cache (``target.RowsLayer.reserve``), which a compiled verify pays with a new graph."""
     need = prompt_len + max_new_tokens + 1 + BUCKETS[-1]
     return -(-need // 128) * 128
 
@@ -213,7 +220,7 @@ def compile_mode(device: torch.device) -> str | None:
 
 
 class StaticVerify:
-    """The target's cache written statically (``kv.static``: at the tensor offset ``at``, into buffers of a fixed
+    """The target's cache written statically (``static_writes``: at the tensor offset ``at``, into buffers of a fixed
     capacity) and its compiled verify forward."""
 
     def __init__(self, target, cache):
@@ -223,7 +230,7 @@ class StaticVerify:
         self.rebind()
 
     def rebind(self) -> None:
-        kv.static(self.cache, self.at, self.capacity)
+        static_writes(self.cache, self.at, self.capacity)
 
     def room(self, end: int) -> int:
         """The capacity, doubled first if a forward ending at ``end`` would not fit (a new graph: rare)."""
@@ -236,7 +243,7 @@ class StaticVerify:
         self.at.fill_(past)  # in place on the device: the graph reads the offset, it is not baked in
         out = self.target.compiled_forward(ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
                                            layer_ids=layer_ids, mode=self.mode)
-        kv.set_length(self.cache, past + ids.shape[1])
+        set_cache_length(self.cache, past + ids.shape[1])
         return out
 
 

@@ -25,9 +25,9 @@ import copy
 
 import torch
 
-from eaglekit.decode import kv
 from eaglekit.decode.drafters import Tree, TreeSpec, select_best
 from eaglekit.heads import check_target
+from eaglekit.target import row_output
 
 
 def block_tree(logq: torch.Tensor, spec: TreeSpec, depth: int) -> Tree:
@@ -69,7 +69,7 @@ class ParallelDrafter:
         return copy.copy(self)  # prefill() replaces the per-sequence state a copy shares
 
     def _features(self, out, rows: torch.Tensor) -> torch.Tensor:
-        return self.head.fuse_output(kv.row_output(out, 0, rows, self.device))[0]
+        return self.head.fuse_output(row_output(out, 0, rows, self.device))[0]
 
     def prefill(self, prompt, out, root: int) -> None:
         self.cache = self.head.new_cache()

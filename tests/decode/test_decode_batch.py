@@ -12,11 +12,11 @@ from test_decode_greedy_exact import OracleDrafter, argmax_second
 from test_decode_sampling import CONFIG, peaky_target
 
 from eaglekit import decode
-from eaglekit.decode import kv, loop
+from eaglekit.decode import loop
 from eaglekit.decode.drafters import ModelTreeDrafter, TreeSpec, catch_up
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.sampling import Sampling, accept_minpq_on_topk
-from eaglekit.target import TargetOutput
+from eaglekit.target import TargetOutput, cache_entries, crop_cache, keep_accepted, new_cache, row_output
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
@@ -110,22 +110,22 @@ def test_decode_batch_kv_check_can_fail(monkeypatch):
     watch_cache(monkeypatch, t, 1e-5)
 
     def lazy_keep(cache, past_len, lengths, rows):
-        kv.crop(cache, past_len)
+        crop_cache(cache, past_len)
         return [n + len(r) for n, r in zip(lengths, rows)]
-    monkeypatch.setattr(kv, "keep", lazy_keep)
+    monkeypatch.setattr(loop, "keep_accepted", lazy_keep)  # loop.Decoder.step calls it by that name
     with pytest.raises(AssertionError):
         decode.generate(t, t, PROMPTS[:2], 8, eos_token_id=False, gamma=3)
 
 
 def test_decode_batch_keep_moves_each_rows_path():
     t = tiny_target(vocab_size=64, layers=2)
-    cache = kv.new_cache(t.model)
+    cache = new_cache(t.model)
     t.forward(torch.arange(2, 22).view(2, 10), past_key_values=cache, layer_ids=())
-    before = [k.clone() for k, _ in kv.entries(cache)]
+    before = [k.clone() for k, _ in cache_entries(cache)]
     # row 0 held 4 slots, row 1 held 6; the last 4 slots are the verify rows
-    lengths = kv.keep(cache, 6, [4, 6], [torch.tensor([0, 2, 3]), torch.tensor([0])])
+    lengths = keep_accepted(cache, 6, [4, 6], [torch.tensor([0, 2, 3]), torch.tensor([0])])
     assert lengths == [7, 7]
-    for b, (k, _) in zip(before, kv.entries(cache)):
+    for b, (k, _) in zip(before, cache_entries(cache)):
         assert k.shape[-2] == 7
         torch.testing.assert_close(k[0, :, :7], b[0, :, [0, 1, 2, 3, 6, 8, 9]], atol=0, rtol=0)
         torch.testing.assert_close(k[1, :, :7], b[1, :, [0, 1, 2, 3, 4, 5, 6]], atol=0, rtol=0)
@@ -220,9 +220,9 @@ def test_decode_batch_bad_input():
 def test_decode_batch_row_output_cuts_a_row():
     o = TargetOutput(torch.arange(2 * 1 * 3).view(2, 1, 3).float(), torch.arange(2 * 5 * 2).view(2, 5, 2).float(),
                      None)
-    r = kv.row_output(o, 1, slice(2, 5))
+    r = row_output(o, 1, slice(2, 5))
     assert r.last.tolist() == [o.last[1, 2:5].tolist()] and r.logits is None and r.taps is None
-    picked = kv.row_output(o, 0, torch.tensor([4, 0, 2]))
+    picked = row_output(o, 0, torch.tensor([4, 0, 2]))
     assert picked.last.tolist() == [o.last[0, [4, 0, 2]].tolist()]
 
 

@@ -5,8 +5,9 @@ import torch
 from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
-from eaglekit.decode import kv, loop
+from eaglekit.decode import loop
 from eaglekit.decode.drafters import ModelTreeDrafter, Tree, TreeSpec
+from eaglekit.target import cache_entries, cache_length, keep_accepted, new_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
@@ -58,7 +59,7 @@ def test_decode_tree_verify_logits_equal_path_forwards():
     tokens = torch.tensor([20, 21, 22, 23, 24, 25, 26])
     depths = torch.tensor([1, 1, 2, 2, 2, 3, 3])
     tree = Tree(tokens, parents, depths, torch.ones(7))
-    cache = kv.new_cache(t.model)
+    cache = new_cache(t.model)
     t.forward(prompt[:, :-1], past_key_values=cache, layer_ids=())
     out, _ = loop.verify(t, cache, [11], [tree], [0], [4])
     for i in range(-1, 7):
@@ -89,14 +90,14 @@ def watch_cache(monkeypatch, target, tol):
 
     def watched_step(self, roots, max_depths):
         steps, *seconds = step(self, roots, max_depths)
-        slots = kv.entries(self.cache)
-        assert kv.cache_length(self.cache) == max(self.lengths)
+        slots = cache_entries(self.cache)
+        assert cache_length(self.cache) == max(self.lengths)
         for b, s in enumerate(steps):
             self.texts[b] += s.emitted
-            fresh = kv.new_cache(target.model)
+            fresh = new_cache(target.model)
             target.forward(torch.tensor([self.texts[b][:-1]]), past_key_values=fresh, layer_ids=())
             assert self.lengths[b] - self.starts[b] == len(self.texts[b]) - 1
-            for (k, v), (fk, fv) in zip(slots, kv.entries(fresh)):
+            for (k, v), (fk, fv) in zip(slots, cache_entries(fresh)):
                 got = slice(self.starts[b], self.lengths[b])
                 torch.testing.assert_close(k[b:b + 1, :, got], fk, atol=tol, rtol=tol)
                 torch.testing.assert_close(v[b:b + 1, :, got], fv, atol=tol, rtol=tol)
@@ -127,11 +128,11 @@ def test_decode_kv_keep_equals_fresh_forward(drafter, temperature, monkeypatch):
 
 def test_decode_kv_keep_moves_non_contiguous_rows():
     t = tiny_target(vocab_size=64, layers=2)
-    cache = kv.new_cache(t.model)
+    cache = new_cache(t.model)
     t.forward(torch.arange(2, 12)[None], past_key_values=cache, layer_ids=())
-    before = [k.clone() for k, _ in kv.entries(cache)]
-    assert kv.keep(cache, 4, [4], [torch.tensor([0, 2, 5])]) == [7]
-    for b, (k, _) in zip(before, kv.entries(cache)):
+    before = [k.clone() for k, _ in cache_entries(cache)]
+    assert keep_accepted(cache, 4, [4], [torch.tensor([0, 2, 5])]) == [7]
+    for b, (k, _) in zip(before, cache_entries(cache)):
         assert k.shape[-2] == 7
         torch.testing.assert_close(k, b[..., [0, 1, 2, 3, 4, 6, 9], :], atol=0, rtol=0)
 

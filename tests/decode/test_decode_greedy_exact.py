@@ -12,9 +12,10 @@ from helpers import tiny_target
 from test_decode_core import tiny_head
 
 from eaglekit import decode
-from eaglekit.decode import kv, loop
+from eaglekit.decode import loop
 from eaglekit.decode.drafters import EagleDrafter, Tree, TreeSpec
 from eaglekit.decode.sampling import Sampling
+from eaglekit.target import new_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
@@ -194,7 +195,7 @@ def test_decode_greedy_tree_verify_every_backend_and_dtype(arch, attn, dtype):
     parents = torch.tensor([-1, -1, -1, 0, 0, 1, 3, 3, 5])
     tree = Tree(torch.tensor([20, 21, 22, 23, 24, 25, 26, 27, 28]), parents,
                 torch.tensor([1, 1, 1, 2, 2, 2, 3, 3, 3]), torch.ones(9))
-    cache = kv.new_cache(t.model)
+    cache = new_cache(t.model)
     t.forward(prompt[:, :-1], past_key_values=cache, layer_ids=())
     out, _ = loop.verify(t, cache, [12], [tree], [0], [5])
     got = out.logits[0].float()
@@ -203,7 +204,7 @@ def test_decode_greedy_tree_verify_every_backend_and_dtype(arch, attn, dtype):
     tol = 1e-4 if dtype == torch.float32 else 0.1
     assert (got - ref).abs().max() < tol, (got - ref).abs().max()
     # the check can fail: a plain causal forward over the same rows is far off on some row
-    cache2 = kv.new_cache(t.model)
+    cache2 = new_cache(t.model)
     t.forward(prompt[:, :-1], past_key_values=cache2, layer_ids=())
     wrong = t.forward(torch.cat([prompt[:, -1:], tree.tokens[None]], 1), past_key_values=cache2,
                       layer_ids=()).logits[0].float()

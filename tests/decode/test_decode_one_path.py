@@ -1,6 +1,6 @@
 """One decode path: a step of one sequence and of a batch is the same ``loop.Decoder.step``, and it stays
 short. A profiler records every eaglekit file a step enters (tiny target): a plain step enters at most 6 files
-in all, an EAGLE-3 tree step at most 9 (decode/{drafters,kv,loop,tree}, heads/{base,eagle3,layers}, target,
+in all, an EAGLE-3 tree step at most 9 (decode/{drafters,loop}, heads/{base,eagle3,layers}, target,
 timing: a head's proposer and catch-up live in drafters.py, its attention and cache in heads/layers.py);
 decode/ keeps no single/batch twin names."""
 import re

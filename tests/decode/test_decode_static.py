@@ -1,4 +1,4 @@
-"""The target's preallocated KV cache (kv.RowsCache) and compile=True.
+"""The target's preallocated KV cache (RowsCache) and compile=True.
 
 The cache: written in place (its buffers keep their address through a whole generation: no torch.cat per
 step), crop and keep move a length, a full buffer doubles keeping its entries, static writes land at a tensor
@@ -15,8 +15,16 @@ from test_decode_batch import PROMPTS, drafters, hf_row, new_rows
 from test_decode_core import TREE, tiny_head
 
 from eaglekit import decode
-from eaglekit.decode import kv, loop
-from eaglekit.target import CompileError, Target
+from eaglekit.decode import loop
+from eaglekit.target import (
+    CompileError,
+    Target,
+    cache_length,
+    crop_cache,
+    keep_accepted,
+    new_cache,
+    static_writes,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,36 +35,36 @@ def kv_pair(n: int, start: int = 0, B: int = 1, dim: int = 4):
 
 
 def test_cache_writes_in_place_crops_and_grows():
-    cache = kv.new_cache(capacity=8)
+    cache = new_cache(capacity=8)
     k, v = cache.update(*kv_pair(3), 0)
     buf = cache.layers[0].keys
     assert buf.shape == (1, 2, 8, 4) and cache.layers[0].values.shape == (1, 2, 8, 3)
     assert k.shape[-2] == 3 and k.data_ptr() == buf.data_ptr()  # a view of the buffer, not a copy
     k, v = cache.update(*kv_pair(4, start=3), 0)
-    assert cache.layers[0].keys is buf and kv.cache_length(cache) == 7
+    assert cache.layers[0].keys is buf and cache_length(cache) == 7
     torch.testing.assert_close(k[0, 0, :, 0], torch.arange(7.0))
     torch.testing.assert_close(v[0, 1, :, 2], -torch.arange(7.0))
-    kv.crop(cache, 2)  # a rollback moves the length; the next write lands at slot 2
+    crop_cache(cache, 2)  # a rollback moves the length; the next write lands at slot 2
     k, _ = cache.update(*kv_pair(2, start=40), 0)
     assert cache.layers[0].keys is buf
     torch.testing.assert_close(k[0, 0, :, 0], torch.tensor([0.0, 1.0, 40.0, 41.0]))
     k, _ = cache.update(*kv_pair(6, start=50), 0)  # 10 > 8: the buffers double, keeping their entries
-    assert cache.layers[0].keys.shape[-2] == 16 and kv.cache_length(cache) == 10
+    assert cache.layers[0].keys.shape[-2] == 16 and cache_length(cache) == 10
     torch.testing.assert_close(k[0, 0, :, 0], torch.tensor([0.0, 1.0, 40.0, 41.0, 50, 51, 52, 53, 54, 55]))
 
 
 def test_static_writes_land_at_a_tensor_offset_and_return_the_whole_buffer():
-    cache = kv.new_cache(capacity=4)
+    cache = new_cache(capacity=4)
     cache.update(*kv_pair(3), 0)
     at = torch.tensor(2)
-    kv.static(cache, at, capacity=12)
+    static_writes(cache, at, capacity=12)
     k, v = cache.update(*kv_pair(2, start=70), 0)
     assert k.shape[-2] == v.shape[-2] == 12  # the whole buffer: the caller's mask blocks the unused slots
     torch.testing.assert_close(k[0, 0, :4, 0], torch.tensor([0.0, 1.0, 70.0, 71.0]))
     at.fill_(5)  # the offset is a tensor: the next write moves with it
     k, _ = cache.update(*kv_pair(1, start=90), 0)
-    assert k[0, 0, 5, 0] == 90 and kv.cache_length(cache) == 3  # static writes leave the length to the caller
-    kv.static(cache, None)
+    assert k[0, 0, 5, 0] == 90 and cache_length(cache) == 3  # static writes leave the length to the caller
+    static_writes(cache, None)
     assert cache.update(*kv_pair(1, start=99), 0)[0].shape[-2] == 4  # eager again: appended at the length
 
 
@@ -64,7 +72,7 @@ def test_keep_refuses_a_cache_it_cannot_roll_back():
     from transformers import DynamicCache
 
     with pytest.raises(TypeError, match="RowsCache"):
-        kv.keep(DynamicCache(), 0, [0], [torch.tensor([0])])
+        keep_accepted(DynamicCache(), 0, [0], [torch.tensor([0])])
 
 
 def test_decoding_never_reallocates_the_target_cache(monkeypatch):
