@@ -52,3 +52,19 @@ def test_at_most_two_reads_per_step(monkeypatch, spec, rows):
     out = decode.generate(t, head, ids, 12, eos_token_id=False, tree=spec)
     assert max(out.stats.tree_sizes) == spec.total_tokens  # the trees were as large as asked
     assert counts and max(counts) <= 2, counts
+
+
+def test_a_step_waits_for_the_device_twice(monkeypatch):
+    """The step times its two laps inline (``loop.synced_clock``): two readings per step, each one
+    torch.cuda.synchronize on a CUDA device (patched: no GPU needed) and none on a CPU."""
+    waits = []
+    monkeypatch.setattr(loop.torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    assert loop.synced_clock(torch.device("cuda", 0)) > 0 and waits == [torch.device("cuda", 0)]
+    assert loop.synced_clock(torch.device("cpu")) > 0 and len(waits) == 1
+    readings, clock = [], loop.synced_clock
+    monkeypatch.setattr(loop, "synced_clock", lambda device: readings.append(device) or clock(device))
+    steps = reads_per_step(monkeypatch, loop.Decoder)
+    t = tiny_target()
+    decode.generate(t, tiny_head(t, "eagle3"), [[2, 8, 9, 10], [2, 20, 21]], 6, eos_token_id=False,
+                    tree=TreeSpec(4, 4, 16))
+    assert steps and len(readings) == 2 * len(steps)
