@@ -1,7 +1,8 @@
 """One decode path: a step of one sequence and of a batch is the same ``loop.Decoder.step``, and it stays
-short. A profiler records every eaglekit file a step enters (tiny target): a plain step enters at most 6 files
-in all, an EAGLE-3 tree step at most 9 (decode/{drafters,loop}, heads/{base,eagle3,layers}, target,
-timing: a head's proposer and catch-up live in drafters.py, its attention and cache in heads/layers.py);
+short. A profiler records every eaglekit file a step enters (tiny target, greedy): a plain step, and a step of
+an EAGLE-3 or EAGLE-1 head's tree, a draft model's chain or tree, or prompt lookup, enters at most 6 files in
+all (a head's: decode/{drafters,loop}, heads/{base,<kind>,layers}, target: the tree, its proposer and catch-up
+live in drafters.py, the head's attention and cache in heads/layers.py, the target's KV cache in target.py);
 decode/ keeps no single/batch twin names."""
 import re
 import sys
@@ -15,7 +16,7 @@ from test_decode_core import tiny_head
 import eaglekit
 from eaglekit import decode
 from eaglekit.decode import loop
-from eaglekit.decode.drafters import TreeSpec
+from eaglekit.decode.drafters import ModelTreeDrafter, TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,16 +56,28 @@ def test_decode_plain_step_enters_at_most_six_files(monkeypatch, rows):
     assert max(len(s) for s in seen) <= 6, sorted(max(seen, key=len))
 
 
+def drafting(t, kind: str):
+    """(drafter, generate's keywords, a file the step must enter: the drafter was traced) of one kind."""
+    if kind in ("eagle3", "eagle1"):
+        return tiny_head(t, kind), {"tree": TreeSpec(4, 4, 16)}, "heads/layers.py"
+    if kind == "lookup":
+        return None, {"prompt_lookup": 3}, "decode/lookup.py"
+    draft = tiny_target(seed=1, layers=1)
+    if kind == "draft chain":
+        return draft, {"gamma": 3}, "decode/drafters.py"
+    return ModelTreeDrafter(t, draft, TreeSpec(3, 3, 9)), {}, "decode/drafters.py"
+
+
 @pytest.mark.parametrize("rows", [1, 3])
-def test_decode_head_step_enters_at_most_nine_files(monkeypatch, rows):
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "draft chain", "draft tree", "lookup"])
+def test_decode_drafting_step_enters_at_most_six_files(monkeypatch, kind, rows):
     t = tiny_target()
-    head = tiny_head(t, "eagle3")
+    drafter, kw, entered = drafting(t, kind)
     seen = files_per_step(monkeypatch)
-    prompts = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33]][:rows]
-    decode.generate(t, head, torch.tensor(prompts) if rows == 1 else prompts, 6, eos_token_id=False,
-                    tree=TreeSpec(4, 4, 16))
-    assert seen and all({"decode/drafters.py", "heads/layers.py"} <= s for s in seen)  # the head was traced
-    assert max(len(s) for s in seen) <= 9, sorted(max(seen, key=len))
+    prompts = [[2, 8, 9, 10, 8, 9, 10, 8], [2, 20, 21], [2, 30, 31, 32, 33]][:rows]  # the first one repeats
+    decode.generate(t, drafter, torch.tensor(prompts) if rows == 1 else prompts, 6, eos_token_id=False, **kw)
+    assert seen and all(entered in s for s in seen)
+    assert max(len(s) for s in seen) <= 6, sorted(max(seen, key=len))
 
 
 def test_decode_has_no_single_batch_twins():
