@@ -7,20 +7,21 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
 
 - ``base``: today's recipe (configs/smollm2-135m-eagle3-long.yaml: soft CE against the target over the
   draft vocabulary, TTT with the head's own earlier features — HASS's harmonized context alignment is
-  already part of it);
+  already part of it — and EAGLE 3.1's ``head.fc_norm`` / ``head.norm_output``, the default since they won
+  this grid; before that, the grid's ``eagle31`` arm was today's ``base`` and its ``base`` today's ``no_eagle31``);
 - ``topk``: HASS's harmonized objective distillation, + ``loss.topk_weight`` × CE over the teacher's top-K;
 - ``layer``: the decoder layer started from the target's last layer (``head.init_layer_from_target``);
 - ``lk``, ``lk_alpha``, ``lk_tv``: the LK losses (arXiv 2602.23881) instead of the soft CE
   (``loss.objective``; docs/training.md "Training objectives"), the acceptance of sampling;
   ``lk_greedy``: ``lk`` against the teacher's argmax (``loss.lk_acceptance=greedy``, what greedy
   verification and τ_sim count);
-- ``eagle31``: EAGLE 3.1's head options (``head.fc_norm``, ``head.norm_output``);
-  ``lk_eagle31``: both changes at once.
+- ``no_eagle31``: the recipe without EAGLE 3.1's head options (plain EAGLE-3);
+  ``lk_no_eagle31``: that with ``lk``.
 
     eaglekit prepare --config configs/prepare-smollm2.yaml output_dir=runs/recipes/features \\
         num_conversations=1100 max_length=768 draft_vocab_size=8192
     python benchmarks/bench_recipes.py --features runs/recipes/features --out runs/recipes \\
-        --seeds 0 1 --tokens 500000                      # base, lk, eagle31, lk_eagle31
+        --seeds 0 1 --tokens 500000                      # base, lk, no_eagle31
     python benchmarks/bench_recipes.py ... --arms lk_alpha lk_greedy topk   # any other arms, base added
 
 Then each head decodes the first ``--decode-questions`` MT-bench questions greedily (a chain of ``--ttt``
@@ -47,7 +48,7 @@ from eaglekit.fileio import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/smollm2-135m-eagle3-long.yaml"
-EAGLE31 = ["head.fc_norm=true", "head.norm_output=true"]
+NO_EAGLE31 = ["head.fc_norm=false", "head.norm_output=false"]
 ARMS = {
     "base": [],
     "topk": ["loss.topk=10", "loss.topk_weight=1.0"],
@@ -56,10 +57,12 @@ ARMS = {
     "lk_alpha": ["loss.objective=lk_alpha"],
     "lk_tv": ["loss.objective=lk_tv"],
     "lk_greedy": ["loss.objective=lk", "loss.lk_acceptance=greedy"],
-    "eagle31": EAGLE31,
-    "lk_eagle31": ["loss.objective=lk", *EAGLE31],
+    "no_eagle31": NO_EAGLE31,
+    "lk_no_eagle31": ["loss.objective=lk", *NO_EAGLE31],
 }
-GRID = ["base", "lk", "eagle31", "lk_eagle31"]  # issue 27's grid (the default --arms); `topk`, `layer`: issue 20's
+# the default --arms: the recipe (EAGLE 3.1 on since the LK / EAGLE 3.1 grid), LK on it, and the recipe without
+# EAGLE 3.1 (EAGLE-3 as before, to re-check the adoption on new data); `topk`, `layer`: earlier ideas
+GRID = ["base", "lk", "no_eagle31"]
 
 
 def common(a) -> list[str]:

@@ -56,11 +56,14 @@ T0 = time.perf_counter()
 TARGET = "smollm2-135m-instruct"
 REGENERATED = "regenerated.jsonl"
 # Each kind's head and loss keys over the shared --train-config (data, optimiser and budget stay the same):
-# the shapes of configs/smollm2-135m-peagle.yaml and -dflash.yaml. loss.ttt_steps is the depths scored.
+# the shapes of configs/smollm2-135m-peagle.yaml and -dflash.yaml. loss.ttt_steps is the depths scored. The
+# EAGLE-3 config's EAGLE 3.1 options are EAGLE-3's own: the parallel kinds refuse them, so they are turned off.
+NO_EAGLE31 = ["head.fc_norm=false", "head.norm_output=false"]
 KIND_SET = {
     "eagle3": [],
-    "peagle": ["head.kind=peagle", "head.num_layers=2", "head.block_size=4", "loss.ttt_steps=4"],
-    "dflash": ["head.kind=dflash", "head.num_layers=2", "head.block_size=8", "loss.ttt_steps=7", "loss.anchors=64"],
+    "peagle": ["head.kind=peagle", "head.num_layers=2", "head.block_size=4", "loss.ttt_steps=4", *NO_EAGLE31],
+    "dflash": ["head.kind=dflash", "head.num_layers=2", "head.block_size=8", "loss.ttt_steps=7", "loss.anchors=64",
+               *NO_EAGLE31],
 }
 
 

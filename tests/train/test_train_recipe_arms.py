@@ -22,14 +22,14 @@ def test_train_recipe_arm_is_a_valid_config(arm):
     assert (cfg == base) == (arm == "base")  # every other arm changes the recipe
     want_lk = arm.startswith("lk")
     assert (cfg.loss.objective != "kl") == want_lk
-    assert cfg.head.fc_norm == cfg.head.norm_output == ("eagle31" in arm)
+    assert cfg.head.fc_norm == cfg.head.norm_output == ("no_eagle31" not in arm)
     assert (cfg.loss.lk_acceptance == "greedy") == (arm == "lk_greedy")
-    assert base.loss.objective == "kl" and not base.head.fc_norm  # the defaults stay today's recipe
+    assert base.loss.objective == "kl" and base.head.fc_norm and base.head.norm_output  # today's recipe: kl, EAGLE 3.1
     assert cfg.head.draft_vocab_size == 4096  # --set reaches every arm
 
 
 def test_train_recipe_default_grid():
-    assert bench.GRID == ["base", "lk", "eagle31", "lk_eagle31"] and set(bench.GRID) <= set(bench.ARMS)
+    assert bench.GRID == ["base", "lk", "no_eagle31"] and set(bench.GRID) <= set(bench.ARMS)
 
 
 def test_train_recipe_decode_tau_counts_tokens_per_verify_step():
