@@ -32,8 +32,10 @@ def paired_ci(base: dict, other: dict, n_boot: int = 10000, seed: int = 0) -> di
     """Pooled τ of ``other`` minus ``base`` (dicts of per-prompt accepted tokens and steps), paired bootstrap
     over prompts: both heads decoded the same prompts, so a resample keeps each prompt's pair together."""
     n = len(base["steps"])
-    diff = lambda idx: (pooled(other["accepted"], other["steps"], idx)  # noqa: E731
-                        - pooled(base["accepted"], base["steps"], idx))
+
+    def diff(idx):
+        return pooled(other["accepted"], other["steps"], idx) - pooled(base["accepted"], base["steps"], idx)
+
     rng = random.Random(seed)
     boots = sorted(diff([rng.randrange(n) for _ in range(n)]) for _ in range(n_boot))
     wins = sum(o > b for o, b in zip(other["taus"], base["taus"]))
