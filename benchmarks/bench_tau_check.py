@@ -28,6 +28,11 @@ def pooled(tokens: list[int], steps: list[int], idx) -> float:
     return sum(tokens[i] for i in idx) / sum(steps[i] for i in idx)
 
 
+def per_prompt(rec: dict) -> list[float]:
+    """Each prompt's τ: its accepted tokens per verify step."""
+    return [a / s for a, s in zip(rec["accepted"], rec["steps"])]
+
+
 def paired_ci(base: dict, other: dict, n_boot: int = 10000, seed: int = 0) -> dict:
     """Pooled τ of ``other`` minus ``base`` (dicts of per-prompt accepted tokens and steps), paired bootstrap
     over prompts: both heads decoded the same prompts, so a resample keeps each prompt's pair together."""
@@ -38,9 +43,9 @@ def paired_ci(base: dict, other: dict, n_boot: int = 10000, seed: int = 0) -> di
 
     rng = random.Random(seed)
     boots = sorted(diff([rng.randrange(n) for _ in range(n)]) for _ in range(n_boot))
-    wins = sum(o > b for o, b in zip(other["taus"], base["taus"]))
+    pairs = list(zip(per_prompt(other), per_prompt(base)))
     return {"diff": diff(range(n)), "ci95": [boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]],
-            "prompts_higher": wins, "prompts_lower": sum(o < b for o, b in zip(other["taus"], base["taus"]))}
+            "prompts_higher": sum(o > b for o, b in pairs), "prompts_lower": sum(o < b for o, b in pairs)}
 
 
 def main() -> None:
@@ -70,19 +75,18 @@ def main() -> None:
         rows = [json.loads(line) for line in Path(a.data).read_text().splitlines()]
         rows = [r for r in rows if r["messages"]][-a.n:]
     chain = TreeSpec(depth=a.depth, top_k=1, total_tokens=a.depth)
-    per = [{"taus": [], "accepted": [], "steps": []} for _ in heads]
+    per = [{"accepted": [], "steps": []} for _ in heads]
     for r in rows:  # prompt-major: a load change during the run hits every head alike
         ids = target.chat_ids(r["messages"][0]["content"])
         for h, (head, rec) in enumerate(zip(heads, per)):
             out = decode.generate(target, head, ids, max_new_tokens=a.max_new_tokens, tree=chain)
-            rec["taus"].append(out.stats.tau)
             rec["accepted"].append(sum(out.stats.accept_lengths))
             rec["steps"].append(len(out.stats.accept_lengths))
             print(f"{r['id']} head {h}: τ {out.stats.tau:.2f} over {out.stats.new_tokens} tokens", flush=True)
     report = {"prompts": len(rows), "depth": a.depth, "max_new_tokens": a.max_new_tokens, "heads": []}
     for path, rec in zip(a.head, per):
         report["heads"].append({"head": path, "tau_per_step": pooled(rec["accepted"], rec["steps"], range(len(rows))),
-                                "tau_median_prompt": statistics.median(rec["taus"]), **rec})
+                                "tau_median_prompt": statistics.median(per_prompt(rec)), **rec})
     for h, rec in enumerate(per[1:], 1):
         report["heads"][h]["vs_first"] = paired_ci(per[0], rec)
     if a.metrics:
@@ -91,7 +95,7 @@ def main() -> None:
     if a.out:
         from eaglekit.fileio import write_json
         write_json(Path(a.out), report)
-    brief = [{k: v for k, v in h.items() if k not in ("taus", "accepted", "steps")} for h in report["heads"]]
+    brief = [{k: v for k, v in h.items() if k not in ("accepted", "steps")} for h in report["heads"]]
     print(json.dumps({**report, "heads": brief}, indent=1))
 
 

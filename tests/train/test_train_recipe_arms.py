@@ -54,10 +54,8 @@ def test_train_recipe_decode_check_paired_ci():
     tau = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tau)
     steps = [10, 40, 25, 60, 15, 30, 50, 20]
-    base = {"steps": steps, "accepted": [round(1.4 * s) for s in steps], "taus": []}
-    base["taus"] = [a / s for a, s in zip(base["accepted"], steps)]
-    ahead = {"steps": steps, "accepted": [a + 3 for a in base["accepted"]], "taus": []}
-    ahead["taus"] = [a / s for a, s in zip(ahead["accepted"], steps)]
+    base = {"steps": steps, "accepted": [round(1.4 * s) for s in steps]}
+    ahead = {"steps": steps, "accepted": [a + 3 for a in base["accepted"]]}
     got = tau.paired_ci(base, ahead, n_boot=2000)
     assert got["diff"] == pytest.approx(3 * len(steps) / sum(steps))
     assert 0 < got["ci95"][0] <= got["diff"] <= got["ci95"][1]
