@@ -14,9 +14,11 @@ Modules, each importing only modules on the lines below it (tests/test_architect
     io, dflash_layout       the native format: save_head (DraftHead.save_pretrained), load_native; the
                             DFlash layout SGLang and vLLM read (its keys, config, engine facts)
     registry                HEADS by kind, head_class, build_head, tap_layers
-    peagle, dflash          the parallel drafters (one forward drafts a block): P-EAGLE, DFlash
-    eagle1, eagle3          the two heads: what each reads, fuses, predicts over and trains with
-    base                    DraftHead: borrowed target modules, draft vocabulary, step checks
+    dflash                  DFlash: the block-diffusion drafter (one forward fills a block)
+    eagle1, eagle3          the heads: what each reads, fuses, predicts over and trains with (eagle3 also
+                            holds P-EAGLE, its network drafting a block in one forward)
+    base                    DraftHead: borrowed target modules, draft vocabulary, step checks;
+                            ParallelHead, the base of the heads that draft a block in one forward
     layers                  Llama-style layers; HeadCache (and HeadRows: a head's decode rows), masks,
                             shift_left
     config                  HeadConfig, EAGLE1/EAGLE3, check_target

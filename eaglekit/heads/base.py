@@ -1,16 +1,19 @@
-"""What both heads share: borrowing the target's frozen modules, the draft-vocabulary maps, the step
-checks; and the hooks through which each head says how it differs (see ``DraftHead``).
+"""What every head shares: borrowing the target's frozen modules, the draft-vocabulary maps, the step
+checks; and the hooks through which each head says how it differs (see ``DraftHead``). ``ParallelHead`` is
+the base of the heads whose one forward drafts a block (P-EAGLE, DFlash), with what decoding asks of them.
 
 Saving and the Hub live above this module (heads.io, heads.hub), which give ``DraftHead`` its
 ``save_pretrained`` / ``push_to_hub`` methods; nothing here imports them.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 from eaglekit.heads.config import HeadConfig, check_target
-from eaglekit.heads.layers import Rotary
+from eaglekit.heads.layers import HeadCache, Rotary
 from eaglekit.heads.objectives import ttt_loss
 
 
@@ -29,7 +32,7 @@ class DraftHead(nn.Module):
     kind: str = ""  # the registry key (HeadConfig.kind)
     reads: str = "taps"  # the TargetOutput field / batch key that fuse() takes
     has_draft_vocab: bool = True  # False: predicts over the whole target vocabulary
-    parallel: bool = False  # True: one forward drafts several tokens (heads.parallel.ParallelHead)
+    parallel: bool = False  # True: one forward drafts several tokens (heads.base.ParallelHead)
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -176,3 +179,60 @@ class DraftHead(nn.Module):
     def forward(self, input_ids, g, position_ids, cache=None, attn_mask=None):
         """Same as ``step`` (so DDP/FSDP wrappers can call the head)."""
         return self.step(input_ids, g, position_ids, cache=cache, attn_mask=attn_mask)
+
+
+class ParallelHead(DraftHead):
+    """The base of the parallel drafters (P-EAGLE, DFlash): heads whose ONE forward proposes several tokens.
+
+    An autoregressive head (EAGLE-1/3) drafts depth d with d forwards; a parallel head fills a block of
+    ``config.block_size`` positions after the last accepted element in one forward, so its drafting cost
+    per step does not grow with depth. What the decode loop asks of such a head, and nothing more:
+
+    - ``parallel = True`` (``DraftHead.parallel`` is False), so decode/ tells the two apart without kinds;
+    - ``draft_depths``: how many tokens one forward proposes;
+    - ``new_cache()``: an empty cache for decoding (``.length``, ``.crop(n)``, ``.keep(indices)``);
+    - ``draft(cache, ids, g, position_ids)`` → logits ``[B, D, Vd]``, one drafter forward.
+
+    Element convention (EAGLE's): element t = (target feature of position t, token x_{t+1}) at position t.
+    ``draft`` appends the P pending elements (exact, target-fed) to ``cache`` and returns the draft logits
+    for x_{t+2} .. x_{t+1+D} where t is the last pending element; the block's own positions are not kept.
+    """
+
+    parallel = True
+    vllm_options: ClassVar[dict] = {}  # extra keys of vLLM's --speculative-config for this kind (the model card's)
+
+    @classmethod
+    def tokens_per_draft(cls, config) -> int:
+        """How many tokens one ``draft`` call of a head with ``config`` proposes (also without a head built:
+        the model card's num_speculative_tokens)."""
+        raise NotImplementedError
+
+    @property
+    def draft_depths(self) -> int:
+        """How many tokens one ``draft`` call proposes."""
+        return type(self).tokens_per_draft(self.config)
+
+    def new_cache(self) -> HeadCache:
+        """An empty cache for decoding; a subclass may return its own HeadCache subclass."""
+        return HeadCache(self.config.num_layers)
+
+    def draft(self, cache: HeadCache, ids: torch.Tensor, g: torch.Tensor,
+              position_ids: torch.Tensor) -> torch.Tensor:
+        """Append the P pending elements (``ids`` [B, P], fused features ``g`` [B, P, H], ``position_ids``
+        [B, P]) to ``cache`` and return the draft logits ``[B, draft_depths, Vd]`` for the tokens after the
+        last of them; one drafter forward, under ``torch.no_grad()``."""
+        raise NotImplementedError
+
+    def _check_draft(self, cache, ids: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """One clear error for a malformed ``draft`` call (shapes of ids, g and position_ids)."""
+        if cache is None:
+            raise ValueError(f"{type(self).__name__}.draft: a cache is required (head.new_cache())")
+        if ids.dim() != 2 or ids.shape[1] < 1:
+            raise ValueError(f"{type(self).__name__}.draft: ids must be [B, P] with P >= 1, got {list(ids.shape)}")
+        B, P = ids.shape
+        if g.shape[:2] != (B, P) or g.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"{type(self).__name__}.draft: g must be [{B}, {P}, {self.config.hidden_size}], "
+                             f"got {list(g.shape)}")
+        if position_ids is None or tuple(position_ids.shape) not in ((B, P), (1, P)):
+            got = None if position_ids is None else list(position_ids.shape)
+            raise ValueError(f"{type(self).__name__}.draft: position_ids must be [{B}, {P}], got {got}")

@@ -25,10 +25,10 @@ import zlib
 import torch
 from torch import nn
 
+from eaglekit.heads.base import ParallelHead
 from eaglekit.heads.config import DFLASH, HeadConfig
 from eaglekit.heads.layers import MLP, HeadCache, RMSNorm, apply_rope, shift_left
 from eaglekit.heads.objectives import StepStats, position_loss, teacher_probs
-from eaglekit.heads.parallel import ParallelHead
 
 PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # the paper's suggested decay per block size (SpecForge's help text)
 DEFAULT_ANCHORS = 512  # anchor blocks per sequence at most (SpecForge's default num_anchors)

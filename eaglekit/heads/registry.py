@@ -5,8 +5,7 @@ from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import KINDS, HeadConfig
 from eaglekit.heads.dflash import DFlashHead
 from eaglekit.heads.eagle1 import Eagle1Head
-from eaglekit.heads.eagle3 import Eagle3Head
-from eaglekit.heads.peagle import PEagleHead
+from eaglekit.heads.eagle3 import Eagle3Head, PEagleHead
 
 HEADS: dict[str, type[DraftHead]] = {cls.kind: cls for cls in (Eagle1Head, Eagle3Head, PEagleHead, DFlashHead)}
 assert tuple(HEADS) == KINDS, "every kind of HeadConfig has one head class"

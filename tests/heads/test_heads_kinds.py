@@ -34,7 +34,7 @@ def target():
 
 
 def test_heads_registry_has_one_class_per_kind():
-    from eaglekit.heads.peagle import PEagleHead
+    from eaglekit.heads.eagle3 import PEagleHead
 
     assert tuple(HEADS) == KINDS and KINDS[:3] == (EAGLE1, EAGLE3, "peagle")
     assert (HEADS[EAGLE1], HEADS[EAGLE3], HEADS["peagle"]) == (Eagle1Head, Eagle3Head, PEagleHead)
@@ -91,9 +91,7 @@ HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lo
     {"layers"},
     {"objectives"},
     {"base"},
-    {"parallel"},
-    {"eagle1", "eagle3"},
-    {"peagle", "dflash"},
+    {"eagle1", "eagle3", "dflash"},
     {"registry"},
     {"io", "dflash_layout"},
     {"layouts"},

@@ -1,4 +1,4 @@
-"""The parallel drafters (heads.parallel.ParallelHead): P-EAGLE (and DFlash, in its own functions) built
+"""The parallel drafters (heads.base.ParallelHead): P-EAGLE (and DFlash, in its own functions) built
 from a target, saved and loaded, drafting a block in one forward, and their training objectives checked
 against naive references (value and gradient) on tiny random targets."""
 import json
@@ -9,7 +9,7 @@ import torch
 from helpers import tiny_target
 
 from eaglekit.heads import HeadCache, HeadConfig, build_head, load_head
-from eaglekit.heads.parallel import ParallelHead
+from eaglekit.heads.base import ParallelHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
