@@ -6,8 +6,7 @@ import time
 
 import torch
 
-from eaglekit.decode.drafters import EagleDrafter, Tree, TreeSpec
-from eaglekit.decode.parallel import ParallelDrafter
+from eaglekit.decode.drafters import EagleDrafter, ParallelDrafter, Tree, TreeSpec
 from eaglekit.heads import HeadConfig, build_head
 from eaglekit.packed_linear import pack_linears
 from eaglekit.target import load_target

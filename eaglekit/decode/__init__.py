@@ -12,31 +12,31 @@ Modules, each importing only modules on the lines below it:
     api                     the public call generate: which drafter (make_drafter, make_row_drafters), then
                             loop.run
     cost                    measured costs and tree="auto"'s plan (auto_plan, Plan)
-    loop, lookup, parallel  the loop for one row or many (Decoder.step: draft, verify, accept, keep, commit);
-                            the prompt-lookup wrapper; a parallel head's drafter (one forward per step)
-    drafters                Drafter protocol: PlainDrafter, ModelDrafter (chain), TreeDrafter; what grows
-                            their trees (HeadProposer / ModelProposer), the head catch-up of every row at once;
-                            Tree, TreeSpec and the EAGLE-2 expand
-    sampling, stats, stops  Sampling + rules; DecodeStats, BatchStats; what ends a row (EOS, stop strings,
-                            max tokens)
+    lookup, draft_model     the prompt-lookup wrapper; a draft model's chain (ModelDrafter) and tree
+                            (ModelTreeDrafter), through its ModelProposer
+    loop                    the loop for one row or many (Decoder.step: draft, verify, accept, keep, commit);
+                            Sampling and the acceptance rules
+    drafters                Drafter protocol: PlainDrafter, TreeDrafter (EagleDrafter: a head's EAGLE-2 tree,
+                            grown by its HeadProposer; the head catch-up of every row at once), ParallelDrafter
+                            (a parallel head: one forward per step); Tree, TreeSpec and the EAGLE-2 expand
+    stats, stops            DecodeStats, BatchStats; what ends a row (EOS, stop strings, max tokens)
 
 The target's KV cache (RowsCache, keep_accepted, row_output) lives beside the target, in eaglekit/target.py.
 """
 from eaglekit.decode.api import generate, make_drafter
 from eaglekit.decode.cost import Plan, auto_plan
+from eaglekit.decode.draft_model import ModelTreeDrafter
 from eaglekit.decode.drafters import (
     Drafter,
     EagleDrafter,
-    ModelTreeDrafter,
+    ParallelDrafter,
     PlainDrafter,
     Tree,
     TreeDrafter,
     TreeSpec,
 )
 from eaglekit.decode.lookup import LookupDrafter
-from eaglekit.decode.loop import GenerateOutput
-from eaglekit.decode.parallel import ParallelDrafter
-from eaglekit.decode.sampling import Sampling
+from eaglekit.decode.loop import GenerateOutput, Sampling
 from eaglekit.decode.stats import BatchStats, DecodeStats
 
 __all__ = [

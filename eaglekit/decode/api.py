@@ -10,11 +10,10 @@ import warnings
 import torch
 
 from eaglekit.decode.cost import Plan, auto_plan
-from eaglekit.decode.drafters import Drafter, EagleDrafter, ModelDrafter, PlainDrafter, TreeSpec
+from eaglekit.decode.draft_model import ModelDrafter
+from eaglekit.decode.drafters import Drafter, EagleDrafter, ParallelDrafter, PlainDrafter, TreeSpec
 from eaglekit.decode.lookup import LookupDrafter
-from eaglekit.decode.loop import GenerateOutput, run
-from eaglekit.decode.parallel import ParallelDrafter
-from eaglekit.decode.sampling import Sampling
+from eaglekit.decode.loop import GenerateOutput, Sampling, run
 from eaglekit.decode.stats import BatchStats
 
 

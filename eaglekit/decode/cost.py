@@ -15,7 +15,7 @@ grows quickly, that is a small tree; on a GPU, where c stays nearly flat over do
 one. Where no tree is expected to beat plain decoding, "auto" decodes without drafting.
 
 A parallel head (P-EAGLE: ``head.parallel``) drafts its whole tree in one forward: d is then that forward's
-time whatever the tree, the tree is built from the block's per-depth top-k (``parallel.block_tree``) and
+time whatever the tree, the tree is built from the block's per-depth top-k (``drafters.block_tree``) and
 is at most ``head.draft_depths`` deep.
 
 A batch of B rows is planned for B (``auto_plan(..., batch_size=B)``, cached per B): c is then measured
@@ -37,9 +37,8 @@ import torch
 
 from eaglekit import __version__, assets
 from eaglekit.decode import loop
-from eaglekit.decode.drafters import EagleDrafter, HeadProposer, PlainDrafter, TreeSpec
-from eaglekit.decode.parallel import ParallelDrafter
-from eaglekit.decode.sampling import Sampling
+from eaglekit.decode.drafters import EagleDrafter, HeadProposer, ParallelDrafter, PlainDrafter, TreeSpec
+from eaglekit.decode.loop import Sampling
 from eaglekit.fileio import write_text
 from eaglekit.heads import HeadCache
 from eaglekit.packed_linear import packed_count

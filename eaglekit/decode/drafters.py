@@ -1,18 +1,19 @@
-"""Drafters and the trees they propose: one protocol (``Drafter``), three kinds, the proposers that grow their
-trees, and the trees themselves (the structure, its verification mask, EAGLE-2 dynamic expansion).
+"""Drafters and the trees they propose: one protocol (``Drafter``), the drafters that read the target's own
+features, the proposers that grow their trees, and the trees themselves (the structure, its verification
+mask, EAGLE-2 dynamic expansion).
 
 * ``PlainDrafter`` proposes nothing (plain autoregressive decoding, the baseline).
-* ``ModelDrafter`` samples a chain of ``gamma`` tokens from a small model with the same tokenizer
-  (classic speculative decoding; verified with Leviathan's rule).
 * ``TreeDrafter`` grows an EAGLE-2 dynamic tree from a proposer (one-hot rule): ``EagleDrafter`` with
-  an EAGLE-1/EAGLE-3 head, ``ModelTreeDrafter`` with a draft model. ``lookup.LookupDrafter`` wraps any
+  an EAGLE-1/EAGLE-3 head (``HeadProposer``); ``draft_model.ModelTreeDrafter`` with a draft model.
+* ``ParallelDrafter`` (at the end): a parallel head (P-EAGLE, DFlash) drafting its tree in one forward.
+* Elsewhere: ``draft_model.ModelDrafter`` samples a draft model's chain; ``lookup.LookupDrafter`` wraps any
   tree drafter with a prompt-lookup branch.
 
 Trees. A tree hangs below a *root*: the last emitted token, not yet in the target's cache. Nodes are stored
 parents before children; ``parents[i] = -1`` means a child of the root. In the verify forward, row 0
 is the root and row ``i + 1`` is node ``i``; a node's position id is ``past_len + depth``.
 
-A proposer (``HeadProposer``, ``ModelProposer``) is what ``expand`` grows an EAGLE-2 dynamic tree from: something
+A proposer (``HeadProposer``, ``draft_model.ModelProposer``) is what ``expand`` grows an EAGLE-2 dynamic tree from: something
 that runs a few tokens through its own cache under a given mask. There it keeps *committed* elements (the
 accepted text, exactly) and *pending* ones (the last accepted tokens, not yet run). ``start(prompt, out, root)``
 after the target's prefill (``out`` its ``TargetOutput``) and ``accept(tokens, out, rows)`` after each verify set
@@ -33,10 +34,9 @@ from typing import Protocol
 
 import torch
 
-from eaglekit.decode.sampling import Sampling, sample
 from eaglekit.heads import check_target
 from eaglekit.heads.layers import HeadRows, RowsStep
-from eaglekit.target import cache_length, crop_cache, new_cache, row_output
+from eaglekit.target import row_output
 
 # ---- trees: the structure, its verification mask, EAGLE-2 expansion ------------------------------------------
 
@@ -372,133 +372,6 @@ def _catch_up_rows(group: list[HeadProposer]) -> None:
         p.caught = hidden[p.cache.slot - lo, n - 1], logits[p.cache.slot - lo, n - 1]
 
 
-# draft tokenizer -> target tokenizers it was found equal to: ``get_vocab()`` on two large vocabularies is a
-# noticeable share of a short generate, so each pair is compared once.
-_SAME_TOKENIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def check_same_tokenizer(target, draft) -> None:
-    """A draft model must speak the target's vocabulary (same token strings at the same ids)."""
-    checked = _SAME_TOKENIZER.setdefault(draft.tokenizer, weakref.WeakSet())
-    if target.tokenizer in checked:
-        return
-    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-    if tv == dv:
-        checked.add(target.tokenizer)
-        return
-    t_inv = {i: s for s, i in tv.items()}
-    d_inv = {i: s for s, i in dv.items()}
-    diff = [i for i in sorted(set(t_inv) | set(d_inv)) if t_inv.get(i) != d_inv.get(i)]
-    shown = ", ".join(f"id {i}: target {t_inv.get(i)!r} vs draft {d_inv.get(i)!r}" for i in diff[:3])
-    raise ValueError(f"draft model {draft.name!r} does not share the tokenizer of target {target.name!r}: "
-                     f"vocab sizes {len(tv)} vs {len(dv)}, {len(diff)} ids differ ({shown})")
-
-
-class ModelProposer:
-    """A draft model sharing the target's tokenizer, on its own cache (``new_cache``): element t is token t at
-    position t. It reads no target features, and feeds none to its children."""
-
-    kind, layer_ids = None, ()
-
-    def __init__(self, target, draft):
-        check_same_tokenizer(target, draft)
-        self.model, self.vocab = draft, target.vocab_size
-        self.device, self.dtype = draft.device, draft.dtype
-
-    def fork(self) -> ModelProposer:
-        return copy.copy(self)  # start() replaces the per-sequence state a copy shares
-
-    def start(self, prompt, out, root: int) -> None:
-        self.cache = new_cache(self.model.model)
-        self.pending = torch.tensor(prompt[0].tolist() + [root], device=self.device)
-
-    def accept(self, tokens: list[int], out, rows) -> None:
-        self.pending = torch.tensor(tokens, device=self.device)
-
-    def catch_up(self):
-        """Run the pending tokens in; the last one's logits (over the target's ids)."""
-        pos = torch.arange(self.length, self.length + len(self.pending), device=self.device)
-        _, logits = self.step(self.pending[None], None, pos[None], None)
-        return None, logits[0, -1]
-
-    def step(self, ids, feed, pos, mask):
-        keep = 1 if mask is None else 0  # the pending tokens (a whole prompt at first): last row only
-        out = self.model.forward(ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
-                                 layer_ids=(), logits_to_keep=keep)
-        return None, self.target_vocab(out.logits)
-
-    def target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits over the target's ids: a draft lm_head padded past the target's vocabulary never proposes
-        those ids (cut), a shorter one never proposes the ids it lacks (-inf)."""
-        short = self.vocab - logits.shape[-1]
-        if short <= 0:
-            return logits[..., : self.vocab]
-        return torch.nn.functional.pad(logits, (0, short), value=float("-inf"))
-
-    @staticmethod
-    def to_target(ids: torch.Tensor) -> torch.Tensor:
-        return ids
-
-    @property
-    def length(self) -> int:
-        return cache_length(self.cache)
-
-    def crop(self, n: int) -> None:
-        crop_cache(self.cache, n)
-
-
-class ModelDrafter:
-    """Classic speculative decoding: a chain of ``gamma`` tokens sampled from a small draft model (the same
-    ``ModelProposer`` as a draft-model tree: its cache, its logits over the target's ids)."""
-
-    kind, layer_ids = None, ()
-
-    def __init__(self, target, draft, gamma: int, sampling: Sampling, generator=None):
-        if gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {gamma}")
-        self.proposer = ModelProposer(target, draft)
-        self.gamma, self.sampling, self.generator = gamma, sampling, generator
-
-    def fork(self) -> ModelDrafter:
-        """Another sequence's drafter: the proposer's model shared, its cache not."""
-        new = copy.copy(self)
-        new.proposer = self.proposer.fork()
-        return new
-
-    def prefill(self, prompt, out, root):
-        # the first draft forward reads the prompt and the root together (one draft forward fewer than a
-        # separate prompt pass, as HF assisted generation does)
-        self.proposer.start(prompt, out, root)
-
-    def draft(self, max_depth: int) -> Tree:
-        gamma = min(self.gamma, max_depth)
-        self.drafted = gamma
-        if gamma == 0:
-            return Tree.empty()
-        p, qs, toks = self.proposer, [], []
-        for _ in range(gamma):
-            q = self.sampling.probs(p.catch_up()[1])
-            # greedy: the token stays on the device (no read per drafted token)
-            y = q.argmax() if self.sampling.greedy else torch.tensor(sample(q, self.generator), device=q.device)
-            qs.append(q)
-            toks.append(y)
-            p.pending = y.view(1)
-        p.pending = p.pending[:0]  # the last token drafted is never fed
-        q_full, tokens = torch.stack(qs), torch.stack(toks)
-        q_tok = q_full.gather(1, tokens[:, None])[:, 0]
-        return Tree.chain(tokens, q_tok, None if self.sampling.greedy else q_full, sampled=True)
-
-    def commit(self, tree, path, next_token, out, rows):
-        # the draft cache holds the chain's first gamma-1 tokens (the last was sampled, never fed)
-        p = self.proposer
-        fed = max(self.drafted - 1, 0)
-        keep = min(len(path), fed)
-        p.crop(p.length - (fed - keep))
-        rest = torch.tensor(tree.path_tokens(path)[keep:] + [next_token], device=p.device)
-        # draft() leaves nothing pending (its last token is never fed) unless it drafted nothing
-        p.pending = torch.cat([p.pending, rest]) if len(p.pending) else rest
-
-
 class TreeDrafter:
     """An EAGLE-2 dynamic tree grown by a proposer (``HeadProposer`` or ``ModelProposer``).
 
@@ -543,19 +416,6 @@ class EagleDrafter(TreeDrafter):
         super().__init__(HeadProposer(target, head), spec)
 
 
-class ModelTreeDrafter(TreeDrafter):
-    """A draft model growing an EAGLE-2 dynamic tree instead of a chain (SpecInfer-style token tree).
-
-    Each level is one draft-model forward over the ``top_k`` frontier nodes with a tree mask; on a CPU
-    that costs about one token, so the extra branches are nearly free to draft. The draft cache is cropped
-    after drafting and the accepted tokens re-fed in the next draft forward, like the head cache.
-    ``decode.generate(target, ModelTreeDrafter(target, draft, TreeSpec(...)), ...)``.
-    """
-
-    def __init__(self, target, draft, spec: TreeSpec):
-        super().__init__(ModelProposer(target, draft), spec)
-
-
 def catch_up_rows(drafters: list) -> None:
     """Before drafting, the rows drafting with an EAGLE head (``TreeDrafter``s, bare or under a
     ``LookupDrafter``) run their pending elements in: the rows of each head in one head forward
@@ -564,3 +424,94 @@ def catch_up_rows(drafters: list) -> None:
             and p.caught is None]
     if rows:
         catch_up(rows)
+
+
+# ---- a parallel head's drafter (P-EAGLE, DFlash): one forward per step ------------------------------------
+# Drafting with a parallel head (P-EAGLE, DFlash: ``head.parallel``): ONE head forward per step proposes
+# a token distribution for each of the block's depths, and the tree is built from those per-depth top-k.
+#
+# ``ParallelDrafter`` keeps the head's cache of exact elements, as ``HeadProposer`` does: after each verify
+# the accepted tokens are pending with the target's features, and the next ``head.draft`` appends them and
+# returns the block's logits ``[D, Vd]``: depth d for token x_{t+1+d}, t the last pending element (whose
+# token x_{t+1} is the root). ``block_tree`` turns them into a tree.
+#
+# Which trees are sound. Depth d's distribution q_d does not condition on the tokens chosen at depths < d
+# (the block sees mask slots there), so it is the head's guess of token d *given that the earlier guesses
+# were right*, whichever sibling that is. A tree whose depth-d nodes all carry children from the same top-k
+# of q_{d+1} is therefore the natural shape: the product of per-depth top-k sets, of which the planner keeps
+# the ``total_tokens`` paths with the highest product of per-depth probabilities (``TreeSpec``: ``depth``
+# <= ``draft_depths``, ``top_k`` per depth, the best ``total_tokens`` nodes). Alternatives under a sibling
+# that is not the depth's argmax are worth less than the same tokens under an autoregressive head (they
+# were not drafted for that sibling), which the product score already charges; a chain (``top_k`` = 1) is
+# the block's argmax. Exactness does not depend on the shape: every node is *chosen* (a deterministic
+# function of the context), so each is a one-hot proposal and ``loop.accept_deterministic`` (accept
+# child x with probability p(x), else zero it and renormalise, then the next sibling) emits exactly a
+# sample of p at every node, for any tree whose siblings are distinct tokens, which a top-k gives.
+
+
+def block_tree(logq: torch.Tensor, spec: TreeSpec, depth: int) -> Tree:
+    """A tree of draft ids from per-depth log-probabilities ``logq`` [>= depth, Vd]: EAGLE-2's level-wise
+    growth with the block's depth-d top-k as every depth-d node's children (score = sum of the path's
+    per-depth log-probabilities), the best ``spec.total_tokens`` nodes kept, parents before children."""
+    k = min(spec.top_k, logq.shape[-1])
+    top = logq[:depth].float().cpu().topk(k, dim=-1)
+    tokens, logp = [top.indices[0]], [top.values[0]]
+    parents, depths, scores = [torch.full((k,), -1)], [torch.ones(k, dtype=torch.long)], [top.values[0]]
+    frontier = torch.arange(k)
+    for d in range(2, depth + 1):
+        base = sum(len(s) for s in scores)
+        cand = (torch.cat(scores)[frontier][:, None] + top.values[d - 1][None]).flatten()
+        tokens.append(top.indices[d - 1].repeat(len(frontier)))
+        logp.append(top.values[d - 1].repeat(len(frontier)))
+        parents.append(frontier.repeat_interleave(k))
+        depths.append(torch.full((len(cand),), d, dtype=torch.long))
+        scores.append(cand)
+        frontier = base + cand.topk(min(k, len(cand))).indices
+    kept, new_parents = select_best(torch.cat(scores), torch.cat(parents), spec.total_tokens)
+    return Tree(tokens=torch.cat(tokens)[kept], parents=new_parents, depths=torch.cat(depths)[kept],
+                q_token=torch.cat(logp)[kept].exp())
+
+
+class ParallelDrafter:
+    """A parallel head's drafter: one ``head.draft`` forward per step, a ``block_tree`` of its depths."""
+
+    def __init__(self, target, head, spec: TreeSpec):
+        if not getattr(head, "parallel", False):
+            raise TypeError(f"ParallelDrafter needs a parallel head (P-EAGLE, DFlash), got {type(head).__name__}")
+        check_target(head.config, target, where="decode.generate")
+        self.head, self.spec = head, spec
+        self.kind = head.config.kind
+        self.layer_ids = type(head).tap_layers(target, head.config.aux_layer_ids)  # what it reads, exactly
+        self.device = next(head.parameters()).device
+
+    def fork(self) -> ParallelDrafter:
+        return copy.copy(self)  # prefill() replaces the per-sequence state a copy shares
+
+    def _features(self, out, rows: torch.Tensor) -> torch.Tensor:
+        return self.head.fuse_output(row_output(out, 0, rows, self.device))[0]
+
+    def prefill(self, prompt, out, root: int) -> None:
+        self.cache = self.head.new_cache()
+        self.pending = (torch.tensor(prompt[0, 1:].tolist() + [root], device=self.device),
+                        self._features(out, torch.arange(prompt.shape[1])))
+
+    def commit(self, tree, path, next_token, out, rows) -> None:
+        self.pending = (torch.tensor(tree.path_tokens(path) + [next_token], device=self.device),
+                        self._features(out, rows))
+
+    def block_logits(self) -> torch.Tensor:
+        """Run the pending elements into the cache (one head forward); the block's logits [D, Vd]."""
+        ids, g = self.pending
+        pos = torch.arange(self.cache.length, self.cache.length + len(ids), device=self.device)
+        return self.head.draft(self.cache, ids[None], g[None], pos[None])[0]
+
+    @torch.no_grad()
+    def draft(self, max_depth: int) -> Tree:
+        logits = self.block_logits()  # always: the pending elements must reach the cache
+        depth = min(self.spec.depth, self.head.draft_depths, max_depth)
+        if depth < 1:
+            return Tree.empty(self.device)
+        tree = block_tree(torch.log_softmax(logits.float(), -1), self.spec, depth)
+        dev = self.device
+        return Tree(self.head.draft_to_target(tree.tokens.to(dev)).long(), tree.parents.to(dev),
+                    tree.depths.to(dev), tree.q_token.to(dev))

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from eaglekit.decode.drafters import ModelDrafter, PlainDrafter, Tree, prune
+from eaglekit.decode.draft_model import ModelDrafter
+from eaglekit.decode.drafters import PlainDrafter, Tree, prune
 
 SAMPLED = ("prompt lookup grafts onto a tree of chosen tokens; a draft-model chain is sampled (Leviathan's "
            "rule): use a draft-model tree (draft_tree= / ModelTreeDrafter) instead")

@@ -92,7 +92,7 @@ def sample_counts(target, drafter, cfg: dict, runs: int, seed: int, prompt: list
 @contextlib.contextmanager
 def acceptance_rule(rule):
     """Inside the block every verify of decode.generate accepts with ``rule`` (a function like
-    ``sampling.accept_deterministic``) instead of the lossless rule for its tree."""
+    ``loop.accept_deterministic``) instead of the lossless rule for its tree."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loop, "rule_for", lambda tree: rule)
         yield

@@ -9,8 +9,7 @@ import torch
 from exact_law import ALPHA, chi2_pvalue, hf_probs
 
 from eaglekit.decode.drafters import Tree
-from eaglekit.decode.loop import accept
-from eaglekit.decode.sampling import Sampling, accept_deterministic, accept_minpq_on_topk, accept_sampled
+from eaglekit.decode.loop import Sampling, accept, accept_deterministic, accept_minpq_on_topk, accept_sampled
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 

@@ -13,9 +13,10 @@ from test_decode_sampling import CONFIG, peaky_target
 
 from eaglekit import decode
 from eaglekit.decode import loop
-from eaglekit.decode.drafters import ModelTreeDrafter, TreeSpec, catch_up
+from eaglekit.decode.draft_model import ModelTreeDrafter
+from eaglekit.decode.drafters import TreeSpec, catch_up
 from eaglekit.decode.lookup import LookupDrafter
-from eaglekit.decode.sampling import Sampling, accept_minpq_on_topk
+from eaglekit.decode.loop import Sampling, accept_minpq_on_topk
 from eaglekit.target import TargetOutput, cache_entries, crop_cache, keep_accepted, new_cache, row_output
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest

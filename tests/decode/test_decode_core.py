@@ -6,7 +6,8 @@ from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
 from eaglekit.decode import loop
-from eaglekit.decode.drafters import ModelTreeDrafter, Tree, TreeSpec
+from eaglekit.decode.draft_model import ModelTreeDrafter
+from eaglekit.decode.drafters import Tree, TreeSpec
 from eaglekit.target import cache_entries, cache_length, keep_accepted, new_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest

@@ -1,4 +1,4 @@
-"""Decoding with a DFlash head through the one loop (``decode.generate`` with ``decode.parallel.ParallelDrafter``):
+"""Decoding with a DFlash head through the one loop (``decode.generate`` with ``decode.drafters.ParallelDrafter``):
 greedy token-identical to transformers on a tiny target (chain, tree, the prompt-lookup graft, a batch of two
 rows of different lengths) with an untrained head and with one trained here on the target's own greedy
 text, whose drafts are accepted (so the exactness is tested where drafted tokens are kept); and on SmolLM2.
@@ -13,9 +13,8 @@ import torch
 from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
-from eaglekit.decode.drafters import TreeSpec
+from eaglekit.decode.drafters import ParallelDrafter, TreeSpec
 from eaglekit.decode.lookup import LookupDrafter
-from eaglekit.decode.parallel import ParallelDrafter
 from eaglekit.heads import HeadConfig, build_head
 from eaglekit.heads.objectives import Teacher
 

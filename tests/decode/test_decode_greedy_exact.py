@@ -14,7 +14,7 @@ from test_decode_core import tiny_head
 from eaglekit import decode
 from eaglekit.decode import loop
 from eaglekit.decode.drafters import EagleDrafter, Tree, TreeSpec
-from eaglekit.decode.sampling import Sampling
+from eaglekit.decode.loop import Sampling
 from eaglekit.target import new_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest

@@ -8,9 +8,11 @@ import eaglekit.decode
 
 DECODE = Path(eaglekit.decode.__file__).parent
 LAYERS = [  # lowest first
-    {"sampling", "stats", "stops"},
+    {"stats", "stops"},
     {"drafters"},
-    {"loop", "lookup", "parallel"},
+    {"loop"},
+    {"draft_model"},
+    {"lookup"},
     {"cost"},
     {"api"},
     {"cli"},

@@ -6,15 +6,8 @@ from helpers import tiny_target
 from test_decode_core import PROMPTS, TREE, hf_greedy, tiny_head, watch_cache
 
 from eaglekit import decode
-from eaglekit.decode.drafters import (
-    EagleDrafter,
-    ModelTreeDrafter,
-    PlainDrafter,
-    Tree,
-    TreeSpec,
-    ancestors,
-    prune,
-)
+from eaglekit.decode.draft_model import ModelTreeDrafter
+from eaglekit.decode.drafters import EagleDrafter, PlainDrafter, Tree, TreeSpec, ancestors, prune
 from eaglekit.decode.lookup import BY_MATCH, LookupDrafter, NgramIndex, branch_lengths, graft_chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest

@@ -1,9 +1,12 @@
 """One decode path: a step of one sequence and of a batch is the same ``loop.Decoder.step``, and it stays
-short. A profiler records every eaglekit file a step enters (tiny target, greedy): a plain step, and a step of
-an EAGLE-3 or EAGLE-1 head's tree, a draft model's chain or tree, or prompt lookup, enters at most 6 files in
-all (a head's: decode/{drafters,loop}, heads/{base,<kind>,layers}, target: the tree, its proposer and catch-up
-live in drafters.py, the head's attention and cache in heads/layers.py, the target's KV cache in target.py);
-decode/ keeps no single/batch twin names."""
+short. A profiler records every eaglekit file a step enters (tiny target): a plain step, and a step of an
+EAGLE-3, EAGLE-1, P-EAGLE or DFlash head's tree or chain (greedy or sampled), a draft model's chain or tree,
+or prompt lookup, enters at most 6 files in all (a head's: decode/{drafters,loop}, heads/{base,<kind>,layers},
+target: the tree, its proposer, the parallel drafter and the catch-up live in drafters.py, sampling and the
+acceptance rules in loop.py, the head's attention and cache in heads/layers.py, the target's KV cache in
+target.py; P-EAGLE's class sits in heads/eagle3.py beside the network it shares). A head with the
+prompt-lookup graft adds decode/lookup.py (7: two drafters in one step). decode/ keeps no single/batch twin
+names."""
 import re
 import sys
 from pathlib import Path
@@ -16,7 +19,9 @@ from test_decode_core import tiny_head
 import eaglekit
 from eaglekit import decode
 from eaglekit.decode import loop
-from eaglekit.decode.drafters import ModelTreeDrafter, TreeSpec
+from eaglekit.decode.draft_model import ModelTreeDrafter
+from eaglekit.decode.drafters import TreeSpec
+from eaglekit.heads import HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,24 +65,43 @@ def drafting(t, kind: str):
     """(drafter, generate's keywords, a file the step must enter: the drafter was traced) of one kind."""
     if kind in ("eagle3", "eagle1"):
         return tiny_head(t, kind), {"tree": TreeSpec(4, 4, 16)}, "heads/layers.py"
+    if kind in ("peagle", "dflash"):
+        torch.manual_seed(0)
+        head = build_head(HeadConfig.from_target(t, kind=kind, num_layers=2, block_size=4), t)
+        return head, {"tree": TreeSpec(3, 3, 9)}, f"heads/{'eagle3' if kind == 'peagle' else kind}.py"
     if kind == "lookup":
         return None, {"prompt_lookup": 3}, "decode/lookup.py"
     draft = tiny_target(seed=1, layers=1)
     if kind == "draft chain":
-        return draft, {"gamma": 3}, "decode/drafters.py"
-    return ModelTreeDrafter(t, draft, TreeSpec(3, 3, 9)), {}, "decode/drafters.py"
+        return draft, {"gamma": 3}, "decode/draft_model.py"
+    return ModelTreeDrafter(t, draft, TreeSpec(3, 3, 9)), {}, "decode/draft_model.py"
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "draft chain", "draft tree", "lookup"])
-def test_decode_drafting_step_enters_at_most_six_files(monkeypatch, kind, rows):
+def traced_steps(monkeypatch, kind: str, rows: int, files: int, **extra) -> None:
     t = tiny_target()
     drafter, kw, entered = drafting(t, kind)
     seen = files_per_step(monkeypatch)
     prompts = [[2, 8, 9, 10, 8, 9, 10, 8], [2, 20, 21], [2, 30, 31, 32, 33]][:rows]  # the first one repeats
-    decode.generate(t, drafter, torch.tensor(prompts) if rows == 1 else prompts, 6, eos_token_id=False, **kw)
+    decode.generate(t, drafter, torch.tensor(prompts) if rows == 1 else prompts, 6, eos_token_id=False,
+                    **kw, **extra)
     assert seen and all(entered in s for s in seen)
-    assert max(len(s) for s in seen) <= 6, sorted(max(seen, key=len))
+    assert max(len(s) for s in seen) <= files, sorted(max(seen, key=len))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "peagle", "dflash", "draft chain", "draft tree", "lookup"])
+def test_decode_drafting_step_enters_at_most_six_files(monkeypatch, kind, rows):
+    traced_steps(monkeypatch, kind, rows, 6)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "draft chain"])
+def test_decode_sampled_step_enters_at_most_six_files(monkeypatch, kind):
+    # temperature > 0: the warpers and the acceptance rules are loop.py's, no file more than greedy
+    traced_steps(monkeypatch, kind, 1, 6, temperature=1.0, generator=torch.Generator().manual_seed(0))
+
+
+def test_decode_head_with_lookup_graft_enters_seven_files(monkeypatch):
+    traced_steps(monkeypatch, "eagle3", 1, 7, prompt_lookup=3)
 
 
 def test_decode_has_no_single_batch_twins():

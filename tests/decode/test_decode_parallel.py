@@ -1,4 +1,4 @@
-"""Decoding with a parallel head (``decode.parallel``: one head forward per step, a tree from the block's
+"""Decoding with a parallel head (``decode.drafters.ParallelDrafter``: one head forward per step, a tree from the block's
 per-depth top-k) on tiny random targets: greedy token-identical to transformers (chain, tree, a batch of
 two rows of different lengths, the prompt-lookup graft), an oracle block whose acceptance is known in
 advance (the drafter's bookkeeping), the exact law at temperature 1 (chain and tree, and the wrong rule
@@ -10,15 +10,14 @@ from helpers import hf_greedy, random_draft_vocab, tiny_target
 
 from eaglekit import decode
 from eaglekit.decode import api, cost
-from eaglekit.decode.drafters import TreeSpec
+from eaglekit.decode.drafters import ParallelDrafter, TreeSpec, block_tree
 from eaglekit.decode.lookup import LookupDrafter
-from eaglekit.decode.parallel import ParallelDrafter, block_tree
-from eaglekit.decode.sampling import accept_minpq_on_topk
+from eaglekit.decode.loop import accept_minpq_on_topk
 from eaglekit.heads import HeadCache, HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
-KINDS = ["peagle", "dflash"]  # every parallel head kind (heads.parallel.ParallelHead subclasses)
+KINDS = ["peagle", "dflash"]  # every parallel head kind (heads.base.ParallelHead subclasses)
 PROMPTS = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35]]
 CHAIN, TREE = dict(depth=4, top_k=1, total_tokens=4), dict(depth=3, top_k=3, total_tokens=9)
 

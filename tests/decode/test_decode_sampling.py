@@ -13,7 +13,7 @@ from test_decode_core import tiny_head
 from eaglekit import decode
 from eaglekit.decode.drafters import EagleDrafter
 from eaglekit.decode.lookup import LookupDrafter
-from eaglekit.decode.sampling import Sampling, accept_minpq_on_topk
+from eaglekit.decode.loop import Sampling, accept_minpq_on_topk
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 

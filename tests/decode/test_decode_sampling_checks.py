@@ -15,7 +15,7 @@ from test_decode_accept_law import CFG, reject_everything, residual_keeps_reject
 from test_decode_core import tiny_head
 from test_decode_greedy_exact import OracleDrafter
 
-from eaglekit.decode.sampling import Sampling, accept_minpq_on_topk
+from eaglekit.decode.loop import Sampling, accept_minpq_on_topk
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
