@@ -41,7 +41,8 @@ def load_any_head(path: Path, target):
     vd = state["d2t"].numel() if "d2t" in state else None
     cfg = HeadConfig.from_target(target, kind=h["kind"], num_layers=h["num_layers"], draft_vocab_size=vd,
                                  aux_layer_ids=h.get("aux_layer_ids"), block_size=h.get("block_size") or None,
-                                 fc_norm=h.get("fc_norm", False), norm_output=h.get("norm_output", False))
+                                 fc_norm=h.get("fc_norm", False), norm_output=h.get("norm_output", False),
+                                 norm_before_fc=h.get("norm_before_fc", False))
     return instantiate(cfg, state, target, torch.float32, None, path / "model.safetensors")
 
 

@@ -13,7 +13,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q -U pip
   # setuptools' "Editable installation" notice is information, not a warning about this project: not shown
   PYTHONWARNINGS="ignore:Editable installation" \
-    .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,bench,serving,speculators-runtime]'
+    .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,bench,serving,speculators-runtime,llama-cpp]'
   # the speculators extra without its dependencies (they would pull torchvision and an older transformers)
   if .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
     .venv/bin/python -m pip install -q --no-deps $(.venv/bin/python -c 'import tomllib

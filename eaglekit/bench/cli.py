@@ -75,6 +75,20 @@ class BenchConfig:
     batch_sizes: list[PosInt] = field(default_factory=list)  # e.g. [1,2,4,8,16]: the batch bench (bench.batch)
     tp_size: PosInt = 1  # > 1: the target split over tp_size processes (torchrun --nproc_per_node tp_size), each
     # running the same bench (fixed tree, same prompts and seeds); the first prints and writes the report
+    # engine=llama.cpp: real llama-server processes on the target's GGUF (bench.llama_cpp); `threads` is theirs,
+    # `draft` a draft model's GGUF (or embedded name), `gamma` its draft length
+    engine: Literal["eaglekit", "llama.cpp"] = "eaglekit"
+    target_gguf: str | None = None  # default: the embedded target's own GGUF file
+    head_gguf: str | None = None  # default: `head` exported with export --to llama.cpp (gguf_type)
+    gguf_type: Literal["f32", "f16", "bf16", "q8_0"] = "f16"
+    n_max: NonNegInt = 0  # --spec-draft-n-max of the head; 0 = the planner's choice
+    p_min: float = -1.0  # --spec-draft-p-min of the head; < 0 = the planner's choice
+    plan_p_min: list[NonNegFloat] = field(default_factory=lambda: [0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    sweep_n_max: list[PosInt] = field(default_factory=lambda: [1, 2, 3, 4, 6])  # measured beside the choice
+    sweep_p_min: list[NonNegFloat] = field(default_factory=lambda: [0.0, 0.5, 0.8])
+    ngram_types: list[str] = field(default_factory=lambda: ["ngram-mod"])  # llama.cpp's n-gram modes to bench
+    combine_ngram: list[str] = field(default_factory=lambda: ["ngram-mod"])  # head + this type (one server)
+    calibration_prompts: NonNegInt = 4  # the planner's prompts: the next questions after the benched ones
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -178,6 +192,14 @@ def run(args) -> int:
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.engine == "llama.cpp":
+        from eaglekit.bench import llama_cpp as engine
+
+        report = engine.run_llama_cpp_bench(cfg)
+        path = engine.write(report, cfg.out)
+        print(engine.table(report))
+        print(f"wrote {path} (and its PNG)")
+        return 0
     report = run_batch_bench(cfg) if cfg.batch_sizes else run_bench(cfg)
     if launch_layout(cfg.tp_size).rank:  # a split target: the first process writes the report
         return 0

@@ -52,6 +52,7 @@ class HeadConfig:
     norm_before_residual: bool = False  # EAGLE-3: residual is g itself (SpecForge/SafeAILab), not norm(g)
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm per tap on the taps before fc (engines' `fc_norm`)
     norm_output: bool = False  # EAGLE 3.1: the next draft step reads the post-norm hidden state (`norm_output`)
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated taps before fc (`norm_before_fc`, llama.cpp)
     block_size: int = 1  # parallel drafters: positions one forward fills (eagle1/eagle3 ignore it)
     mask_token_id: int = -1  # parallel drafters: the token id fed at block positions with no known token
     target_name: str = ""
@@ -67,8 +68,12 @@ class HeadConfig:
             raise ValueError(f"HeadConfig.block_size must be >= 1, got {self.block_size}")
         self.block_size = int(self.block_size)
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-        if self.kind == EAGLE1 and (self.fc_norm or self.norm_output):
-            raise ValueError("HeadConfig: fc_norm / norm_output (EAGLE 3.1) need fused taps; an eagle1 head has none")
+        if self.kind == EAGLE1 and (self.fc_norm or self.norm_output or self.norm_before_fc):
+            raise ValueError("HeadConfig: fc_norm / norm_output / norm_before_fc need fused taps; an eagle1 head "
+                             "has none")
+        if self.fc_norm and self.norm_before_fc:  # speculators refuses the pair too: two norms of the same taps
+            raise ValueError("HeadConfig: fc_norm (a norm per tap) and norm_before_fc (one norm over all taps) "
+                             "exclude each other; set one")
         if self.kind == EAGLE1:
             self.draft_vocab_size = self.target_vocab_size
             self.aux_layer_ids = []

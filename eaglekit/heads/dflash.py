@@ -127,8 +127,8 @@ class DFlashHead(ParallelHead):
         if config.kind != DFLASH:
             raise ValueError(f"DFlashHead needs kind='dflash', got {config.kind!r}")
         config.validate()
-        if config.fc_norm or config.norm_output:  # not read by the DFlash layers nor by the engines' loaders
-            raise ValueError("DFlashHead: fc_norm / norm_output (EAGLE 3.1) are not DFlash options; leave them off")
+        if config.fc_norm or config.norm_output or config.norm_before_fc:  # not read by the DFlash layers nor by the engines' loaders
+            raise ValueError("DFlashHead: fc_norm / norm_output / norm_before_fc are not DFlash options; leave them off")
         if config.block_size < 2:
             raise ValueError(f"HeadConfig.block_size must be >= 2 for a dflash head (the last token and at "
                              f"least one mask slot), got {config.block_size}")

@@ -6,7 +6,8 @@ and trains on the soft cross-entropy alone; it can start its lm_head and norm fr
 
 EAGLE 3.1's two options (both off by default; a head without them runs exactly the EAGLE-3 path):
 ``fc_norm`` puts an RMSNorm on each tap before ``fc`` (``fc_norm.{i}``, as vLLM / SGLang / speculators
-name them), and ``norm_output`` makes ``step`` return the post-norm hidden state — the feature the next
+name them; ``norm_before_fc`` is the alternative llama.cpp serves: one RMSNorm over the concatenated taps,
+``input_norm``), and ``norm_output`` makes ``step`` return the post-norm hidden state — the feature the next
 draft step reads, in training's unroll and in decoding's tree alike — instead of the pre-norm one.
 
 P-EAGLE (``PEagleHead``, at the end) is this network drafting a whole block in one forward: it shares
@@ -66,6 +67,8 @@ class Eagle3Head(DraftHead):
         H, taps = config.hidden_size, len(config.aux_layer_ids)
         if config.fc_norm:  # registered only when set: an EAGLE-3 head's state dict stays as it was
             self.fc_norm = nn.ModuleList([RMSNorm(H, config.rms_norm_eps) for _ in range(taps)])
+        if config.norm_before_fc:  # speculators' and llama.cpp's name for it
+            self.input_norm = RMSNorm(taps * H, config.rms_norm_eps)
         self.fc = nn.Linear(taps * H, H, bias=False)
         self.layers = nn.ModuleList([Eagle3FirstLayer(config)] +
                                     [DecoderLayer(config, i) for i in range(1, config.num_layers)])
@@ -84,6 +87,8 @@ class Eagle3Head(DraftHead):
         if self.config.fc_norm:
             parts = taps.chunk(len(self.fc_norm), dim=-1)
             taps = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
+        elif self.config.norm_before_fc:  # one norm over all taps: the scale of the sum, not of each
+            taps = self.input_norm(taps)
         return self.fc(taps)
 
     def step(self, input_ids, g, position_ids, cache: HeadCache | None = None, attn_mask=None):
@@ -170,8 +175,9 @@ class PEagleHead(ParallelHead):
         if config.kind != PEAGLE:
             raise ValueError(f"PEagleHead needs kind='peagle', got {config.kind!r}")
         config.validate()
-        if config.fc_norm or config.norm_output:  # vLLM's and speculators' P-EAGLE configs carry neither
-            raise ValueError("PEagleHead: fc_norm / norm_output (EAGLE 3.1) are not P-EAGLE options; leave them off")
+        if config.fc_norm or config.norm_output or config.norm_before_fc:  # the engines' P-EAGLE configs carry none
+            raise ValueError("PEagleHead: fc_norm / norm_output / norm_before_fc are not P-EAGLE options; leave "
+                             "them off")
         if not 0 <= config.mask_token_id < config.target_vocab_size:
             raise ValueError(f"PEagleHead: mask_token_id {config.mask_token_id} must be a target token id in "
                              f"0..{config.target_vocab_size - 1} (HeadConfig.from_target picks one)")

@@ -9,6 +9,7 @@ when the folder is loaded back.
 """
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -63,6 +64,8 @@ from eaglekit.heads.layouts import (
 
 __all__ = ["EXPORT_BLOCK", "LAYOUTS", "ExportError", "export_config", "export_head", "export_to", "layout_state",
            "load_export", "load_head", "validate_export"]  # the first three and the last also live in heads.layouts
+LLAMA_CPP = "llama.cpp"  # not a folder layout: a GGUF file written by llama.cpp's converter (eaglekit.llama_cpp)
+FORMATS = (*LAYOUTS, LLAMA_CPP)  # what `eaglekit export --to` writes
 SPECULATORS_VERSION = "0.9.0"  # the speculators release these configs were checked against
 
 
@@ -84,6 +87,9 @@ def layout_state(head, layout: str, dtype=None, order=None) -> dict[str, torch.T
         if head.config.fc_norm:  # each tap's norm moves with its fc block
             norms = [state[f"fc_norm.{i}.weight"] for i in order]
             state.update({f"fc_norm.{j}.weight": w for j, w in enumerate(norms)})
+        if head.config.norm_before_fc:  # so does each tap's slice of the one norm over all of them
+            w = state["input_norm.weight"]
+            state["input_norm.weight"] = torch.cat([w[i * H:(i + 1) * H] for i in order])
     if layout in ("speculators", "eagle1"):
         state["embed_tokens.weight"] = head.target_module("embed_tokens").weight
     if "mask_hidden" in state:  # P-EAGLE: speculators' [1, 1, taps * H]
@@ -157,12 +163,26 @@ def export_config(cfg: HeadConfig, layout: str, dtype: str, verifier: str | None
 
 # ---- export and load back -------------------------------------------------------------------
 def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int = 3, overwrite: bool = False,
-                verifier_architectures=None, verifier: str | None = None) -> Path:
+                verifier_architectures=None, verifier: str | None = None, target_dir=None,
+                gguf_type: str = "f16") -> Path:
     """Write ``head`` as ``layout`` into ``out_dir`` (config.json + model.safetensors), validated.
 
     ``verifier``: the target's id written where engines read it (default: from the head's target
     name, see heads.export_verifier); required by the speculators layout.
+    ``layout="llama.cpp"``: the GGUF llama-server drafts with (``out_dir/head-<gguf_type>.gguf``, through
+    llama.cpp's converter, eaglekit.llama_cpp), reading the tokenizer from ``target_dir`` (default: the
+    folder of the target the head was trained for); the file's path is returned.
     """
+    if layout == LLAMA_CPP:
+        from eaglekit import llama_cpp
+        from eaglekit.target import resolve
+
+        if (why := llama_cpp.refusal(head.config)) is not None:  # before the target's folder is even looked up
+            raise ExportError(why)
+        target_dir = target_dir or resolve(head.config.target_name)[0]
+        with tempfile.TemporaryDirectory(prefix="eaglekit-gguf-") as work:  # the vLLM layout: what it converts
+            layout = export_head(head, Path(work) / "vllm", "vllm")
+            return llama_cpp.export_gguf(layout, out_dir, target_dir, outtype=gguf_type, overwrite=overwrite)
     layout_engines(layout)
     if head.config.kind == DFLASH:
         refuse_dflash(head.config, layout)
@@ -222,6 +242,12 @@ def export_to(src, dst, layout: str, target, dtype=None, overwrite: bool = False
               **kw) -> Path:
     """Load the head in ``src`` (checked against ``target``) and export it to ``dst``."""
     head = load_head(src, target)
+    if layout == LLAMA_CPP:
+        from eaglekit.target import resolve
+
+        kw.pop("speculative_tokens", None)
+        return export_head(head, dst, layout, overwrite=overwrite, target_dir=resolve(target.name)[0], **kw)
+    kw.pop("gguf_type", None)
     archs = list(getattr(target.config, "architectures", None) or [])
     return export_head(head, dst, layout, dtype=dtype, overwrite=overwrite, verifier_architectures=archs,
                        verifier=verifier, **kw)

@@ -49,9 +49,10 @@ class Engine:
     targets: tuple[str, ...] = ()
 
 
-# EAGLE 3.1's head flags (HeadConfig.fc_norm / norm_output): config.json fields of these names, False when absent
-EAGLE31_FLAGS = {"fc_norm": False, "norm_output": False}
-HEAD_FLAGS = ("norm_before_residual", *EAGLE31_FLAGS)  # the flags an engine runs a head with (read_flag)
+# the optional norms of an EAGLE-3 head (HeadConfig.fc_norm / norm_output: EAGLE 3.1; norm_before_fc: one norm
+# over the concatenated taps): config.json fields of these names, False when absent
+NORM_FLAGS = {"fc_norm": False, "norm_output": False, "norm_before_fc": False}
+HEAD_FLAGS = ("norm_before_residual", *NORM_FLAGS)  # the flags an engine runs a head with (read_flag)
 
 VLLM = "vLLM 0.33.0 (vllm-project/vllm, PyPI wheel vllm==0.33.0)"
 # target classes that implement vLLM's SupportsEagle3 (the runner refuses any other, gpu_model_runner.py:5173);
@@ -78,7 +79,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
         "vllm", VLLM, ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"),
         tap_offset=0, tap_ids_at=(TAP_KEY, EAGLE_CONFIG_TAPS),
         tap_count_at=("num_aux_hidden_states", EAGLE_CONFIG_TAPS),
-        flags={"norm_before_residual": False, **EAGLE31_FLAGS}, key_map={"midlayer.": "layers.0."},
+        flags={"norm_before_residual": False, **NORM_FLAGS}, key_map={"midlayer.": "layers.0."},
         notes=(("d2t is renamed draft_id_to_target_id and t2d skipped; with draft vocab == target vocab "
                 "the model has no draft_id_to_target_id, so d2t/t2d must be absent"),
                "embed_tokens.weight is optional (shared with the target when absent)"),
@@ -97,13 +98,15 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
             "norm_output read (default False): the next step reads the post-norm hidden state":
                 "vllm/model_executor/models/llama_eagle3.py:252,285-286",
             "fc_norm.N.weight loaded as model.fc_norm.N.weight": "vllm/model_executor/models/llama_eagle3.py:443-444",
+            "norm_before_fc read (eagle_config, then top level; default False): one RMSNorm over the concatenated "
+            "taps, weight input_norm.weight": "vllm/model_executor/models/llama_eagle3.py:184-188,223-229,405-407,464-465",
             **VLLM_TARGET_SOURCES,
         }, targets=VLLM_TARGETS),
     Engine(
         "sglang", SGLANG, ("LlamaForCausalLMEagle3",),
         tap_offset=-1, tap_ids_at=(EAGLE_CONFIG_TAPS,),
         tap_count_at=("num_aux_hidden_states", EAGLE_CONFIG_TAPS),
-        fixed={"norm_before_residual": False}, flags=dict(EAGLE31_FLAGS), key_map={"midlayer.": "layers.0."},
+        fixed={"norm_before_residual": False}, flags=dict(NORM_FLAGS), key_map={"midlayer.": "layers.0."},
         notes=(("ids are read only from eagle_config; an id k there is the OUTPUT of layer k (it captures "
                 "layer k+1's input); without eagle_config it captures the inputs of layers 2, N//2, N-3"),
                "the first layer's residual is always the fused feature g: norm_before_residual is not read",
@@ -122,6 +125,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
                 "python/sglang/srt/models/llama_eagle3.py:184-196,240-246",
             "norm_output read (default False): the next step reads the post-norm hidden state":
                 "python/sglang/srt/models/llama_eagle3.py:207,267-269",
+            "norm_before_fc read (eagle_config, then top level; default False), input_norm over the taps":
+                "python/sglang/srt/models/llama_eagle3.py:173-182,239-240",
             "EAGLE-3 targets = classes with set_eagle3_layers_to_capture":
                 "python/sglang/srt/models/llama.py:929,956, mistral.py:33, qwen2.py:781, qwen3.py:778, "
                 "qwen3_moe.py:1128, gpt_oss.py:1337, deepseek_v2.py:3458,3518, gemma3_causal.py:917, "
@@ -131,7 +136,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
     Engine(
         "speculators", SPECULATORS, ("Eagle3Speculator",),
         tap_offset=0, tap_ids_at=(TAP_KEY,), tap_count_at=(TAP_KEY,),
-        flags={"norm_before_residual": False, **EAGLE31_FLAGS},
+        flags={"norm_before_residual": False, **NORM_FLAGS},
         verifier_at="speculators_config.verifier.name_or_path",
         notes=(("from_pretrained reads the verifier's config (layer count) and its embed_tokens / lm_head "
                 "/ final norm from verifier.name_or_path: a Hub id or a local model folder"),
@@ -144,13 +149,15 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
                                                     "speculators/models/eagle3/model_definitions.py:73-81",
             "fc_norm / norm_output (default False)": "speculators/models/eagle3/config.py:66-84, "
                                                      "speculators/models/eagle3/core.py:130-140,238-243,302-306",
+            "norm_before_fc (default False; exclusive with fc_norm), weight input_norm.weight":
+                "speculators/models/eagle3/config.py:58-64,89-95, speculators/models/eagle3/core.py:122-128,236-237",
         }),
     Engine(
         "vllm-speculators", VLLM, ("Eagle3Speculator",),
         tap_offset=0, tap_ids_at=(TAP_KEY, f"transformer_layer_config.{EAGLE_CONFIG_TAPS}"),
         tap_count_at=("transformer_layer_config.num_aux_hidden_states",
                       f"transformer_layer_config.{EAGLE_CONFIG_TAPS}"),
-        flags={"norm_before_residual": True, **EAGLE31_FLAGS},
+        flags={"norm_before_residual": True, **NORM_FLAGS},
         verifier_at="speculators_config.verifier.name_or_path", verifier_must_be_hub_id=True,
         notes=(("vLLM builds the draft config from transformer_layer_config plus the top-level eagle3 "
                 "fields; norm_before_residual defaults to TRUE on this path"),
@@ -163,13 +170,13 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
             "verifier must be a Hub repo id": "vllm/transformers_utils/config.py:859-873",
             "tap ids read (top level, then eagle_config)": "vllm/v1/worker/gpu_model_runner.py:5207-5219",
             "fc width": "vllm/model_executor/models/llama_eagle3.py:209-221",
-            "fc_norm / norm_output copied from the top level (default False)":
-                "vllm/transformers_utils/configs/speculators/algos.py:37-38",
+            "fc_norm / norm_output / norm_before_fc copied from the top level (default False)":
+                "vllm/transformers_utils/configs/speculators/algos.py:36-38",
             **VLLM_TARGET_SOURCES,
         }, targets=VLLM_TARGETS),
     Engine(
         "safeailab-eagle", SAFEAILAB, ("",),
-        taps_sorted_unique=False, fixed={"fc_norm": False, "norm_output": False},
+        taps_sorted_unique=False, fixed={"fc_norm": False, "norm_output": False, "norm_before_fc": False},
         notes=(("EaModel loads pytorch_model.bin, else model.safetensors, with strict=False; the v1 "
                 "branch loads strictly and needs embed_tokens.weight (written), pytorch_model.bin and a "
                 "fixed RoPE base (not targeted)"),

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from eaglekit.heads.config import DFLASH, EAGLE1, EAGLE3, PEAGLE, HeadConfig, target_rope
 from eaglekit.heads.dflash_layout import DFLASH_ARCH, check_dflash_fields, dflash_head_config, dflash_weights
 from eaglekit.heads.export_engines import (
-    EAGLE31_FLAGS,
+    NORM_FLAGS,
     ENGINES,
     HEAD_FLAGS,
     LAYOUT_ENGINES,
@@ -98,6 +98,8 @@ def expected_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int],
     keys = {"fc.weight": [H, len(cfg.aux_layer_ids) * H], "norm.weight": [H], "lm_head.weight": [Vd, H]}
     if cfg.fc_norm:  # EAGLE 3.1: one norm per tap, in fc's column-block order
         keys.update({f"fc_norm.{i}.weight": [H] for i in range(len(cfg.aux_layer_ids))})
+    if cfg.norm_before_fc:  # one norm over the concatenated taps (every engine's input_norm)
+        keys["input_norm.weight"] = [len(cfg.aux_layer_ids) * H]
     for i, prefix in enumerate(names):
         keys.update(_layer_keys(cfg, prefix, first_eagle3=i == 0, input_norm=True))
     if layout == "speculators":
@@ -169,7 +171,7 @@ def eagle3_fields(cfg: HeadConfig) -> dict:
     every engine, so an EAGLE-3 export stays as it was)."""
     fields = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.hidden_size,
               "norm_before_residual": cfg.norm_before_residual}
-    return {**fields, **{flag: True for flag in EAGLE31_FLAGS if getattr(cfg, flag)}}
+    return {**fields, **{flag: True for flag in NORM_FLAGS if getattr(cfg, flag)}}
 
 
 def detect_layout(config: dict, where: str = "config.json") -> str:
@@ -211,7 +213,7 @@ def head_config_of(config: dict, layout: str, target=None, where: str = "config.
         rms_norm_eps=llama.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=llama.get("max_position_embeddings", 2048),
         norm_before_residual=bool(config.get("norm_before_residual", False)),
-        **{flag: bool(config.get(flag, False)) for flag in EAGLE31_FLAGS},
+        **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS},
         **(peagle_fields_of(config) if kind == PEAGLE else {}),
         target_name=config.get("speculators_config", {}).get("verifier", {}).get("name_or_path", ""))
 

@@ -48,6 +48,7 @@ class HeadSpec:
     init_from: str | None = None  # a saved head (folder or export): start from its weights and draft vocab
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm per tap before fc (docs/training.md "EAGLE 3.1")
     norm_output: bool = False  # EAGLE 3.1: each draft step reads the previous step's post-norm hidden state
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated taps before fc (what llama.cpp serves)
     block_size: NonNegInt = 0  # parallel drafters (peagle, dflash): positions one forward fills; 0 = the kind's default
 
 
@@ -129,11 +130,12 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
                         ("loss.chunk_tokens", cfg.loss.chunk_tokens)):
         if int(value) < 1:
             raise ConfigError(f"{where}: {name} must be >= 1, got {value}")
-    if h.fc_norm or h.norm_output:  # the head config says which kinds can take them
+    if h.fc_norm or h.norm_output or h.norm_before_fc:  # the head config says which kinds can take them
         try:
-            HeadConfig(kind=h.kind, fc_norm=h.fc_norm, norm_output=h.norm_output)
+            HeadConfig(kind=h.kind, fc_norm=h.fc_norm, norm_output=h.norm_output, norm_before_fc=h.norm_before_fc)
         except ValueError as e:
-            raise ConfigError(f"{where}: head.fc_norm / head.norm_output with head.kind={h.kind!r}: {e}") from None
+            raise ConfigError(f"{where}: head.fc_norm / head.norm_output / head.norm_before_fc with "
+                              f"head.kind={h.kind!r}: {e}") from None
     if cfg.loss.lk_acceptance != "sampled" and cfg.loss.objective == "kl":
         raise ConfigError(f"{where}: loss.lk_acceptance={cfg.loss.lk_acceptance!r} applies to the LK objectives; "
                           "set loss.objective to lk, lk_alpha or lk_tv (or leave lk_acceptance 'sampled')")

@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from helpers import shared_greedy
+from helpers import fit_head, shared_greedy
 
 from eaglekit import assets, decode
 from eaglekit.decode.drafters import TreeSpec
@@ -144,36 +144,18 @@ def fitted_head(target, root):
     paths, full-depth trees and bonus tokens on a real target, which an untrained head never reaches. A
     memorised head, not a useful one (test_train_real checks that training learns).
     ``EAGLEKIT_TEST_HEAD=<head dir>`` checks a head of yours instead."""
-    import json
-
     from eaglekit.heads import load_head
 
     if os.environ.get("EAGLEKIT_TEST_HEAD"):
         return load_head(os.environ["EAGLEKIT_TEST_HEAD"], target)
     if target.name not in _FITTED:
-        from unittest import mock
-
-        from eaglekit.train import build
-        from eaglekit.train.config import load_train_config
-        from eaglekit.train.trainer import build_trainer
-
         convs = []
         for i, (q, ids) in enumerate(zip(assets.load_mt_bench(), mt_bench_prompts(target))):
             ref = hf_greedy(target, ids, REF_TOKENS[target.name])
             answer = target.tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
             convs.append({"id": str(i), "messages": [{"role": "user", "content": q["turns"][0]},
                                                      {"role": "assistant", "content": answer}]})
-        convs.append({**convs[0], "id": "held-out"})  # the split takes the last one; all 5 are trained on
-        data = root / "fitted.jsonl"
-        data.write_text("".join(json.dumps(c) + "\n" for c in convs))
-        cfg = load_train_config(None, [
-            f"target={target.name}", f"data.conversations={data}", "data.eval_samples=1", "data.batch_size=1",
-            "data.max_length=256", "head.draft_vocab_size=1024", "loss.ttt_steps=3", "optim.lr=3e-3",
-            "optim.warmup_steps=0", "optim.epochs=12", "eval_interval=0", "save_interval=0", "progress=false",
-            "trackers=[]", f"output_dir={root / 'fitted'}"])
-        with mock.patch.object(build, "build_target", lambda cfg, device: target):  # the session's target
-            build_trainer(cfg).fit()
-        _FITTED[target.name] = load_head(root / "fitted" / "final", target)
+        _FITTED[target.name] = load_head(fit_head(target, convs, root / "fitted"), target)
     return _FITTED[target.name]
 
 

@@ -1,7 +1,8 @@
 """EAGLE 3.1's head options (HeadConfig.fc_norm / norm_output) on a tiny target: off by default and then the
 EAGLE-3 path unchanged; on, a norm per tap before fc and the post-norm hidden state fed to the next draft
 step, the same in training's unroll and in sequential drafting; saved, loaded, exported (the engines'
-reading of the flags is in test_heads_engines); greedy decoding still exact; refusals name the item."""
+reading of the flags is in test_heads_engines); greedy decoding still exact; refusals name the item.
+norm_before_fc (one norm over the concatenated taps, what llama.cpp serves) goes through the same checks."""
 import json
 
 import pytest
@@ -66,6 +67,18 @@ def test_heads_eagle31_fc_norm_normalises_each_tap(target):
     assert not torch.allclose(plain.fuse(rescaled), plain.fuse(taps), atol=1e-2)
 
 
+def test_heads_norm_before_fc_normalises_the_concatenated_taps(target):
+    head = make(target, norm_before_fc=True)
+    n = len(head.taps)
+    assert head.input_norm.weight.shape == (n * H,) and not hasattr(head, "fc_norm")
+    taps = torch.randn(1, 6, n * H, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(head.fuse(taps), head.fc(head.input_norm(taps)))
+    torch.testing.assert_close(head.fuse(taps * 7.0), head.fuse(taps), atol=1e-4, rtol=1e-4)  # one scale for all
+    parts = taps.chunk(n, dim=-1)
+    rescaled = torch.cat([p * s for p, s in zip(parts, (10.0, 0.2, 3.0))], dim=-1)
+    assert not torch.allclose(head.fuse(rescaled), head.fuse(taps), atol=1e-2)  # unlike fc_norm's per-tap norms
+
+
 def test_heads_eagle31_norm_output_feeds_the_post_norm_state(target):
     head, plain = make(target, norm_output=True), make(target)
     plain.load_state_dict(head.state_dict())  # the same weights, only the feedback differs
@@ -101,8 +114,10 @@ def test_heads_eagle31_unroll_equals_sequential_drafting(target):
                 torch.testing.assert_close(lg[0, 0], unrolled[k][1][b, t], atol=1e-5, rtol=1e-5)
 
 
-def test_heads_eagle31_saved_loaded_exported(target, tmp_path):
-    head = make(target, fc_norm=True, norm_output=True)
+@pytest.mark.parametrize("flags", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True, "norm_output": True}],
+                         ids=["eagle31", "norm_before_fc"])
+def test_heads_eagle31_saved_loaded_exported(target, tmp_path, flags):
+    head = make(target, **flags)
     ids = torch.randint(0, V, (1, 7))
 
     def two_steps(h):
@@ -112,22 +127,24 @@ def test_heads_eagle31_saved_loaded_exported(target, tmp_path):
     want = two_steps(head)
     head.save_pretrained(tmp_path / "native")
     saved = json.loads((tmp_path / "native" / "config.json").read_text())
-    assert saved["fc_norm"] is True and saved["norm_output"] is True
+    assert all(saved[k] is True for k in flags)
     for layout in ("vllm", "sglang", "speculators"):
         out = export_head(head, tmp_path / layout, layout, verifier="me/tiny")
         cfg = json.loads((out / "config.json").read_text())
-        assert cfg["fc_norm"] is True and cfg["norm_output"] is True  # where every engine reads them
+        assert all(cfg[k] is True for k in flags)  # where every engine reads them
     for folder in ("native", "vllm", "sglang", "speculators"):
-        back = load_head(tmp_path / folder, target)
-        assert back.config.fc_norm and back.config.norm_output, folder
+        back = load_head(tmp_path / folder, target)  # taps [9, 1, 5] written sorted: the norms move with fc
+        assert all(getattr(back.config, k) for k in flags), folder
         torch.testing.assert_close(two_steps(back), want, atol=1e-6, rtol=1e-6)
     plain = export_head(make(target), tmp_path / "plain", "vllm")
     cfg = json.loads((plain / "config.json").read_text())
-    assert "fc_norm" not in cfg and "norm_output" not in cfg  # an EAGLE-3 export as before
+    assert not {"fc_norm", "norm_output", "norm_before_fc"} & set(cfg)  # an EAGLE-3 export as before
 
 
-def test_heads_eagle31_greedy_decoding_is_exact(target):
-    head = make(target, fc_norm=True, norm_output=True)
+@pytest.mark.parametrize("flags", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}],
+                         ids=["eagle31", "norm_before_fc"])
+def test_heads_eagle31_greedy_decoding_is_exact(target, flags):
+    head = make(target, **flags)
     for i, n in enumerate((20, 31)):
         ids = torch.randint(3, V, (1, 5 + i), generator=torch.Generator().manual_seed(i))
         ref = target.model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -146,8 +163,12 @@ def test_heads_eagle31_refusals(target, tmp_path):
     base = ["data.features_dir=x", "target=tiny"]
     cfg = load_train_config(None, base + ["head.fc_norm=true", "head.norm_output=true"])
     assert cfg.head.fc_norm and cfg.head.norm_output
-    with pytest.raises(ConfigError, match=r"head.fc_norm / head.norm_output with head.kind='eagle1'"):
+    with pytest.raises(ConfigError, match=r"head.norm_before_fc with head.kind='eagle1'"):
         load_train_config(None, base + ["head.kind=eagle1", "head.norm_output=true"])
+    with pytest.raises(ValueError, match="exclude each other"):
+        HeadConfig.from_target(target, kind="eagle3", fc_norm=True, norm_before_fc=True)
+    with pytest.raises(ConfigError, match="exclude each other"):
+        load_train_config(None, base + ["head.fc_norm=true", "head.norm_before_fc=true"])
 
 
 def test_heads_eagle31_foreign_checkpoint_reads_the_engine_fields(target, tmp_path):

@@ -97,7 +97,8 @@ def engine_logits(out_dir, engine_name, target, ids, steps=1):
                      rope_theta=llama["rope_theta"], max_position_embeddings=llama["max_position_embeddings"],
                      norm_before_residual=bool(read_flag(config, engine, "norm_before_residual")),
                      fc_norm=bool(read_flag(config, engine, "fc_norm")),
-                     norm_output=bool(read_flag(config, engine, "norm_output")))
+                     norm_output=bool(read_flag(config, engine, "norm_output")),
+                     norm_before_fc=bool(read_flag(config, engine, "norm_before_fc")))
     sim = build_head(cfg, target)
     sim.load_state_dict({**state, "d2t": sim.d2t, "t2d": sim.t2d}, strict=True)
     hidden = target.model(ids, output_hidden_states=True).hidden_states  # [k] = input of layer k
@@ -163,21 +164,23 @@ def test_heads_engines_table_matches_the_engine_sources():
     for e in (vllm, sgl, spec, vspec):  # EAGLE 3.1's flags: read by every EAGLE-3 engine, off when absent
         assert read_flag({}, e, "fc_norm") is False and read_flag({}, e, "norm_output") is False
         assert read_flag({"fc_norm": True, "norm_output": True}, e, "fc_norm") is True
-    assert ENGINES["safeailab-eagle"].fixed == {"fc_norm": False, "norm_output": False}
+        assert read_flag({}, e, "norm_before_fc") is False and read_flag({"norm_before_fc": True}, e, "norm_before_fc")
+    assert ENGINES["safeailab-eagle"].fixed == {"fc_norm": False, "norm_output": False, "norm_before_fc": False}
 
 
+@pytest.mark.parametrize("norm", ["fc_norm", "norm_before_fc"])
 @pytest.mark.parametrize("layout", ["vllm", "sglang", "speculators"])
-def test_heads_engines_run_eagle31_heads_as_eaglekit_does(target, tmp_path, layout):
-    """fc_norm and norm_output (EAGLE 3.1) as each engine reads them: two chained draft steps, taps out of
-    order (each tap's norm moves with its fc block)."""
-    head = make(target, [9, 0, 4, 7], fc_norm=True, norm_output=True)
+def test_heads_engines_run_eagle31_heads_as_eaglekit_does(target, tmp_path, layout, norm):
+    """fc_norm (or norm_before_fc) and norm_output as each engine reads them: two chained draft steps, taps out
+    of order (each tap's norm, or its slice of the one norm, moves with its fc block)."""
+    head = make(target, [9, 0, 4, 7], norm_output=True, **{norm: True})
     out = export_head(head, tmp_path / "x", layout, verifier="me/tiny")
     ids = torch.randint(0, V, (1, 7))
     want = eaglekit_logits(target, head, ids, steps=2)
     for engine in LAYOUT_ENGINES[layout]:
         torch.testing.assert_close(engine_logits(out, engine, target, ids, steps=2), want, atol=1e-5, rtol=1e-5)
     plain = make(target, [9, 0, 4, 7])  # an engine that skipped either flag would draft this
-    plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("fc_norm")})
+    plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith(("fc_norm", "input_norm"))})
     assert not torch.allclose(eaglekit_logits(target, plain, ids, steps=2), want, atol=1e-3)
 
 

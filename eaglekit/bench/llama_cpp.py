@@ -1,0 +1,340 @@
+"""``eaglekit bench engine=llama.cpp``: real llama-server processes on the target's GGUF, side by side.
+
+Every configuration is its own llama-server (one slot, ``threads`` threads), all started before the first
+request and then asked in turn, prompt by prompt and repeat by repeat (the order rotated), so that machine
+drift hits them alike:
+
+- ``plain``: no drafter — the baseline every speedup divides by;
+- ``head``: the eaglekit head exported to GGUF (``draft-eagle3``) at the settings the planner chose;
+- ``head n=N p=P``: the sweep around it (``sweep_n_max``, ``sweep_p_min``), to show whether the choice is right;
+- llama.cpp's n-gram modes (``ngram_types``), a draft model (``draft=``, ``draft-simple``) and the head
+  combined with an n-gram mode where llama.cpp takes two types.
+
+Tokens/s is the server's decode phase (``timings.predicted_n / predicted_ms``, the prefill excluded), summed
+over the prompts; the report takes the median over repeats and each speedup is the median of the repeats'
+paired ratios. Acceptance comes from ``draft_n`` / ``draft_n_accepted``. Every greedy output is compared with
+plain llama-server's (llama.cpp's batched kernels can flip a near-tie: the first differing token is kept).
+
+The planner (``plan``) picks ``--spec-draft-n-max`` / ``--spec-draft-p-min`` from measured costs: the plain
+step time, the target's forward over n tokens (prompt processing of n new tokens after a cached prefix), the
+head's cost per forward (from a probe run) and the head's drafts replayed on calibration prompts (``replay``:
+eaglekit's own head on llama-server's own greedy output, its top-10-renormalised probabilities as llama.cpp's
+sampler gives them). It never sees the benched prompts.
+
+``replay`` also gives the τ eaglekit's head has on the exact sequences llama-server produced — the like-for-like
+τ beside the server's (``decode.generate``'s own τ is reported too: its fp32 target decodes slightly other text).
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from eaglekit import assets, llama_cpp
+from eaglekit.bench.prompts import load_questions
+from eaglekit.fileio import write_json
+
+PROBE = (3, 0.0)  # the head run that measures its cost per forward
+
+
+# ---- eaglekit's head on llama-server's sequences ------------------------------------------------------
+@torch.no_grad()
+def head_drafts(target, head, prompt: list[int], tokens: list[int], depth: int):
+    """(drafts [S, depth] target ids, top-prob [S, depth]) of chain drafting from every anchor of the sequence
+    ``prompt + tokens``: row t holds what the head drafts when the last known token is at t + 1 (the TTT unroll
+    equals sequential drafting; its probabilities are softmax over the top 10, llama.cpp's draft sampler)."""
+    from eaglekit.heads.objectives import ttt_unroll
+
+    seq = torch.tensor([list(prompt) + list(tokens)], device=target.device)
+    g = head.fuse(target.forward(seq, layer_ids=head.taps, logits=False).taps)
+    drafts, probs = [], []
+    for _, _, logits in ttt_unroll(head, seq, g, depth):
+        top = logits[0].float().topk(min(10, logits.shape[-1]), dim=-1)
+        drafts.append(top.indices[:, 0] + head.d2t[top.indices[:, 0]])
+        probs.append(top.values.softmax(-1)[:, 0])
+    return torch.stack(drafts, -1).cpu(), torch.stack(probs, -1).cpu()
+
+
+def replay(sequence: list[int], start: int, drafts, probs, n_max: int, p_min: float = 0.0) -> dict:
+    """llama.cpp's greedy chain on a known output: ``sequence`` = prompt + output, ``start`` = index of the first
+    output token (the prefill's). Each step drafts up to ``n_max`` tokens, stopping at a top probability below
+    ``p_min``; the target accepts the matching prefix and adds one token. Returns steps, drafted, accepted, head
+    forwards (one per drafted token, plus the one that stopped early) and τ (tokens per step)."""
+    n, p = len(sequence), start
+    steps = drafted = accepted = forwards = 0
+    draft_lengths = []
+    while p < n - 1:
+        t = p - 1
+        d = 0
+        while d < n_max and probs[t, d] >= p_min:
+            d += 1
+        a = 0
+        while a < d and p + 1 + a < n and int(drafts[t, a]) == sequence[p + 1 + a]:
+            a += 1
+        emitted = min(a + 1, n - 1 - p)
+        steps, drafted, accepted = steps + 1, drafted + d, accepted + emitted - 1
+        forwards += min(d + 1, n_max)
+        draft_lengths.append(d)
+        p += emitted
+    return {"steps": steps, "drafted": drafted, "accepted": accepted, "forwards": forwards,
+            "draft_lengths": draft_lengths, "tau": (n - 1 - start) / max(steps, 1)}
+
+
+# ---- measured costs and the planner -------------------------------------------------------------------
+def forward_ms(server, prompt: list[int], sizes, repeats: int = 5) -> dict[int, float]:
+    """The target's forward over n new tokens after a cached prefix (prompt processing): the fastest of
+    ``repeats`` per n (interference only ever adds time)."""
+    out = {}
+    for n in sizes:
+        times = []
+        for r in range(repeats):
+            base = list(prompt)
+            server.complete(base, 1, cache_prompt=True)  # cache the prefix
+            extra = [prompt[(i + r) % len(prompt)] for i in range(n)]
+            res = server.complete(base + extra, 1, cache_prompt=True)
+            if res.timings.get("prompt_n") == n:
+                times.append(float(res.timings["prompt_ms"]))
+        out[n] = min(times) if times else float("nan")
+    return out
+
+
+def plan(replays_by_setting: dict, step_ms: float, fwd: dict[int, float], head_ms: float) -> dict:
+    """Predicted decode tokens/s of every (n_max, p_min) from its replay on the calibration prompts: per step
+    the target's forward over d + 1 tokens (scaled so one token costs the plain step) plus ``head_ms`` per
+    head forward. Returns {(n, p): predicted tok/s} and the best setting."""
+    one = fwd.get(1) or step_ms
+    predicted = {}
+    for (n, p), runs in replays_by_setting.items():
+        ms = sum(step_ms * fwd.get(d + 1, fwd[max(fwd)] * (d + 1) / max(fwd)) / one + head_ms * f
+                 for r in runs for d, f in zip(r["draft_lengths"], _forwards(r["draft_lengths"], n)))
+        tokens = sum(r["steps"] * r["tau"] for r in runs)
+        predicted[(n, p)] = 1000.0 * tokens / ms if ms else 0.0
+    best = max(predicted, key=predicted.get)
+    return {"predicted_tokens_per_s": predicted, "n_max": best[0], "p_min": best[1]}
+
+
+def _forwards(lengths, n_max):
+    return [min(d + 1, n_max) for d in lengths]
+
+
+# ---- the bench ------------------------------------------------------------------------------------------
+def _gguf(name_or_path: str | None) -> Path | None:
+    if not name_or_path:
+        return None
+    p = Path(name_or_path)
+    if p.suffix == ".gguf" and p.is_file():
+        return p
+    if name_or_path in assets.ASSETS:
+        return assets.asset_file(name_or_path)
+    raise FileNotFoundError(f"{name_or_path}: not a .gguf file nor an embedded model (engine=llama.cpp serves GGUF)")
+
+
+def configurations(cfg, head_gguf, draft_gguf, chosen) -> dict[str, dict]:
+    """name -> llama_cpp.Server keyword arguments (``model`` added by the caller)."""
+    out = {"plain": {}}
+    if head_gguf is not None:
+        eagle = {"draft": head_gguf, "spec_type": "draft-eagle3"}
+        out["head"] = {**eagle, "n_max": chosen[0], "p_min": chosen[1]}
+        for n in cfg.sweep_n_max:
+            if n != chosen[0]:
+                out[f"head n={n} p={chosen[1]:g}"] = {**eagle, "n_max": n, "p_min": chosen[1]}
+        for p in cfg.sweep_p_min:
+            if p != chosen[1]:
+                out[f"head n={chosen[0]} p={p:g}"] = {**eagle, "n_max": chosen[0], "p_min": p}
+        for t in cfg.combine_ngram:
+            out[f"head+{t}"] = {**eagle, "spec_type": f"draft-eagle3,{t}", "n_max": chosen[0], "p_min": chosen[1]}
+    for t in cfg.ngram_types:
+        out[t] = {"spec_type": t}
+    if draft_gguf is not None:
+        out["draft model"] = {"draft": draft_gguf, "spec_type": "draft-simple", "n_max": cfg.gamma}
+    return out
+
+
+def run_llama_cpp_bench(cfg) -> dict:
+    from eaglekit.heads import export_head, load_head
+    from eaglekit.target import load_target
+
+    root = llama_cpp.require()
+    threads = cfg.threads or None
+    model = _gguf(cfg.target_gguf or cfg.target)
+    target = load_target(cfg.target)  # the tokenizer's chat template, and the head's replay
+    out_dir = Path(cfg.out)
+    head = load_head(cfg.head, target) if cfg.head else None
+    head_gguf = Path(cfg.head_gguf) if cfg.head_gguf else None
+    if head is not None and head_gguf is None:
+        head_gguf = export_head(head, out_dir / "head", "llama.cpp", gguf_type=cfg.gguf_type, overwrite=True)
+    questions = load_questions(cfg.dataset, cfg.prompts + cfg.calibration_prompts, cfg.prompt_order)
+    prompts = [target.chat_ids(text)[0].tolist() for _, text in questions]
+    bench, calib = prompts[:cfg.prompts], prompts[cfg.prompts:]
+    planner = None
+    with llama_cpp.Server(model, root=root, threads=threads) as plain:
+        refs = [plain.complete(ids, cfg.max_new_tokens) for ids in bench]
+        calib_refs = [plain.complete(ids, cfg.max_new_tokens) for ids in calib]
+        fwd = forward_ms(plain, bench[0], range(1, max(cfg.sweep_n_max + [PROBE[0], 8]) + 2)) if head else {}
+    chosen = (cfg.n_max or PROBE[0], cfg.p_min if cfg.p_min >= 0 else 0.0)
+    if head is not None and head_gguf is not None:
+        planner = _plan(cfg, root, model, head_gguf, target, head, calib, calib_refs, fwd, threads)
+        if not cfg.n_max:
+            chosen = (planner["n_max"], chosen[1] if cfg.p_min >= 0 else planner["p_min"])
+        elif cfg.p_min < 0:
+            chosen = (cfg.n_max, max((p for (n, p) in planner["predicted_tokens_per_s"] if n == cfg.n_max),
+                                     key=lambda p: planner["predicted_tokens_per_s"][(cfg.n_max, p)]))
+    confs = configurations(cfg, head_gguf, _gguf(cfg.draft), chosen)
+    runs = measure(cfg, root, model, confs, bench, refs, threads)
+    report = summarise(runs, refs)
+    if head is not None:
+        report["eaglekit"] = _eaglekit_tau(target, head, bench, refs, chosen)
+    if planner is not None:
+        report["planner"] = {"chosen": {"n_max": chosen[0], "p_min": chosen[1]},
+                             "predicted_tokens_per_s": {f"n={n} p={p:g}": v
+                                                        for (n, p), v in planner["predicted_tokens_per_s"].items()},
+                             "costs": planner["costs"]}
+    return {"config": asdict(cfg), "engine": f"llama.cpp (llama-cpp-python=={llama_cpp.VERSION} vendor)",
+            "target_gguf": str(model), "head_gguf": str(head_gguf) if head_gguf else None,
+            "head_gguf_mb": head_gguf.stat().st_size / 2**20 if head_gguf else None,
+            "target_gguf_mb": model.stat().st_size / 2**20, "threads": threads,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **report}
+
+
+def _plan(cfg, root, model, head_gguf, target, head, calib, calib_refs, fwd, threads) -> dict:
+    """Measure the head's cost per forward (a probe server) and plan (n_max, p_min) on the calibration prompts."""
+    depth = max(cfg.sweep_n_max + [PROBE[0], 8])
+    drafts = [head_drafts(target, head, ids, r.tokens, depth) for ids, r in zip(calib, calib_refs)]
+    replays = {(n, p): [replay(ids + r.tokens, len(ids), d, q, n, p) for ids, r, (d, q) in zip(calib, calib_refs, drafts)]
+               for n in range(1, depth + 1) for p in cfg.plan_p_min}
+    with llama_cpp.Server(model, draft=head_gguf, spec_type="draft-eagle3", n_max=PROBE[0], p_min=PROBE[1],
+                          root=root, threads=threads) as probe:
+        outs = [probe.complete(ids, cfg.max_new_tokens) for ids in calib]
+    step_ms = sum(float(r.timings["predicted_ms"]) for r in calib_refs) / sum(len(r.tokens) for r in calib_refs)
+    probe_ms = sum(float(o.timings["predicted_ms"]) for o in outs)
+    probe_steps = sum(o.steps for o in outs)
+    rp = replays[PROBE]
+    target_ms = sum(step_ms * fwd.get(d + 1, float("nan")) / fwd[1] for r in rp for d in r["draft_lengths"])
+    head_ms = max((probe_ms * sum(r["steps"] for r in rp) / max(probe_steps, 1) - target_ms)
+                  / max(sum(r["forwards"] for r in rp), 1), 0.0)
+    planned = plan(replays, step_ms, fwd, head_ms)
+    planned["costs"] = {"plain_step_ms": step_ms, "forward_ms_by_tokens": fwd, "head_ms_per_forward": head_ms,
+                        "probe": {"n_max": PROBE[0], "p_min": PROBE[1], "tau_server": _tau(outs),
+                                  "tau_replay": _tau_replay(rp)}}
+    return planned
+
+
+def measure(cfg, root, model, confs: dict, prompts, refs, threads) -> dict:
+    """Start every configuration's server, then ask each in turn (rotated per prompt) ``cfg.repeats`` times."""
+    servers = {name: llama_cpp.Server(model, root=root, threads=threads, **kw) for name, kw in confs.items()}
+    runs = {name: [] for name in servers}
+    try:
+        for s in servers.values():
+            s.__enter__()
+        for s in servers.values():  # warm-up: first-request allocations
+            s.complete(prompts[0][:32], 8)
+        names = list(servers)
+        for rep in range(cfg.repeats):
+            outs = {name: [] for name in names}
+            for i, ids in enumerate(prompts):
+                k = (rep * len(prompts) + i) % len(names)
+                for name in names[k:] + names[:k]:
+                    outs[name].append(servers[name].complete(ids, cfg.max_new_tokens))
+            for name in names:
+                runs[name].append(outs[name])
+    finally:
+        for s in servers.values():
+            s.close()
+    return runs
+
+
+def _tau(outs) -> float:
+    return sum(len(o.tokens) - 1 for o in outs) / max(sum(o.steps for o in outs), 1)
+
+
+def _tau_replay(runs) -> float:
+    return sum(r["steps"] * r["tau"] for r in runs) / max(sum(r["steps"] for r in runs), 1)
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return j if j is not None else (None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def summarise(runs: dict, refs) -> dict:
+    def tps(outs):
+        return sum(int(o.timings["predicted_n"]) for o in outs) / sum(float(o.timings["predicted_ms"]) for o in outs) * 1e3
+
+    plain = [tps(rep) for rep in runs["plain"]]
+    results = {}
+    for name, reps in runs.items():
+        speeds = [tps(rep) for rep in reps]
+        diffs = [[_first_diff(o.tokens, r.tokens) for o, r in zip(rep, refs)] for rep in reps]
+        flat = list(itertools.chain(*reps))
+        drafted = sum(o.draft_n for o in flat)
+        results[name] = {
+            "tokens_per_s": statistics.median(speeds), "repeats_tokens_per_s": speeds,
+            "speedup_vs_plain": statistics.median(s / p for s, p in zip(speeds, plain)),
+            "tau": _tau(flat) if drafted else None, "draft_n": drafted,
+            "acceptance": sum(o.accepted for o in flat) / drafted if drafted else None,
+            "identical_to_plain": f"{sum(d is None for d in diffs[0])}/{len(refs)}",
+            "first_differences": [d for d in diffs[0]],
+        }
+    return {"results": results}
+
+
+def _eaglekit_tau(target, head, prompts, refs, chosen) -> dict:
+    """eaglekit's τ for the head at the same chain: replayed on llama-server's outputs (like for like) and
+    decoded by eaglekit's own loop (its fp32 target's text)."""
+    from eaglekit import decode
+    from eaglekit.decode.drafters import TreeSpec
+
+    n, p = chosen
+    runs = []
+    for ids, r in zip(prompts, refs):
+        d, q = head_drafts(target, head, ids, r.tokens, n)
+        runs.append(replay(ids + r.tokens, len(ids), d, q, n, p))
+    own = [decode.generate(target, head, torch.tensor([ids]), len(r.tokens), eos_token_id=False,
+                           tree=TreeSpec(depth=n, top_k=1, total_tokens=n)).stats for ids, r in zip(prompts, refs)]
+    return {"n_max": n, "p_min": p, "tau_replay_on_server_outputs": _tau_replay(runs),
+            "tau_decode_generate": sum(sum(s.accept_lengths) for s in own) / max(sum(len(s.accept_lengths) for s in own), 1)}
+
+
+def table(report: dict) -> str:
+    rows = ["| configuration | tok/s | speedup | τ | acceptance | identical |", "|---|---|---|---|---|---|"]
+    for name, r in report["results"].items():
+        tau = f"{r['tau']:.2f}" if r["tau"] else "—"
+        acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "—"
+        rows.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | {tau} | {acc} | "
+                    f"{r['identical_to_plain']} |")
+    if "eaglekit" in report:
+        e = report["eaglekit"]
+        rows.append(f"\neaglekit's τ for the head at n_max={e['n_max']} p_min={e['p_min']:g}: "
+                    f"{e['tau_replay_on_server_outputs']:.3f} replayed on llama-server's outputs, "
+                    f"{e['tau_decode_generate']:.3f} in decode.generate (its own fp32 text)")
+    return "\n".join(rows)
+
+
+def write(report: dict, out: str) -> Path:
+    c = report["config"]
+    name = f"llama-cpp-{Path(c['target']).stem}-{c['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = write_json(Path(out) / f"{name}.json", report)
+    plot_engine(report, path.with_suffix(".png"))
+    return path
+
+
+def plot_engine(report: dict, path: Path) -> Path | None:
+    from eaglekit.bench.plots import _pyplot, _save
+
+    plt = _pyplot()
+    if plt is None:
+        return None
+    names = list(report["results"])
+    speed = [report["results"][n]["speedup_vs_plain"] for n in names]
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(names)), 4))
+    ax.bar(range(len(names)), speed, color=["grey" if n == "plain" else "tab:blue" for n in names])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+    ax.set_ylabel("decode tokens/s vs plain llama-server")
+    c = report["config"]
+    ax.set_title(f"llama.cpp — {Path(c['target']).stem} — {c['dataset']}")
+    return _save(plt, fig, path)

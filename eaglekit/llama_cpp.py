@@ -1,0 +1,311 @@
+"""llama.cpp, the engine CPU users run: the pinned build, a head as the GGUF llama-server drafts with, and
+llama-server processes (token ids in; tokens, timings and draft counts out).
+
+    root = build()                                    # once: ~/.cache/eaglekit/llama.cpp-0.3.36 (bin/, converter)
+    export_head(head, "out/", "llama.cpp")            # heads.export: out/head-f16.gguf via llama.cpp's converter
+    with Server(target_gguf, draft=gguf, n_max=3) as s:
+        r = s.complete(ids, n_predict=128)            # r.tokens, r.tokens_per_s, r.draft_n, r.accepted, r.tau
+
+The source is the llama-cpp-python sdist's vendor/llama.cpp (only the package registry is needed); the build
+is native, so the cache is stamped with this CPU's flags and another CPU rebuilds. What llama.cpp's EAGLE-3
+(``--spec-type draft-eagle3``) can represent is narrower than what eaglekit trains: one decoder layer, three
+taps, ``norm_before_fc`` or no norm before ``fc`` (not per-tap ``fc_norm``), the pre-norm feature fed back
+(not ``norm_output``). ``refusal`` names what else a head would need; heads.export_head asks it before writing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eaglekit import assets
+from eaglekit.fileio import publish_dir
+
+VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp we build
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+BINARIES = ("llama-server", "llama-quantize")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # what the converter writes (--outtype); q8_0 halves f16's bytes
+SERVABLE = ("head.kind=eagle3 head.num_layers=1 head.fc_norm=false head.norm_output=false "
+            "(head.norm_before_fc=true for a norm over the taps) and three taps")
+
+
+class LlamaCppError(RuntimeError):
+    """The pinned llama.cpp could not be built, a head cannot be served by it, or a server failed."""
+
+
+# ---- the pinned build ----------------------------------------------------------------------------------
+def install_dir() -> Path:
+    return assets.cache_dir() / f"llama.cpp-{VERSION}"
+
+
+def _stamp() -> str:
+    flags = ""
+    try:
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    return f"llama-cpp-python=={VERSION} {SDIST_SHA256} cpu={hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+
+
+def installed() -> Path | None:
+    """The cached build if it is whole and was made on this kind of CPU, else None."""
+    root = install_dir()
+    try:
+        ok = (root / ".built").read_text().strip() == _stamp()
+    except OSError:
+        return None
+    return root if ok and all(os.access(root / "bin" / b, os.X_OK) for b in BINARIES) else None
+
+
+def build(jobs: int | None = None, log=sys.stderr) -> Path:
+    """Build llama-server and llama-quantize from the pinned sdist into the cache, once; return the folder."""
+    if (root := installed()) is not None:
+        return root
+    for tool in ("cmake", "gcc", "g++"):
+        if shutil.which(tool) is None:
+            raise LlamaCppError(f"building llama.cpp needs '{tool}' on PATH")
+    root = install_dir()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    print(f"eaglekit: building llama.cpp from llama-cpp-python=={VERSION} into {root} (once; ~12 min on 2 cores)",
+          file=log, flush=True)
+    with tempfile.TemporaryDirectory(prefix="eaglekit-llama-cpp-") as work:
+        work = Path(work)
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+              "--no-build-isolation", f"llama-cpp-python=={VERSION}", "-d", str(work)], "pip download", log)
+        sdist = work / f"llama_cpp_python-{VERSION}.tar.gz"
+        if assets.sha256_of(sdist) != SDIST_SHA256:
+            raise LlamaCppError(f"{sdist}: sha256 is not the pinned {SDIST_SHA256}")
+        inner = f"llama_cpp_python-{VERSION}/vendor/llama.cpp"
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, members=[m for m in tar.getmembers() if m.name.startswith(inner)], filter="data")
+        src = work / inner
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        _run(["cmake", "-S", str(src), "-B", str(work / "build"), *gen, "-DCMAKE_BUILD_TYPE=Release",
+              "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+              "-DBUILD_SHARED_LIBS=OFF"], "cmake", log)
+        _run(["cmake", "--build", str(work / "build"), "--target", *BINARIES, "-j", str(jobs or os.cpu_count() or 2)],
+             "cmake --build", log)
+        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=root.name + ".tmp"))
+        (tmp / "bin").mkdir()
+        for b in BINARIES:
+            shutil.copy2(work / "build" / "bin" / b, tmp / "bin" / b)
+        for part in ("gguf-py", "conversion"):  # the converter and what it imports
+            if (src / part).is_dir():
+                shutil.copytree(src / part, tmp / part)
+        shutil.copy2(src / "convert_hf_to_gguf.py", tmp / "convert_hf_to_gguf.py")
+        (tmp / ".built").write_text(_stamp() + "\n")  # last: its presence means the folder is whole
+        shutil.rmtree(root, ignore_errors=True)
+        publish_dir(tmp, root)
+    return root
+
+
+def _run(cmd: list[str], what: str, log=sys.stderr, env=None) -> None:
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if out.returncode != 0:
+        print(out.stdout[-4000:], file=log)
+        raise LlamaCppError(f"{what} failed (exit {out.returncode}): {' '.join(cmd[:6])} ...")
+
+
+def require(build_if_missing: bool = True) -> Path:
+    root = installed()
+    if root is None and build_if_missing:
+        root = build()
+    if root is None:
+        raise LlamaCppError(f"llama.cpp is not built here; run `bash scripts/llama_cpp.sh` (builds into {install_dir()})")
+    return root
+
+
+# ---- what llama.cpp can serve, and the export -------------------------------------------------------------
+def refusal(cfg) -> str | None:
+    """Why llama.cpp's EAGLE-3 cannot run a head of config ``cfg`` as trained (None: it can)."""
+    why = []
+    if cfg.kind != "eagle3":
+        return (f"llama.cpp serves EAGLE-3 heads; this is a {cfg.kind} head (eaglekit's DFlash layout is not "
+                "z-lab's that llama.cpp's draft-dflash converter reads; P-EAGLE has no llama.cpp loader)")
+    if cfg.fc_norm:
+        why.append("head.fc_norm=true (llama.cpp has one norm over all taps, norm_before_fc, not one per tap)")
+    if cfg.norm_output:
+        why.append("head.norm_output=true (llama.cpp feeds the pre-norm hidden state to the next draft step)")
+    if cfg.num_layers != 1:
+        why.append(f"head.num_layers={cfg.num_layers} (llama.cpp's EAGLE-3 has one decoder layer)")
+    if len(cfg.aux_layer_ids) != 3 or len(set(cfg.aux_layer_ids)) != 3:
+        why.append(f"taps {cfg.aux_layer_ids} (llama.cpp extracts exactly three distinct layers)")
+    if not why:
+        return None
+    return "llama.cpp cannot serve this head as trained: " + "; ".join(why) + f". Train a servable head with {SERVABLE}"
+
+
+def export_gguf(layout_dir, out_dir, target_dir, outtype: str = "f16", overwrite: bool = False,
+                root: Path | None = None) -> Path:
+    """Convert an EAGLE-3 head written in the vLLM layout (``layout_dir``: its taps, ``d2t``) into the GGUF
+    llama-server takes with ``-md`` (``out_dir/head-<outtype>.gguf``) with llama.cpp's own converter, the
+    target's tokenizer read from ``target_dir`` (its transformers folder). heads.export_head checks
+    ``refusal`` first and writes ``layout_dir``; the file appears under its name only once whole."""
+    if outtype not in GGUF_TYPES:
+        raise LlamaCppError(f"gguf type {outtype!r}: choose one of {', '.join(GGUF_TYPES)}")
+    target_dir = Path(target_dir)
+    if not (target_dir / "config.json").is_file():
+        raise LlamaCppError(f"{target_dir}: the converter reads the target's config.json and tokenizer from a "
+                            "local transformers folder; none there")
+    out = Path(out_dir) / f"head-{outtype}.gguf"
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite)")
+    root = root or require()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        convert(layout_dir, tmp, outtype, target_dir, root)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def convert(model_dir, out_file, outtype: str = "f16", target_dir=None, root: Path | None = None) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on a transformers folder (a draft with ``target_dir``, or a target)."""
+    root = root or require()
+    cmd = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(model_dir), "--outfile", str(out_file),
+           "--outtype", outtype]
+    if target_dir is not None:
+        cmd += ["--target-model-dir", str(target_dir)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
+    _run(cmd, f"convert_hf_to_gguf.py {model_dir}", env=env)
+    return Path(out_file)
+
+
+def quantize(src, dst, qtype: str, root: Path | None = None) -> Path:
+    """llama-quantize ``src`` into ``dst`` as ``qtype`` (e.g. Q8_0, Q4_K_M), written under a temporary name."""
+    root = root or require()
+    dst = Path(dst)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    _run([str(root / "bin" / "llama-quantize"), str(src), str(tmp), qtype], f"llama-quantize {qtype}")
+    os.replace(tmp, dst)
+    return dst
+
+
+# ---- llama-server --------------------------------------------------------------------------------------------
+@dataclass
+class Completion:
+    tokens: list[int]
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return float(self.timings.get("predicted_per_second", 0.0))
+
+    @property
+    def draft_n(self) -> int:
+        return int(self.timings.get("draft_n", 0))
+
+    @property
+    def accepted(self) -> int:
+        return int(self.timings.get("draft_n_accepted", 0))
+
+    @property
+    def steps(self) -> int:
+        """Target forwards after the prefill: each emits one token of its own besides the drafts it accepts
+        (the first token comes from the prefill)."""
+        return max(len(self.tokens) - 1 - self.accepted, 1)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verify forward, counted as eaglekit's DecodeStats.tau (prefill not counted)."""
+        return (len(self.tokens) - 1) / self.steps
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A llama-server process on 127.0.0.1 (a context manager): the target GGUF, optionally a draft.
+
+    ``spec_type``: llama.cpp's ``--spec-type`` (``draft-eagle3`` when ``draft`` is an EAGLE-3 head, plain
+    ``draft-simple`` for a draft model, ``ngram-mod`` ...); ``n_max`` / ``p_min``: ``--spec-draft-n-max`` /
+    ``--spec-draft-p-min``. One slot, no prompt cache between requests, greedy requests."""
+
+    def __init__(self, model, draft=None, spec_type: str | None = None, n_max: int | None = None,
+                 p_min: float | None = None, threads: int | None = None, ctx: int = 4096, extra=(),
+                 root: Path | None = None, timeout: float = 180.0):
+        self.root = root or require()
+        self.port = free_port()
+        cmd = [str(self.root / "bin" / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
+               "--port", str(self.port), "-c", str(ctx), "-np", "1", "-t", str(threads or os.cpu_count() or 1),
+               "--no-webui", "--no-warmup"]
+        if draft is not None:
+            cmd += ["-md", str(draft)]
+        if spec_type is not None:
+            cmd += ["--spec-type", spec_type]
+        if n_max is not None:
+            cmd += ["--spec-draft-n-max", str(n_max)]
+        if p_min is not None:
+            cmd += ["--spec-draft-p-min", str(p_min)]
+        self.cmd, self.timeout = [*cmd, *map(str, extra)], timeout
+        self.proc = None
+        self.log = None
+
+    def __enter__(self) -> Server:
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + self.timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise LlamaCppError(f"llama-server exited ({self.proc.returncode}) at start: {self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.3)
+        self.close()
+        raise LlamaCppError(f"llama-server did not become healthy in {self.timeout:.0f} s: {self.tail()}")
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def tail(self, n: int = 2000) -> str:
+        if self.log is None:
+            return ""
+        self.log.seek(0)
+        return self.log.read()[-n:]
+
+    def complete(self, ids, n_predict: int, cache_prompt: bool = False, timeout: float = 900.0) -> Completion:
+        """Greedy completion of the token ids ``ids`` (the prompt already in the chat template), up to
+        ``n_predict`` tokens or the model's end-of-generation token. ``cache_prompt``: reuse the slot's KV of
+        the previous request's common prefix (off: every request is prefilled whole)."""
+        body = {"prompt": [int(i) for i in ids], "n_predict": int(n_predict), "temperature": 0.0, "top_k": 1,
+                "cache_prompt": cache_prompt, "return_tokens": True, "stream": False}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                res = json.loads(r.read())
+        except OSError as e:
+            raise LlamaCppError(f"llama-server request failed ({e}): {self.tail()}") from e
+        return Completion(tokens=[int(t) for t in res.get("tokens", [])], timings=res.get("timings", {}))
+
+
+if __name__ == "__main__":  # scripts/llama_cpp.sh: build once, print the folder
+    print(build())
