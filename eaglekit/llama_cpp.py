@@ -51,7 +51,8 @@ def install_dir() -> Path:
 def _stamp() -> str:
     flags = ""
     try:
-        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
         pass
     return f"llama-cpp-python=={VERSION} {SDIST_SHA256} cpu={hashlib.sha256(flags.encode()).hexdigest()[:16]}"
@@ -110,7 +111,7 @@ def build(jobs: int | None = None, log=sys.stderr) -> Path:
 
 
 def _run(cmd: list[str], what: str, log=sys.stderr, env=None) -> None:
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, check=False)
     if out.returncode != 0:
         print(out.stdout[-4000:], file=log)
         raise LlamaCppError(f"{what} failed (exit {out.returncode}): {' '.join(cmd[:6])} ...")
@@ -256,7 +257,7 @@ class Server:
         self.proc = None
         self.log = None
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> Server:  # noqa: PYI034 (a plain class: no subclass to return)
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + self.timeout

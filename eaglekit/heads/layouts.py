@@ -25,10 +25,10 @@ from safetensors import safe_open
 from eaglekit.heads.config import DFLASH, EAGLE1, EAGLE3, PEAGLE, HeadConfig, target_rope
 from eaglekit.heads.dflash_layout import DFLASH_ARCH, check_dflash_fields, dflash_head_config, dflash_weights
 from eaglekit.heads.export_engines import (
-    NORM_FLAGS,
     ENGINES,
     HEAD_FLAGS,
     LAYOUT_ENGINES,
+    NORM_FLAGS,
     TAP_KEY,
     ExportError,
     need,

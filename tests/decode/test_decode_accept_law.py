@@ -13,7 +13,7 @@ from eaglekit.decode.loop import Sampling, accept, accept_deterministic, accept_
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
-CFG = dict(temperature=0.7, top_p=0.8, top_k=5)
+CFG = {"temperature": 0.7, "top_p": 0.8, "top_k": 5}
 
 
 # ---------------------------------------------------------------- wrong rules (each must be caught)

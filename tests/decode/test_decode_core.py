@@ -13,7 +13,7 @@ from eaglekit.target import cache_entries, cache_length, keep_accepted, new_cach
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
 PROMPTS = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35], [2, 11]]
-TREE = dict(depth=3, top_k=3, total_tokens=8)
+TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
 
 
 def tiny_head(target, kind="eagle3", draft_vocab=None, seed=0):

@@ -92,7 +92,7 @@ def test_decode_dtype_bf16_sampling_runs_and_is_seeded(temperature, top_p):
     t = bf16_target("llama", "sdpa")
     for name, dr in drafters(t, "llama").items():
         for ids in PROMPTS[:2]:
-            kw = dict(eos_token_id=False, tree=TREE, gamma=3, temperature=temperature, top_p=top_p)
+            kw = {"eos_token_id": False, "tree": TREE, "gamma": 3, "temperature": temperature, "top_p": top_p}
             a = decode.generate(t, dr, torch.tensor([ids]), N, seed=7, **kw)
             b = decode.generate(t, dr, torch.tensor([ids]), N, generator=torch.Generator().manual_seed(7), **kw)
             assert a.sequences.tolist() == b.sequences.tolist(), name  # seed= is a generator on the device

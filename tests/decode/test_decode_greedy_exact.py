@@ -20,7 +20,7 @@ from eaglekit.target import new_cache
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
 PROMPTS = [[2, 8, 9, 10], [2, 30, 31, 32, 33], [2, 11]]
-TREE = dict(depth=3, top_k=3, total_tokens=8)
+TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
 
 
 class OracleDrafter:
@@ -116,15 +116,15 @@ def test_decode_greedy_tiny_budgets_every_drafter(n):
     for ids in PROMPTS[1:]:
         ref = hf_greedy(t, ids, n)
         for name, dr in drafters.items():
-            out = run(t, dr, ids, n, gamma=4, tree=dict(depth=4, top_k=2, total_tokens=6))
+            out = run(t, dr, ids, n, gamma=4, tree={"depth": 4, "top_k": 2, "total_tokens": 6})
             assert out.sequences.tolist() == ref, (name, ids, n)
             assert out.stats.new_tokens == n, (name, n)
             if name != "oracle_overshoot":
                 assert 1 + sum(out.stats.accept_lengths) == n, (name, out.stats.accept_lengths)
 
 
-@pytest.mark.parametrize("spec", [dict(depth=1, top_k=1, total_tokens=1), dict(depth=5, top_k=1, total_tokens=1),
-                                  dict(depth=6, top_k=1, total_tokens=6), dict(depth=2, top_k=6, total_tokens=36)])
+@pytest.mark.parametrize("spec", [{"depth": 1, "top_k": 1, "total_tokens": 1}, {"depth": 5, "top_k": 1, "total_tokens": 1},
+                                  {"depth": 6, "top_k": 1, "total_tokens": 6}, {"depth": 2, "top_k": 6, "total_tokens": 36}])
 def test_decode_greedy_degenerate_tree_shapes(spec):
     t = tiny_target(vocab_size=64, layers=2, attn="eager")
     head = tiny_head(t, "eagle3", 40)
@@ -162,7 +162,7 @@ def test_decode_greedy_topk1_and_tiny_top_p_sampling_is_greedy():
     t = tiny_target(vocab_size=64, layers=2)
     chain = tiny_target(seed=1, vocab_size=64, layers=1)
     head = tiny_head(t, "eagle3", 48)
-    for cfg in (dict(temperature=0.7, top_k=1), dict(temperature=1.5, top_p=1e-6)):
+    for cfg in ({"temperature": 0.7, "top_k": 1}, {"temperature": 1.5, "top_p": 1e-6}):
         s = Sampling(**cfg)
         for ids in PROMPTS[:1]:
             ref = hf_greedy(t, ids, 12)

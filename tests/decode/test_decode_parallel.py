@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, s
 
 KINDS = ["peagle", "dflash"]  # every parallel head kind (heads.base.ParallelHead subclasses)
 PROMPTS = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35]]
-CHAIN, TREE = dict(depth=4, top_k=1, total_tokens=4), dict(depth=3, top_k=3, total_tokens=9)
+CHAIN, TREE = {"depth": 4, "top_k": 1, "total_tokens": 4}, {"depth": 3, "top_k": 3, "total_tokens": 9}
 
 
 def parallel_head(target, kind, block=4, draft_vocab=48, layers=2, seed=0):
@@ -117,7 +117,7 @@ def test_decode_parallel_oracle_block_is_accepted_as_predicted(tiny, kind):
         head = oracle(parallel_head(tiny, kind, draft_vocab=64), tiny, p[0], right=3)
         ref = hf_greedy(tiny, p, 30)
         chain = decode.generate(tiny, head, torch.tensor([p]), 30, tree=CHAIN, eos_token_id=False)
-        tree = decode.generate(tiny, head, torch.tensor([p]), 30, tree=dict(depth=4, top_k=2, total_tokens=14),
+        tree = decode.generate(tiny, head, torch.tensor([p]), 30, tree={"depth": 4, "top_k": 2, "total_tokens": 14},
                                eos_token_id=False)
         assert torch.equal(chain.sequences, ref) and torch.equal(tree.sequences, ref)
         # every full step: the chain takes depths 1..2 and the bonus, the tree every depth and the bonus
@@ -143,7 +143,7 @@ def test_decode_parallel_block_tree_shape():
 
 
 V, PROMPT, NEW = 16, [2, 8, 9, 10], 3
-LAW_CFG = dict(temperature=1.0)
+LAW_CFG = {"temperature": 1.0}
 
 
 def peaky(seed=0):
@@ -168,7 +168,7 @@ def test_decode_parallel_sampling_law_at_temperature_1(law_setup, kind, shape):
     block = 2 if parallel_head(target, kind, block=2, draft_vocab=12, layers=1).draft_depths >= 2 else 3
     head = oracle(parallel_head(target, kind, block=block, draft_vocab=12, layers=1), target, PROMPT[0], hard=False)
     assert head.draft_depths == 2  # a block of 2 depths: the walk can descend twice
-    tree = dict(depth=2, top_k=1, total_tokens=2) if shape == "chain" else dict(depth=2, top_k=4, total_tokens=8)
+    tree = {"depth": 2, "top_k": 1, "total_tokens": 2} if shape == "chain" else {"depth": 2, "top_k": 4, "total_tokens": 8}
     counts, stats = sample_counts(target, head, LAW_CFG, 800, 1, PROMPT, NEW + 1, counted=NEW, tree=tree)
     assert chi2_pvalue([(counts, exact)]) > ALPHA, (kind, shape)
     lengths = [a for s in stats for a in s.accept_lengths]

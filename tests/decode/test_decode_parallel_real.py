@@ -11,7 +11,7 @@ from eaglekit import decode
 from eaglekit.heads import HeadConfig, build_head
 
 pytestmark = [pytest.mark.real, pytest.mark.usefixtures("one_thread")]
-CHAIN, TREE = dict(depth=4, top_k=1, total_tokens=4), dict(depth=3, top_k=3, total_tokens=8)
+CHAIN, TREE = {"depth": 4, "top_k": 1, "total_tokens": 4}, {"depth": 3, "top_k": 3, "total_tokens": 8}
 
 
 def untrained(target, kind, block=4):
@@ -25,8 +25,8 @@ def check(target, kind, prompts, n, where, singles=2) -> int:
     head, ties = untrained(target, kind), 0
     for i, ids in enumerate(prompts[:singles]):
         ref = hf_greedy(target, ids, n)
-        modes = [("chain", dict(tree=CHAIN)), ("tree", dict(tree=TREE))]
-        for name, kw in modes + ([("tree+lookup", dict(tree=TREE, prompt_lookup=3))] if i == 0 else []):
+        modes = [("chain", {"tree": CHAIN}), ("tree", {"tree": TREE})]
+        for name, kw in modes + ([("tree+lookup", {"tree": TREE, "prompt_lookup": 3})] if i == 0 else []):
             out = decode.generate(target, head, ids, n, **kw)
             ties += assert_same_or_near_tie(target, ref, out.sequences, f"{where} {kind} {name} prompt {i}")
     rows = [prompts[0][0], prompts[1][0]]

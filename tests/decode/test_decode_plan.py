@@ -127,7 +127,7 @@ def test_decode_plan_auto_keeps_fewer_head_nodes_beside_a_lookup_branch(monkeypa
     monkeypatch.setattr(api, "LookupDrafter", lambda inner, n, **kw: built.append(kw) or real(inner, n, **kw))
     ids = torch.tensor([[2, 5, 6, 7, 5, 6, 7, 5, 6]])
     out = decode.generate(t, head, ids, 12, eos_token_id=False, tree="auto", prompt_lookup=4)
-    assert built == [dict(inner_nodes=1)]
+    assert built == [{"inner_nodes": 1}]
     assert torch.equal(out.sequences, decode.generate(t, None, ids, 12, eos_token_id=False).sequences)
 
 

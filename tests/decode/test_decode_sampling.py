@@ -18,7 +18,7 @@ from eaglekit.decode.loop import Sampling, accept_minpq_on_topk
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
 V, PROMPT, NEW = 16, [2, 8, 9, 10], 3
-CONFIG = dict(temperature=0.8, top_p=0.9, top_k=6)
+CONFIG = {"temperature": 0.8, "top_p": 0.9, "top_k": 6}
 
 
 def peaky_target(seed, vocab=V, noise=0.0):
@@ -46,7 +46,7 @@ def test_decode_sampling_warpers_match_transformers():
     g = torch.Generator().manual_seed(0)
     for temp, top_k, top_p in [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.6, 20, 0.9), (1.0, 1, 0.5)]:
         logits = torch.randn(4, 50, generator=g) * 3
-        ref = torch.stack([hf_probs(row, dict(temperature=temp, top_k=top_k, top_p=top_p)) for row in logits])
+        ref = torch.stack([hf_probs(row, {"temperature": temp, "top_k": top_k, "top_p": top_p}) for row in logits])
         torch.testing.assert_close(Sampling(temp, top_p, top_k).probs(logits), ref.float())
 
 
@@ -58,7 +58,7 @@ def setup():
     return target, head, peaky_target(0, noise=0.5), exact_joint(target, CONFIG, PROMPT)
 
 
-TREE = dict(depth=2, top_k=5, total_tokens=10)
+TREE = {"depth": 2, "top_k": 5, "total_tokens": 10}
 
 
 @pytest.mark.parametrize("mode", ["plain", "chain", "tree", "model_tree"])
@@ -75,7 +75,7 @@ def test_decode_sampling_matches_target_distribution(setup, mode):
 
 def test_decode_sampling_check_catches_wrong_rule(setup):
     """min(1, p/q) on deterministic top-k candidates is biased: the same check must reject it."""
-    target, head, draft, exact = setup
+    target, head, _draft, exact = setup
     with acceptance_rule(accept_minpq_on_topk):
         counts, _ = sample_runs(target, head, CONFIG, runs=500, seed=1, tree=TREE)  # half the runs: still rejected
     assert chi2_pvalue([(counts, exact)]) < ALPHA

@@ -46,7 +46,7 @@ def world():
     return t, head, peaky(1), exact_joint(t, CFG, PROMPT)
 
 
-TREE = dict(depth=3, top_k=3, total_tokens=8)
+TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
 
 
 def test_decode_sampling_checks_eagle_tree_law(world):
