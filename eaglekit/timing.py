@@ -83,19 +83,35 @@ def cpu_ticks(cpus) -> dict[int, tuple[int, int]] | None:
     return out
 
 
-def busy_cpus(interval: float = 0.5) -> tuple[float, int] | None:
-    """(how many of this process's CPUs other work kept busy over the next ``interval`` seconds, how many
-    CPUs it may run on): e.g. (1.0, 2) beside one process spinning on one of two cores. None without
-    /proc/stat."""
+def own_ticks() -> int:
+    """Clock ticks this process (all its threads) has run, user + system (0 where /proc/self/stat is absent)."""
+    try:
+        with open("/proc/self/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
+
+
+def busy_cpus(interval: float = 0.5, samples: int = 3) -> tuple[float, int] | None:
+    """(how many of this process's CPUs other work keeps busy, how many CPUs it may run on): e.g. (1.0, 2)
+    beside one process spinning on one of two cores. None without /proc/stat.
+
+    The least busy of ``samples`` windows of ``interval`` seconds, this process's own ticks left out: work
+    that just ended (a setup step, this process's imports) is not read as a competitor, one that goes on
+    is."""
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    before = cpu_ticks(cpus)
-    time.sleep(interval)
-    after = cpu_ticks(cpus)
-    if not before or not after:
-        return None
-    busy = sum(after[c][0] - before[c][0] for c in after if c in before)
-    total = sum(after[c][1] - before[c][1] for c in after if c in before)
-    return (len(cpus) * busy / total if total else 0.0), len(cpus)
+    found = []
+    for _ in range(max(1, samples)):
+        before, mine = cpu_ticks(cpus), own_ticks()
+        time.sleep(interval)
+        after, mine = cpu_ticks(cpus), own_ticks() - mine
+        if not before or not after:
+            return None
+        busy = sum(after[c][0] - before[c][0] for c in after if c in before) - mine
+        total = sum(after[c][1] - before[c][1] for c in after if c in before)
+        found.append(max(0.0, len(cpus) * busy / total) if total else 0.0)
+    return min(found), len(cpus)
 
 
 def threads_for(cpus: int, busy: float) -> int:

@@ -4,6 +4,7 @@ passive waiting reaches a child (no timing claims here: benchmarks/RESULTS.md ha
 how often a Stopwatch waits for a GPU."""
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -14,11 +15,40 @@ def test_busy_cpus_from_two_readings_of_proc_stat(monkeypatch):
     """One CPU of two busy over the window (another process spinning), the other idle: 1.0 of 2."""
     readings = iter([{0: (100, 1000), 1: (500, 1000)}, {0: (200, 1100), 1: (500, 1100)}])
     monkeypatch.setattr(timing, "cpu_ticks", lambda cpus: next(readings))
+    monkeypatch.setattr(timing, "own_ticks", lambda: 0)
     monkeypatch.setattr(timing.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(timing.time, "sleep", lambda s: None)
-    assert timing.busy_cpus() == (1.0, 2)
+    assert timing.busy_cpus(samples=1) == (1.0, 2)
     monkeypatch.setattr(timing, "cpu_ticks", lambda cpus: None)  # no /proc/stat: no claim
     assert timing.busy_cpus() is None
+
+
+def test_busy_cpus_leaves_out_its_own_work_and_a_burst_that_ended(monkeypatch):
+    """This process's own ticks are not other work; the least busy window counts (a setup step ending)."""
+    ticks = iter([{0: (0, 0), 1: (0, 0)}, {0: (100, 100), 1: (100, 100)},  # window 1: both busy, half ours
+                  {0: (100, 100), 1: (100, 100)}, {0: (200, 200), 1: (110, 200)}])  # window 2: one busy, ours
+    own = iter([0, 100, 0, 100])
+    monkeypatch.setattr(timing, "cpu_ticks", lambda cpus: next(ticks))
+    monkeypatch.setattr(timing, "own_ticks", lambda: next(own))
+    monkeypatch.setattr(timing.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(timing.time, "sleep", lambda s: None)
+    busy, n = timing.busy_cpus(samples=2)
+    assert n == 2 and busy == pytest.approx(0.1)  # window 1: 1.0 others; window 2: 0.1; the least counts
+
+
+def test_busy_cpus_sees_a_real_competitor():
+    import os
+
+    if not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs /proc/stat and 2 CPUs")
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        busy, _ = timing.busy_cpus(0.3, samples=2)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert busy >= 0.6  # one process spinning on one core is read as (about) one busy CPU
 
 
 def test_cpu_ticks_reads_this_machine():

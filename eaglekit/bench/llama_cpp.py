@@ -133,6 +133,18 @@ def _gguf(name_or_path: str | None) -> Path | None:
     raise FileNotFoundError(f"{name_or_path}: not a .gguf file nor an embedded model (engine=llama.cpp serves GGUF)")
 
 
+class _TokenizerOnly:
+    """A target's chat template without its weights (the bench without a head)."""
+
+    def __init__(self, name: str):
+        from transformers import AutoTokenizer
+
+        from eaglekit.target import Target, resolve
+
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve(name)[0])
+        self.chat_ids = Target.chat_ids.__get__(self)
+
+
 def configurations(cfg, head_gguf, draft_gguf, chosen) -> dict[str, dict]:
     """name -> llama_cpp.Server keyword arguments (``model`` added by the caller)."""
     out = {"plain": {}}
@@ -161,7 +173,8 @@ def run_llama_cpp_bench(cfg) -> dict:
     root = llama_cpp.require()
     threads = cfg.threads or None
     model = _gguf(cfg.target_gguf or cfg.target)
-    target = load_target(cfg.target)  # the tokenizer's chat template, and the head's replay
+    # the head's replay needs the target; without a head its tokenizer's chat template is enough
+    target = load_target(cfg.target) if cfg.head else _TokenizerOnly(cfg.target)
     out_dir = Path(cfg.out)
     head = load_head(cfg.head, target) if cfg.head else None
     head_gguf = Path(cfg.head_gguf) if cfg.head_gguf else None
