@@ -16,7 +16,8 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
   ``lk_greedy``: ``lk`` against the teacher's argmax (``loss.lk_acceptance=greedy``, what greedy
   verification and τ_sim count);
 - ``no_eagle31``: the recipe without EAGLE 3.1's head options (plain EAGLE-3);
-  ``lk_no_eagle31``: that with ``lk``.
+  ``lk_no_eagle31``: that with ``lk``;
+- ``norm_before_fc``: one RMSNorm over the concatenated taps, without EAGLE 3.1 (the head llama.cpp serves).
 
     eaglekit prepare --config configs/prepare-smollm2.yaml output_dir=runs/recipes/features \\
         num_conversations=1100 max_length=768 draft_vocab_size=8192
@@ -59,6 +60,7 @@ ARMS = {
     "lk_greedy": ["loss.objective=lk", "loss.lk_acceptance=greedy"],
     "no_eagle31": NO_EAGLE31,
     "lk_no_eagle31": ["loss.objective=lk", *NO_EAGLE31],
+    "norm_before_fc": [*NO_EAGLE31, "head.norm_before_fc=true"],  # what llama.cpp serves, vs per-tap fc_norm
 }
 # the default --arms: the recipe (EAGLE 3.1 on since the LK / EAGLE 3.1 grid), LK on it, and the recipe without
 # EAGLE 3.1 (EAGLE-3 as before, to re-check the adoption on new data); `topk`, `layer`: earlier ideas

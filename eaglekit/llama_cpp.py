@@ -173,8 +173,21 @@ def export_gguf(layout_dir, out_dir, target_dir, outtype: str = "f16", overwrite
 
 
 def convert(model_dir, out_file, outtype: str = "f16", target_dir=None, root: Path | None = None) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py on a transformers folder (a draft with ``target_dir``, or a target)."""
+    """llama.cpp's convert_hf_to_gguf.py on a transformers folder (a draft with ``target_dir``, or a target).
+
+    A folder eaglekit dequantised from a GGUF file keeps ``quantization_config: {quant_method: gguf}`` in its
+    config, which the converter refuses although the weights are plain: it reads a copy of the folder (links
+    to the same files) whose config drops that block."""
     root = root or require()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
+        with tempfile.TemporaryDirectory(prefix="eaglekit-plain-") as plain:
+            for f in Path(model_dir).iterdir():
+                if f.name != "config.json":
+                    os.symlink(f.resolve(), Path(plain) / f.name)
+            config.pop("quantization_config")
+            (Path(plain) / "config.json").write_text(json.dumps(config, indent=2))
+            return convert(plain, out_file, outtype, target_dir, root)
     cmd = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(model_dir), "--outfile", str(out_file),
            "--outtype", outtype]
     if target_dir is not None:

@@ -1,9 +1,9 @@
-"""Write (or --check) README's table of supported architectures from the test matrix (tests/arch_matrix.py).
+"""Write (or --check) docs/inputs.md's table of supported architectures from the test matrix (tests/arch_matrix.py).
 
 The table's rows are the matrix's: each supported row is a tiny model that tests/test_model_architectures.py
 decodes exactly, the engine columns come from eaglekit.heads.export_engines, the refused rows are the recurrent
 models the tests see refused. ``python scripts/arch_table.py`` rewrites the block between its two markers in
-README.md; ``--check`` exits 1 if README's block differs.
+docs/inputs.md; ``--check`` exits 1 if its block differs.
 """
 from __future__ import annotations
 
@@ -22,17 +22,17 @@ def updated(readme: str) -> str:
     """``readme`` with its table block replaced by the matrix's (refused if the markers are missing)."""
     start, end = readme.find(TABLE_BEGIN), readme.find(TABLE_END)
     if start < 0 or end < start:
-        raise SystemExit(f"README.md: no architectures table markers ({TABLE_BEGIN!r} ... {TABLE_END!r})")
+        raise SystemExit(f"docs/inputs.md: no architectures table markers ({TABLE_BEGIN!r} ... {TABLE_END!r})")
     return readme[:start] + readme_block() + readme[end + len(TABLE_END):]
 
 
 def main(argv: list[str]) -> int:
-    path = ROOT / "README.md"
+    path = ROOT / "docs" / "inputs.md"
     readme = path.read_text()
     new = updated(readme)
     if "--check" in argv:
         if new != readme:
-            print("README.md: the architectures table differs from the matrix; run python scripts/arch_table.py")
+            print("docs/inputs.md: the architectures table differs from the matrix; run python scripts/arch_table.py")
             return 1
         return 0
     if new != readme:

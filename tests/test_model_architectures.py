@@ -3,7 +3,7 @@ taps equal ``output_hidden_states``, two online training steps give a finite los
 untrained EAGLE-3 head (and with an oracle tree whose nodes are accepted) equals the target's own greedy
 decoding for prompts longer than every sliding window, alone and as a batch of 2, and each export layout is
 written where its engines can serve that architecture and refused, naming the engine, where not. Recurrent
-models are refused before any work; README's table is the matrix's.
+models are refused before any work; docs/inputs.md's table is the matrix's.
 """
 import json
 import re
@@ -244,7 +244,7 @@ def test_a_recurrent_model_cannot_become_a_target():
         Target(model, tiny_tokenizer(512), name="tiny-mamba")
 
 
-# ---- README ---------------------------------------------------------------------------------------------
+# ---- docs/inputs.md ------------------------------------------------------------------------------------------
 def test_readme_table_is_the_matrix():
-    readme = (ROOT / "README.md").read_text()
-    assert readme_block() in readme, "README's architectures table differs: run python scripts/arch_table.py"
+    readme = (ROOT / "docs" / "inputs.md").read_text()
+    assert readme_block() in readme, "docs/inputs.md's architectures table differs: run python scripts/arch_table.py"

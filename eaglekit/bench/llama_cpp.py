@@ -105,9 +105,10 @@ def forward_ms(server, prompt: list[int], sizes, repeats: int = 5) -> dict[int, 
 def plan(replays_by_setting: dict, step_ms: float, fwd: dict[int, float], head_ms: float) -> dict:
     """Predicted decode tokens/s of every (n_max, p_min) from its replay on the calibration prompts: per step
     the target's forward over d + 1 tokens (scaled so one token costs the plain step) plus ``head_ms`` per
-    head forward. Returns {(n, p): predicted tok/s} and the best setting."""
+    head forward. Returns {(n, p): predicted tok/s} and the best setting; (0, 0.0) is plain decoding, chosen
+    when no setting is predicted to beat it (a head that does not pay is not used)."""
     one = fwd.get(1) or step_ms
-    predicted = {}
+    predicted = {(0, 0.0): 1000.0 / step_ms}
     for (n, p), runs in replays_by_setting.items():
         ms = sum(step_ms * fwd.get(d + 1, fwd[max(fwd)] * (d + 1) / max(fwd)) / one + head_ms * f
                  for r in runs for d, f in zip(r["draft_lengths"], _forwards(r["draft_lengths"], n)))
@@ -150,9 +151,11 @@ def configurations(cfg, head_gguf, draft_gguf, chosen) -> dict[str, dict]:
     out = {"plain": {}}
     if head_gguf is not None:
         eagle = {"draft": head_gguf, "spec_type": "draft-eagle3"}
-        out["head"] = {**eagle, "n_max": chosen[0], "p_min": chosen[1]}
+        # the planner's choice; n_max 0 = it predicts no setting beats plain, so the head is not loaded
+        out["head"] = {**eagle, "n_max": chosen[0], "p_min": chosen[1]} if chosen[0] else {}
+        picked, chosen = chosen[0], (chosen[0] or PROBE[0], chosen[1])  # the sweep still measures the head
         for n in cfg.sweep_n_max:
-            if n != chosen[0]:
+            if n != picked:
                 out[f"head n={n} p={chosen[1]:g}"] = {**eagle, "n_max": n, "p_min": chosen[1]}
         for p in cfg.sweep_p_min:
             if p != chosen[1]:
@@ -301,7 +304,7 @@ def _eaglekit_tau(target, head, prompts, refs, chosen) -> dict:
     from eaglekit import decode
     from eaglekit.decode.drafters import TreeSpec
 
-    n, p = chosen
+    n, p = chosen[0] or PROBE[0], chosen[1]  # the planner chose plain: the probe's chain
     runs = []
     for ids, r in zip(prompts, refs):
         d, q = head_drafts(target, head, ids, r.tokens, n)

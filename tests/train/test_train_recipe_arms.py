@@ -22,7 +22,9 @@ def test_train_recipe_arm_is_a_valid_config(arm):
     assert (cfg == base) == (arm == "base")  # every other arm changes the recipe
     want_lk = arm.startswith("lk")
     assert (cfg.loss.objective != "kl") == want_lk
-    assert cfg.head.fc_norm == cfg.head.norm_output == ("no_eagle31" not in arm)
+    eagle31 = "no_eagle31" not in arm and arm != "norm_before_fc"
+    assert cfg.head.fc_norm == cfg.head.norm_output == eagle31
+    assert cfg.head.norm_before_fc == (arm == "norm_before_fc")
     assert (cfg.loss.lk_acceptance == "greedy") == (arm == "lk_greedy")
     assert base.loss.objective == "kl" and base.head.fc_norm and base.head.norm_output  # today's recipe: kl, EAGLE 3.1
     assert cfg.head.draft_vocab_size == 4096  # --set reaches every arm
