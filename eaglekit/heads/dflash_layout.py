@@ -34,7 +34,7 @@ class DFlashEngine:
     block_at: tuple[str, ...]  # where it reads the block size ((): from the serve command)
     default_block: int | None
     mask_at: tuple[str, ...]  # where it reads the mask token id
-    causal_if: tuple[str, ...]  # config keys that would make its layers causal (DFlash trains bidirectional)
+    causal: str  # its rule for which draft layers run causal (``engine_causal_layers``); DFlash trains bidirectional
     notes: tuple[str, ...] = ()
     sources: dict = field(default_factory=dict)
 
@@ -44,7 +44,7 @@ DFLASH_ENGINES: dict[str, DFlashEngine] = {e.name: e for e in [
         "vllm", "vLLM main @ 036a00d (vllm-project/vllm, method 'dflash')", own_lm_head=True,
         taps_at=((TAP_KEY, 0), (TARGET_LAYERS, 1)), block_at=(), default_block=None,
         mask_at=("dflash_config.mask_token_id", "eagle_config.mask_token_id", "mask_token_id"),
-        causal_if=("is_causal", "dflash_config.causal", "layer_types", "dflash_config.use_swa"),
+        causal="vllm",
         notes=("the block is 1 + num_speculative_tokens of the --speculative-config, not read from the file",
                ("names without 'lm_head' get 'model.'; d2t -> draft_id_to_target_id, t2d skipped; "
                 "embed_tokens and lm_head optional (the target's when absent)")),
@@ -52,8 +52,9 @@ DFLASH_ENGINES: dict[str, DFlashEngine] = {e.name: e for e in [
             "architecture DFlashDraftModel -> qwen3_dflash.DFlashQwen3ForCausalLM": "vllm/model_executor/models/registry.py",
             "taps: eagle_aux_hidden_state_layer_ids, else dflash_config.target_layer_ids + 1":
                 "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:get_eagle3_aux_layers_from_config @ 0cfdd2e",
-            "context k/v = k_norm(k_proj(hidden_norm(fc(taps)))), RoPE; q/k norms per head; non-causal unless "
-            "is_causal / dflash_config.causal / sliding layer_types":
+            "context k/v = k_norm(k_proj(hidden_norm(fc(taps)))), RoPE; q/k norms per head; a layer is causal "
+            "when is_causal (newer vLLM) or else dflash_config.causal says so, else only if its layer_types "
+            "entry is sliding_attention (full_attention stays bidirectional)":
                 "vllm/model_executor/models/qwen3_dflash.py:_dflash_layer_causal,precompute_and_store_context_kv @ 036a00d",
             "mask_token_id from eagle_config | dflash_config | top level": "qwen3_dflash.py:DFlashQwen3Model.__init__",
             "lm_head / d2t / embed_tokens optional": "qwen3_dflash.py:DFlashQwen3ForCausalLM.load_weights",
@@ -62,7 +63,7 @@ DFLASH_ENGINES: dict[str, DFlashEngine] = {e.name: e for e in [
     DFlashEngine(
         "sglang", "SGLang main @ 003b23d (sgl-project/sglang, --speculative-algorithm DFLASH)", own_lm_head=False,
         taps_at=((TARGET_LAYERS, 1), ("target_layer_ids", 1)), block_at=("dflash_config.block_size", "block_size"),
-        default_block=16, mask_at=("dflash_config.mask_token_id", "mask_token_id"), causal_if=("layer_types",),
+        default_block=16, mask_at=("dflash_config.mask_token_id", "mask_token_id"), causal="sglang",
         notes=("the draft model holds no embedding and no lm_head: it drafts over the target's whole vocabulary",
                "unknown weight names are skipped silently (so the key set is checked here)"),
         sources={
@@ -70,7 +71,8 @@ DFLASH_ENGINES: dict[str, DFlashEngine] = {e.name: e for e in [
                 "python/sglang/srt/models/dflash.py:DFlashDraftModel,load_weights @ 003b23d",
             "target_layer_ids (layer outputs, captured +1), block_size (dflash_config, then top level, default 16), "
             "mask_token_id": "python/sglang/srt/speculative/dflash_utils.py:parse_dflash_draft_config @ 00731f0",
-            "no layer_types: ENCODER_ONLY (bidirectional) attention":
+            "no layer_types: every layer ENCODER_ONLY (bidirectional); full_attention: bidirectional unless "
+            "is_causal; sliding_attention: causal (DECODER) unless is_causal is false; other types refused":
                 "python/sglang/srt/models/dflash.py:_get_dflash_layer_attention_params",
         }),
 ]}
@@ -97,8 +99,25 @@ def engine_mask(config: dict, engine: DFlashEngine) -> int | None:
     return next((int(get_path(config, p)) for p in engine.mask_at if get_path(config, p) is not None), None)
 
 
-def engine_causal(config: dict, engine: DFlashEngine) -> bool:
-    return any(get_path(config, p) for p in engine.causal_if)
+def engine_causal_layers(config: dict, engine: DFlashEngine) -> list[bool | None]:
+    """Per draft layer: does ``engine`` run it causal (None: a layer type it refuses to load)? The two
+    engines read ``layer_types`` differently, so one key set cannot stand for both."""
+    n = int(config.get("num_hidden_layers") or 0)
+    types = config.get("layer_types")
+    is_causal = get_path(config, "is_causal")
+    if engine.causal == "vllm":
+        override = is_causal if is_causal is not None else get_path(config, "dflash_config.causal")
+        if override is not None:
+            return [bool(override)] * n
+        return [bool(types) and i < len(types) and types[i] == "sliding_attention" for i in range(n)]
+    if not types:  # SGLang: no layer_types = every layer bidirectional
+        return [False] * n
+
+    def sglang(t):
+        if t == "full_attention":
+            return bool(is_causal)
+        return (True if is_causal is None else bool(is_causal)) if t == "sliding_attention" else None
+    return [sglang(types[i]) if i < len(types) else None for i in range(n)]
 
 
 # ---- what the layout holds and what it cannot ----------------------------------------------------------
@@ -181,8 +200,12 @@ def check_dflash_fields(config: dict, cfg: HeadConfig, layout: str, where) -> No
     block = engine_block(config, engine, speculative_tokens=cfg.block_size - 1)
     need(block == cfg.block_size, f"{where}: {engine.name} would draft blocks of {block}, the head's is "
          f"{cfg.block_size}")
-    need(not engine_causal(config, engine), f"{where}: {engine.name} would run causal layers; a dflash head "
-         "attends bidirectionally inside its block")
+    causal = engine_causal_layers(config, engine)
+    need(None not in causal, f"{where}: {engine.name} cannot load layer_types {config.get('layer_types')} for "
+         f"{len(causal)} layers (it takes one full_attention / sliding_attention entry per layer)")
+    need(not any(causal), f"{where}: {engine.name} would run causal layers {[i for i, c in enumerate(causal) if c]} "
+         f"(layer_types {config.get('layer_types')}, is_causal {config.get('is_causal')}); a dflash head attends "
+         "bidirectionally inside its block")
 
 
 def dflash_head_config(config: dict, target=None) -> HeadConfig:

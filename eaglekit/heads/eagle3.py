@@ -165,9 +165,11 @@ class PEagleHead(ParallelHead):
     kind = PEAGLE
     reads = "taps"
     has_draft_vocab = True
-    # the model card's name; vLLM reads the method from the speculators config and drafts the block in one
-    # forward with parallel_drafting; SGLang has no P-EAGLE loader (docs/exports.md)
-    display_name, vllm_method, sglang_algorithm = "P-EAGLE", None, None
+    # the model card's name; vLLM serves P-EAGLE as method "eagle3" (its P-EAGLE architecture is an alias of the
+    # EAGLE-3 drafter) with parallel_drafting, drafting the block in one forward. The method is written out:
+    # without it an older vLLM takes the folder for a draft model and fails at start. SGLang has no P-EAGLE
+    # loader (docs/exports.md)
+    display_name, vllm_method, sglang_algorithm = "P-EAGLE", "eagle3", None
     vllm_options: ClassVar[dict] = {"parallel_drafting": True}
     speculators_model = ("speculators.models.peagle", "PEagleDraftModel")
 

@@ -19,7 +19,7 @@ from eaglekit.heads import HeadConfig, build_head, export_head, load_head
 from eaglekit.heads.dflash_layout import (
     DFLASH_ENGINES,
     engine_block,
-    engine_causal,
+    engine_causal_layers,
     engine_mask,
     engine_taps,
 )
@@ -67,7 +67,7 @@ def engine_draft(out_dir, engine_name, target, ids):
     engine = DFLASH_ENGINES[engine_name]
     config = json.loads((out_dir / "config.json").read_text())
     w = load_file(str(out_dir / "model.safetensors"))
-    assert config["architectures"] == ["DFlashDraftModel"] and not engine_causal(config, engine)
+    assert config["architectures"] == ["DFlashDraftModel"] and not any(engine_causal_layers(config, engine))
     taps, mask_id = engine_taps(config, engine), engine_mask(config, engine)
     block = engine_block(config, engine, speculative_tokens=config["block_size"] - 1)
     hs = target.model(ids, output_hidden_states=True).hidden_states
@@ -142,7 +142,9 @@ def test_dflash_export_refuses_what_an_engine_cannot_hold(target, tmp_path):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda c: c.update(layer_types=["sliding_attention"] * 2), "causal layers"),
+    (lambda c: c.update(layer_types=["sliding_attention"] * 2), r"causal layers \[0, 1\]"),
+    (lambda c: c.update(layer_types=["full_attention"] * 2, is_causal=True), r"causal layers \[0, 1\]"),
+    (lambda c: c.update(layer_types=["full_attention"]), "cannot load layer_types"),
     (lambda c: c["dflash_config"].update(mask_token_id=7), "mask slots with token 7"),
     (lambda c: c["dflash_config"].update(target_layer_ids=[1, 5, 9]), r"capture taps \[2, 6, 10\]"),
     (lambda c: c["dflash_config"].update(block_size=16), "blocks of 16"),
@@ -154,6 +156,23 @@ def test_dflash_export_validation_reads_what_each_engine_would_run(target, tmp_p
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match=match):
         validate_export(out)
+
+
+@pytest.mark.parametrize("extra, vllm, sglang", [
+    ({}, [False, False], [False, False]),
+    ({"layer_types": ["full_attention", "full_attention"]}, [False, False], [False, False]),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, [True, False], [True, False]),
+    ({"layer_types": ["sliding_attention"] * 2, "is_causal": False}, [False, False], [False, False]),
+    ({"layer_types": ["full_attention"] * 2, "dflash_config": {"causal": True}}, [True, True], [False, False]),
+    ({"layer_types": ["conv", "full_attention"]}, [False, False], [None, False]),
+])
+def test_dflash_engines_read_layer_types_each_their_own_way(extra, vllm, sglang):
+    """vLLM: an is_causal / dflash_config.causal override, else only sliding_attention layers are causal;
+    SGLang: no layer_types = bidirectional, full_attention bidirectional unless is_causal, sliding causal
+    unless is_causal is false, any other type refused (None)."""
+    config = {"num_hidden_layers": 2, **extra}
+    assert engine_causal_layers(config, DFLASH_ENGINES["vllm"]) == vllm
+    assert engine_causal_layers(config, DFLASH_ENGINES["sglang"]) == sglang
 
 
 def test_dflash_folder_of_another_trainer_loads(target, tmp_path):

@@ -251,7 +251,8 @@ def test_heads_push_module_is_checked_before_any_request(fake_hub, saved_head):
     ("eagle1", "eagle1", "# EAGLE-1 draft head", ["EaModel.from_pretrained"]),
     ("eagle3", "speculators", "# EAGLE-3 draft head", ['"method": "eagle3"', '"num_speculative_tokens": 3',
                                                        "from speculators.models.eagle3 import Eagle3DraftModel"]),
-    ("peagle", "speculators", "# P-EAGLE draft head", ['"num_speculative_tokens": 4', '"parallel_drafting": true',
+    ("peagle", "speculators", "# P-EAGLE draft head", ['"method": "eagle3"', '"num_speculative_tokens": 4',
+                                                       '"parallel_drafting": true',
                                                        "from speculators.models.peagle import PEagleDraftModel"]),
     ("dflash", "vllm", "# DFlash draft head", ['"method": "dflash"', '"num_speculative_tokens": 7']),
     ("dflash", "sglang", "# DFlash draft head", ["--speculative-algorithm DFLASH"]),
@@ -259,7 +260,7 @@ def test_heads_push_module_is_checked_before_any_request(fake_hub, saved_head):
 def test_heads_model_card_names_each_kind_and_its_serve_command(kind, layout, title, serve):
     """Each kind's card is titled with the kind's own name (from its head class) and shows the command its
     engines take: a parallel drafter its block in one forward (P-EAGLE block 4, DFlash block 8 = 7 drafts),
-    no EAGLE method or tree flags."""
+    P-EAGLE with vLLM's method written out ("eagle3" + parallel_drafting), no EAGLE tree flags."""
     target = tiny_target(layers=8, hidden=32, vocab_size=64)
     cfg = HeadConfig.from_target(target, kind=kind, block_size={"peagle": 4, "dflash": 8}.get(kind))
     cfg.target_name = "smollm2-135m-instruct"
@@ -268,5 +269,7 @@ def test_heads_model_card_names_each_kind_and_its_serve_command(kind, layout, ti
     assert all(s in body for s in serve), body
     others = {"# EAGLE-1", "# EAGLE-3", "# P-EAGLE", "# DFlash"} - {title.split(" draft")[0]}
     assert not any(o + " " in body for o in others)
-    if kind in ("peagle", "dflash"):  # the EAGLE serving options are not theirs
-        assert '"method": "eagle3"' not in body and "EAGLE3" not in body and "--speculative-eagle-topk" not in body
+    if kind in ("peagle", "dflash"):  # the EAGLE tree options are not theirs
+        assert "EAGLE3" not in body and "--speculative-eagle-topk" not in body
+    if kind == "dflash":
+        assert '"method": "eagle3"' not in body and '"parallel_drafting"' not in body
