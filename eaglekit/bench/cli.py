@@ -77,7 +77,10 @@ class BenchConfig:
     # running the same bench (fixed tree, same prompts and seeds); the first prints and writes the report
     # engine=llama.cpp: real llama-server processes on the target's GGUF (bench.llama_cpp); `threads` is theirs,
     # `draft` a draft model's GGUF (or embedded name), `gamma` its draft length
-    engine: Literal["eaglekit", "llama.cpp"] = "eaglekit"
+    # engine=vllm: real `vllm serve` processes (vLLM's CPU backend, bench.vllm) without and with each head of
+    # `head` and `heads`; `n_max` a chain head's num_speculative_tokens (0 = 3)
+    engine: Literal["eaglekit", "llama.cpp", "vllm"] = "eaglekit"
+    heads: list[str] = field(default_factory=list)
     target_gguf: str | None = None  # default: the embedded target's own GGUF file
     head_gguf: str | None = None  # default: `head` exported with export --to llama.cpp (gguf_type)
     gguf_type: Literal["f32", "f16", "bf16", "q8_0"] = "f16"
@@ -199,6 +202,14 @@ def run(args) -> int:
         path = engine.write(report, cfg.out)
         print(engine.table(report))
         print(f"wrote {path} (and its PNG)")
+        return 0
+    if cfg.engine == "vllm":
+        from eaglekit.bench import vllm as engine
+
+        report = engine.run_vllm_bench(cfg)
+        path = engine.write(report, cfg.out)
+        print(engine.table(report))
+        print(f"wrote {path}")
         return 0
     report = run_batch_bench(cfg) if cfg.batch_sizes else run_bench(cfg)
     if launch_layout(cfg.tp_size).rank:  # a split target: the first process writes the report

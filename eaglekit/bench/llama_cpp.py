@@ -332,7 +332,10 @@ def table(report: dict) -> str:
 
 def write(report: dict, out: str) -> Path:
     c = report["config"]
-    name = f"llama-cpp-{Path(c['target']).stem}-{c['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # the name as given ("qwen2.5-coder-1.5b-instruct" has no suffix to strip), and the GGUF file when it is not
+    # the embedded one
+    gguf = f"-{Path(c['target_gguf']).stem}" if c.get("target_gguf") else ""
+    name = f"llama-cpp-{Path(c['target']).name}{gguf}-{c['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = write_json(Path(out) / f"{name}.json", report)
     plot_engine(report, path.with_suffix(".png"))
     return path

@@ -1,0 +1,97 @@
+"""eaglekit.vllm_cpu and bench.vllm: the --speculative-config each head kind is served with (the method
+always written out), vLLM's counters read from /metrics, the environment's stamp, and — slow, real — a
+small trained head exported with ``--to vllm`` drafting in a real `vllm serve` (vLLM's CPU backend) on
+SmolLM2: greedy output identical to the same server without speculation, drafts accepted, vLLM's
+acceptance length within 3% of eaglekit's τ replayed on the server's own outputs.
+
+The slow test installs the pinned vLLM the first time (~1 GB from the package registry, a few minutes;
+`bash scripts/vllm_cpu.sh` does it ahead), then takes a few minutes: each `vllm serve` start is ~1 min."""
+import pytest
+from helpers import fit_head, tiny_target
+
+from eaglekit import vllm_cpu
+from eaglekit.bench.llama_cpp import head_drafts, replay
+from eaglekit.bench.vllm import export_for_vllm, speculative_config
+from eaglekit.heads import HeadConfig, build_head
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("kind, method, k, extra", [
+    ("eagle3", "eagle3", 3, {}),
+    ("peagle", "eagle3", 4, {"parallel_drafting": True}),  # vLLM's P-EAGLE: its EAGLE-3 drafter, in parallel
+    ("dflash", "dflash", 7, {}),  # a block of 8: the anchor + 7 drafts
+])
+def test_vllm_speculative_config_names_each_kinds_method(tmp_path, kind, method, k, extra):
+    target = tiny_target(layers=8, hidden=32, vocab_size=64)
+    cfg = HeadConfig.from_target(target, kind=kind, block_size={"peagle": 4, "dflash": 8}.get(kind))
+    head = build_head(cfg, target)
+    folder = export_for_vllm(head, tmp_path / kind, verifier="org/model")
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    spec = speculative_config(head, folder, n_max=0)
+    assert spec == {"method": method, "model": str(folder), "num_speculative_tokens": k, **extra}
+    if kind == "eagle3":
+        assert speculative_config(head, folder, n_max=5)["num_speculative_tokens"] == 5
+
+
+def test_vllm_counters_and_stamp(tmp_path, monkeypatch):
+    text = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 9.0
+"""
+    assert vllm_cpu.spec_counters(text) == {"drafts": 10.0, "draft_tokens": 30.0, "accepted": 15.0}
+    c = vllm_cpu.Completion(tokens=list(range(17)), seconds=1.0, drafts=8, draft_tokens=24, accepted=8)
+    assert c.steps == 8 and c.tau == 2.0
+    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
+    root = vllm_cpu.install_dir()
+    assert root.parent == tmp_path and vllm_cpu.installed() is None
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "vllm").write_text("#!/bin/sh\n")
+    (root / "bin" / "vllm").chmod(0o755)
+    assert vllm_cpu.installed() is None  # no stamp: an interrupted install
+    (root / ".installed").write_text(vllm_cpu._stamp() + "\n")
+    assert vllm_cpu.installed() == root
+    with pytest.raises(vllm_cpu.VllmError, match="scripts/vllm_cpu.sh"):
+        monkeypatch.setattr(vllm_cpu, "installed", lambda: None)
+        vllm_cpu.require(install_if_missing=False)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_vllm_real_server_drafts_with_an_exported_head(smollm2, tmp_path):
+    from eaglekit import assets
+    from eaglekit.heads import load_head
+    from eaglekit.target import resolve
+
+    root = vllm_cpu.require()
+    folder = resolve("smollm2-135m-instruct")[0]
+    questions = [q["turns"][0] for q in assets.load_mt_bench()[:4]]
+    prompts = [smollm2.chat_ids(q)[0].tolist() for q in questions]
+    n = 40
+    with vllm_cpu.Server(folder, threads=2, root=root) as plain:
+        outs_plain = [plain.complete(ids, n) for ids in prompts]
+    assert all(len(o.tokens) >= 8 and o.drafts == 0 for o in outs_plain)
+    # a head fitted to vLLM's own answers, with the norm every engine reads (one RMSNorm over the taps)
+    convs = [{"id": str(i), "messages": [{"role": "user", "content": q},
+                                         {"role": "assistant", "content": smollm2.tokenizer.decode(o.tokens)}]}
+             for i, (q, o) in enumerate(zip(questions, outs_plain))]
+    trained = fit_head(smollm2, convs, tmp_path / "fit", "head.fc_norm=false", "head.norm_output=false",
+                       "head.norm_before_fc=true", "head.init_from_target=true", "optim.epochs=30")
+    head = load_head(trained, smollm2)
+    spec = speculative_config(head, export_for_vllm(head, tmp_path / "vllm"), n_max=3)
+    with vllm_cpu.Server(folder, speculative=spec, threads=2, root=root) as s:
+        outs = [s.complete(ids, n) for ids in prompts]
+    for i, (ref, out) in enumerate(zip(outs_plain, outs)):
+        assert out.tokens == ref.tokens, f"prompt {i}: vLLM with the head differs from vLLM without it"
+    drafts, accepted = sum(o.drafts for o in outs), sum(o.accepted for o in outs)
+    reps = [replay(ids + o.tokens, len(ids), *head_drafts(smollm2, head, ids, o.tokens, 3), n_max=3)
+            for ids, o in zip(prompts, outs)]
+    tau_ours = sum(r["steps"] * r["tau"] for r in reps) / sum(r["steps"] for r in reps)
+    tau_vllm = 1 + accepted / max(drafts, 1)
+    print(f"vLLM: {drafts} drafts, {accepted} accepted of {sum(o.draft_tokens for o in outs)}, acceptance length "
+          f"{tau_vllm:.3f}; eaglekit's replay on its outputs: {tau_ours:.3f}")
+    assert drafts > 0 and accepted > 0.1 * sum(o.draft_tokens for o in outs), (drafts, accepted)
+    assert abs(tau_vllm - tau_ours) <= 0.03 * tau_ours, (tau_vllm, tau_ours)
