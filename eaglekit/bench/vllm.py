@@ -114,14 +114,15 @@ def summarise(runs: dict) -> dict:
             "acceptance_length": 1 + accepted / drafts if drafts else None,
             "acceptance": accepted / drafted if drafted else None,
             "identical_to_plain": f"{sum(d is None for d in diffs)}/{len(refs)}", "first_differences": diffs,
+            "tokens_per_prompt": [len(o.tokens) for o in first],
         }
     return {"results": results}
 
 
 @torch.no_grad()
 def eaglekit_tau(target, head, prompts, outs, k: int) -> dict:
-    """eaglekit's τ for ``head`` at ``k`` speculative tokens: a chain head's drafts replayed on vLLM's own
-    outputs, and every head through decode.generate (its own fp32 text)."""
+    """eaglekit's τ for ``head`` at ``k`` speculative tokens, a chain as vLLM drafts it: a chain head's drafts
+    replayed on vLLM's own outputs, and every head through decode.generate (its own fp32 text)."""
     from eaglekit import decode
     from eaglekit.decode.drafters import TreeSpec
 
@@ -131,7 +132,7 @@ def eaglekit_tau(target, head, prompts, outs, k: int) -> dict:
                 for ids, o in zip(prompts, outs)]
         res["tau_replay_on_server_outputs"] = (sum(r["steps"] * r["tau"] for r in reps)
                                                / max(sum(r["steps"] for r in reps), 1))
-    tree = None if type(head).parallel else TreeSpec(depth=k, top_k=1, total_tokens=k)
+    tree = TreeSpec(depth=k, top_k=1, total_tokens=k)  # vLLM drafts a chain of k, a parallel head's block too
     own = [decode.generate(target, head, torch.tensor([ids]), len(o.tokens), eos_token_id=False, tree=tree).stats
            for ids, o in zip(prompts, outs)]
     res["tau_decode_generate"] = (sum(sum(s.accept_lengths) for s in own)

@@ -1,4 +1,6 @@
-"""EAGLE draft heads: EAGLE-1 (feature regression) and EAGLE-3 (fused taps, draft vocabulary).
+"""Draft heads, one registry of kinds: EAGLE-1 (feature regression), EAGLE-3 (fused taps, draft vocabulary;
+EAGLE 3.1's fc_norm / norm_output and norm_before_fc as options), and the parallel drafters P-EAGLE (EAGLE-3's
+network filling a block of mask slots in one forward) and DFlash (block diffusion over the target's taps).
 
     cfg = HeadConfig.from_target(target, kind="eagle3")
     head = build_head(cfg, target)
