@@ -70,7 +70,7 @@ def test_vllm_real_server_drafts_with_an_exported_head(smollm2, tmp_path):
     folder = resolve("smollm2-135m-instruct")[0]
     questions = [q["turns"][0] for q in assets.load_mt_bench()[:4]]
     prompts = [smollm2.chat_ids(q)[0].tolist() for q in questions]
-    n = 40
+    n = 64  # long enough that the last, cut-short step weighs little in either count
     with vllm_cpu.Server(folder, threads=2, root=root) as plain:
         outs_plain = [plain.complete(ids, n) for ids in prompts]
     assert all(len(o.tokens) >= 8 and o.drafts == 0 for o in outs_plain)
