@@ -14,10 +14,12 @@ taps, ``norm_before_fc`` or no norm before ``fc`` (not per-tap ``fc_norm``), the
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -110,11 +112,11 @@ def build(jobs: int | None = None, log=sys.stderr) -> Path:
     return root
 
 
-def _run(cmd: list[str], what: str, log=sys.stderr, env=None) -> None:
+def _run(cmd: list[str], what: str, log=sys.stderr, env=None, error=None) -> None:
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, check=False)
     if out.returncode != 0:
         print(out.stdout[-4000:], file=log)
-        raise LlamaCppError(f"{what} failed (exit {out.returncode}): {' '.join(cmd[:6])} ...")
+        raise (error or LlamaCppError)(f"{what} failed (exit {out.returncode}): {' '.join(cmd[:6])} ...")
 
 
 def require(build_if_missing: bool = True) -> Path:
@@ -172,21 +174,31 @@ def export_gguf(layout_dir, out_dir, target_dir, outtype: str = "f16", overwrite
     return out
 
 
-def convert(model_dir, out_file, outtype: str = "f16", target_dir=None, root: Path | None = None) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py on a transformers folder (a draft with ``target_dir``, or a target).
+@contextlib.contextmanager
+def plain_model_dir(model_dir):
+    """``model_dir`` itself, or — for a folder eaglekit dequantised from a GGUF file, whose config keeps
+    ``quantization_config: {quant_method: gguf}`` although its weights are plain, and which llama.cpp's
+    converter and vLLM both refuse — a temporary copy (links to the same files) whose config drops it."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") != "gguf":
+        yield model_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="eaglekit-plain-") as plain:
+        for f in model_dir.iterdir():
+            if f.name != "config.json":
+                os.symlink(f.resolve(), Path(plain) / f.name)
+        config.pop("quantization_config")
+        (Path(plain) / "config.json").write_text(json.dumps(config, indent=2))
+        yield Path(plain)
 
-    A folder eaglekit dequantised from a GGUF file keeps ``quantization_config: {quant_method: gguf}`` in its
-    config, which the converter refuses although the weights are plain: it reads a copy of the folder (links
-    to the same files) whose config drops that block."""
+
+def convert(model_dir, out_file, outtype: str = "f16", target_dir=None, root: Path | None = None) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on a transformers folder (a draft with ``target_dir``, or a target),
+    read through ``plain_model_dir``."""
     root = root or require()
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
-        with tempfile.TemporaryDirectory(prefix="eaglekit-plain-") as plain:
-            for f in Path(model_dir).iterdir():
-                if f.name != "config.json":
-                    os.symlink(f.resolve(), Path(plain) / f.name)
-            config.pop("quantization_config")
-            (Path(plain) / "config.json").write_text(json.dumps(config, indent=2))
+    with plain_model_dir(model_dir) as plain:
+        if plain != Path(model_dir):
             return convert(plain, out_file, outtype, target_dir, root)
     cmd = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(model_dir), "--outfile", str(out_file),
            "--outtype", outtype]
@@ -208,8 +220,23 @@ def quantize(src, dst, qtype: str, root: Path | None = None) -> Path:
 
 
 # ---- llama-server --------------------------------------------------------------------------------------------
+class DraftCounts:
+    """τ from a completion's ``tokens`` and its accepted drafts (``accepted``), as eaglekit counts it."""
+
+    @property
+    def steps(self) -> int:
+        """Target forwards after the prefill: each emits one token of its own besides the drafts it accepts
+        (the first token comes from the prefill)."""
+        return max(len(self.tokens) - 1 - self.accepted, 1)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verify forward, counted as eaglekit's DecodeStats.tau (prefill not counted)."""
+        return (len(self.tokens) - 1) / self.steps
+
+
 @dataclass
-class Completion:
+class Completion(DraftCounts):
     tokens: list[int]
     timings: dict = field(default_factory=dict)
 
@@ -225,17 +252,6 @@ class Completion:
     def accepted(self) -> int:
         return int(self.timings.get("draft_n_accepted", 0))
 
-    @property
-    def steps(self) -> int:
-        """Target forwards after the prefill: each emits one token of its own besides the drafts it accepts
-        (the first token comes from the prefill)."""
-        return max(len(self.tokens) - 1 - self.accepted, 1)
-
-    @property
-    def tau(self) -> float:
-        """Tokens per verify forward, counted as eaglekit's DecodeStats.tau (prefill not counted)."""
-        return (len(self.tokens) - 1) / self.steps
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -243,7 +259,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
+class ServerProcess:
+    """A server process on 127.0.0.1 as a context manager: started in a process group of its own, its
+    output kept in a temporary file (``tail``), ready when GET /health answers 200 (bounded by ``timeout``),
+    the whole group ended on close. Subclasses set ``self.cmd``, ``self.timeout`` and ``self.port``."""
+
+    name, error, poll_s, env = "server", RuntimeError, 0.3, None
+    proc = log = None
+
+    def __enter__(self):
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.time() + self.timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise self.error(f"{self.name} exited ({self.proc.returncode}) at start: {self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(self.poll_s)
+        self.close()
+        raise self.error(f"{self.name} did not become healthy in {self.timeout:.0f} s: {self.tail()}")
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the server and any child it started
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def tail(self, n: int = 3000) -> str:
+        if self.log is None:
+            return ""
+        self.log.seek(0)
+        return self.log.read()[-n:]
+
+
+class Server(ServerProcess):
     """A llama-server process on 127.0.0.1 (a context manager): the target GGUF, optionally a draft.
 
     ``spec_type``: llama.cpp's ``--spec-type`` (``draft-eagle3`` when ``draft`` is an EAGLE-3 head, plain
@@ -267,43 +328,8 @@ class Server:
         if p_min is not None:
             cmd += ["--spec-draft-p-min", str(p_min)]
         self.cmd, self.timeout = [*cmd, *map(str, extra)], timeout
-        self.proc = None
-        self.log = None
 
-    def __enter__(self) -> Server:  # noqa: PYI034 (a plain class: no subclass to return)
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + self.timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise LlamaCppError(f"llama-server exited ({self.proc.returncode}) at start: {self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.3)
-        self.close()
-        raise LlamaCppError(f"llama-server did not become healthy in {self.timeout:.0f} s: {self.tail()}")
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def tail(self, n: int = 2000) -> str:
-        if self.log is None:
-            return ""
-        self.log.seek(0)
-        return self.log.read()[-n:]
+    name, error = "llama-server", LlamaCppError
 
     def complete(self, ids, n_predict: int, cache_prompt: bool = False, timeout: float = 900.0) -> Completion:
         """Greedy completion of the token ids ``ids`` (the prompt already in the chat template), up to

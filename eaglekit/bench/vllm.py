@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from eaglekit import vllm_cpu
-from eaglekit.bench.llama_cpp import head_drafts, replay
+from eaglekit.bench.llama_cpp import _first_diff, head_drafts, replay
 from eaglekit.bench.prompts import load_questions
 from eaglekit.fileio import write_json
 
@@ -50,7 +50,7 @@ def export_for_vllm(head, out: Path, verifier: str | None = None) -> Path:
     return export_head(head, out, "vllm", overwrite=True)
 
 
-def run_vllm_bench(cfg) -> dict:
+def run_engine_bench(cfg) -> dict:
     from eaglekit.heads import load_head
     from eaglekit.target import load_target, resolve
 
@@ -88,11 +88,6 @@ def run_vllm_bench(cfg) -> dict:
     return {"config": asdict(cfg), "engine": f"vLLM CPU backend (vllm-cpu=={vllm_cpu.VERSION})",
             "target_dir": str(folder), "server_start_s": starts, "threads": cfg.threads or None,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **report}
-
-
-def _first_diff(a: list[int], b: list[int]) -> int | None:
-    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return j if j is not None else (None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def summarise(runs: dict) -> dict:
