@@ -31,7 +31,8 @@ def worker(args) -> None:
     import torch
 
     from eaglekit import assets, decode
-    from eaglekit.heads import HeadConfig, build_head, load_head
+    from eaglekit.export import load_head
+    from eaglekit.heads import HeadConfig, build_head
     from eaglekit.target import load_target
 
     torch.set_num_threads(args.threads)

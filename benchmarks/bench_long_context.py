@@ -29,7 +29,7 @@ BOOTSTRAP = 2000
 
 def load_any_head(path: Path, target):
     """A saved head folder (``load_head``) or a trainer checkpoint (its config and ``model.safetensors``)."""
-    from eaglekit.heads import load_head
+    from eaglekit.export import load_head
 
     if not (path / "train_config.json").exists():
         return load_head(path, target, dtype=torch.float32)

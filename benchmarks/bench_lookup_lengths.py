@@ -20,7 +20,7 @@ from eaglekit.decode.cli import use_cpu_linear
 from eaglekit.decode.cost import auto_plan
 from eaglekit.decode.drafters import EagleDrafter
 from eaglekit.decode.lookup import LookupDrafter
-from eaglekit.heads import load_head
+from eaglekit.export import load_head
 from eaglekit.target import load_target
 
 

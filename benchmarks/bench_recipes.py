@@ -159,7 +159,7 @@ def decode_tau(target, head, prompts: list, depth: int, max_new_tokens: int) -> 
 def decode_all(heads: dict, a) -> dict:
     """``decode_tau`` of every head on the first ``a.decode_questions`` MT-bench questions (cached per head)."""
     from eaglekit import assets
-    from eaglekit.heads import load_head
+    from eaglekit.export import load_head
     from eaglekit.target import load_target
     from eaglekit.train.config import load_train_config
 

@@ -34,7 +34,8 @@ def worker(a) -> None:
     import torch
 
     from eaglekit import assets, decode
-    from eaglekit.heads import HeadConfig, build_head, load_head
+    from eaglekit.export import load_head
+    from eaglekit.heads import HeadConfig, build_head
     from eaglekit.target import load_target
 
     sys.path.insert(0, str(HERE))

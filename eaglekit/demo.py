@@ -38,8 +38,8 @@ from eaglekit.bench.prompts import load_questions
 from eaglekit.decode.cli import parse_tree, use_cpu_linear
 from eaglekit.decode.cost import auto_plan
 from eaglekit.decode.lookup import branch_lengths
+from eaglekit.export import load_head
 from eaglekit.fileio import write_json
-from eaglekit.heads import load_head
 from eaglekit.target import load_target
 from eaglekit.timing import busy_cpus, load_average, thread_env, threads_for
 from eaglekit.train.config import load_train_config

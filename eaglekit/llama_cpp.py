@@ -2,7 +2,7 @@
 llama-server processes (token ids in; tokens, timings and draft counts out).
 
     root = build()                                    # once: ~/.cache/eaglekit/llama.cpp-0.3.36 (bin/, converter)
-    export_head(head, "out/", "llama.cpp")            # heads.export: out/head-f16.gguf via llama.cpp's converter
+    export_head(head, "out/", "llama.cpp")            # eaglekit.export: out/head-f16.gguf via llama.cpp's converter
     with Server(target_gguf, draft=gguf, n_max=3) as s:
         r = s.complete(ids, n_predict=128)            # r.tokens, r.tokens_per_s, r.draft_n, r.accepted, r.tau
 
@@ -10,7 +10,7 @@ The source is the llama-cpp-python sdist's vendor/llama.cpp (only the package re
 is native, so the cache is stamped with this CPU's flags and another CPU rebuilds. What llama.cpp's EAGLE-3
 (``--spec-type draft-eagle3``) can represent is narrower than what eaglekit trains: one decoder layer, three
 taps, ``norm_before_fc`` or no norm before ``fc`` (not per-tap ``fc_norm``), the pre-norm feature fed back
-(not ``norm_output``). ``refusal`` names what else a head would need; heads.export_head asks it before writing.
+(not ``norm_output``). ``refusal`` names what else a head would need; export_head asks it before writing.
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def export_gguf(layout_dir, out_dir, target_dir, outtype: str = "f16", overwrite
                 root: Path | None = None) -> Path:
     """Convert an EAGLE-3 head written in the vLLM layout (``layout_dir``: its taps, ``d2t``) into the GGUF
     llama-server takes with ``-md`` (``out_dir/head-<outtype>.gguf``) with llama.cpp's own converter, the
-    target's tokenizer read from ``target_dir`` (its transformers folder). heads.export_head checks
+    target's tokenizer read from ``target_dir`` (its transformers folder). export_head checks
     ``refusal`` first and writes ``layout_dir``; the file appears under its name only once whole."""
     if outtype not in GGUF_TYPES:
         raise LlamaCppError(f"gguf type {outtype!r}: choose one of {', '.join(GGUF_TYPES)}")

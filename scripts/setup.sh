@@ -19,7 +19,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q --no-deps $(.venv/bin/python -c 'import tomllib
 print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["speculators"])')
   else
-    echo "eaglekit setup: speculators needs Python >= 3.11; tests/heads/test_heads_speculators.py will skip"
+    echo "eaglekit setup: speculators needs Python >= 3.11; tests/export/test_export_speculators.py will skip"
   fi
   echo "$want" > "$stamp"
 fi

@@ -102,8 +102,8 @@ TABLE_END = "<!-- end of architectures table -->"
 
 def table() -> str:
     """The supported-architectures table in Markdown: every matrix row decodes exactly (the tests say so);
-    the engine columns come from heads.export_engines, the refused rows from the refusal."""
-    from eaglekit.heads.export_engines import ENGINES
+    the engine columns come from export.engines, the refused rows from the refusal."""
+    from eaglekit.export.engines import ENGINES
 
     heads = ["Architecture", "Examples", "What the decode path respects", "eaglekit"]
     heads += [f"{label} EAGLE-3 export" for _, label in ENGINE_COLUMNS]

@@ -93,8 +93,8 @@ def test_every_config_dataclass_is_checked():
     from eaglekit.bench.cli import BenchConfig
     from eaglekit.data_prep.prepare import PrepareConfig
     from eaglekit.decode.cli import GenerateConfig
-    from eaglekit.heads.export_cli import ExportOptions
-    from eaglekit.heads.push_cli import PushOptions
+    from eaglekit.export.cli import ExportOptions
+    from eaglekit.export.push_cli import PushOptions
 
     cases = [(PrepareConfig, "regenerate.enabled=maybe", "regenerate.enabled must be true or false"),
              (PrepareConfig, "layer_ids=3", "layer_ids must be a list of ints"),

@@ -11,8 +11,9 @@ from helpers import fit_head, save_tiny, tiny_target
 
 from eaglekit import assets, llama_cpp
 from eaglekit.bench.llama_cpp import head_drafts, replay
-from eaglekit.heads import HeadConfig, build_head, export_head
-from eaglekit.heads.export import ExportError
+from eaglekit.export import export_head
+from eaglekit.export.formats import ExportError
+from eaglekit.heads import HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,7 +94,7 @@ def test_llama_cpp_real_server_drafts_with_an_exported_head(smollm2, tmp_path):
              for i, (q, r) in enumerate(zip(questions, refs))]
     trained = fit_head(smollm2, convs, tmp_path / "fit", "head.fc_norm=false", "head.norm_output=false",
                        "head.norm_before_fc=true", "head.init_from_target=true", "optim.epochs=20")
-    from eaglekit.heads import load_head
+    from eaglekit.export import load_head
 
     torch.manual_seed(0)
     heads = {"trained": load_head(trained, smollm2),

@@ -17,9 +17,9 @@ from helpers import tiny_tokenizer
 from eaglekit import decode
 from eaglekit.architectures import UnsupportedArchitecture, check_supported
 from eaglekit.decode.drafters import Tree
+from eaglekit.export.engines import ENGINES, LAYOUT_ENGINES
+from eaglekit.export.formats import ExportError, export_head
 from eaglekit.heads import HeadConfig, build_head
-from eaglekit.heads.export import ExportError, export_head
-from eaglekit.heads.export_engines import ENGINES, LAYOUT_ENGINES
 from eaglekit.heads.objectives import Teacher
 from eaglekit.target import Target, load_target
 from eaglekit.train.config import LossConfig
@@ -196,7 +196,7 @@ def test_online_training_run_on_a_sliding_window_moe_target(tmp_path):
     """The whole online path (train: load_target_from, capture in the step, evaluation, saving) on gpt-oss."""
     from helpers import tiny_conversations
 
-    from eaglekit.heads import load_head
+    from eaglekit.export import load_head
     from eaglekit.train.config import load_train_config
     from eaglekit.train.trainer import train
 

@@ -63,7 +63,7 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 9.0
 @pytest.mark.slow
 def test_vllm_real_server_drafts_with_an_exported_head(smollm2, tmp_path):
     from eaglekit import assets
-    from eaglekit.heads import load_head
+    from eaglekit.export import load_head
     from eaglekit.target import resolve
 
     root = vllm_cpu.require()

@@ -170,7 +170,7 @@ def configurations(cfg, head_gguf, draft_gguf, chosen) -> dict[str, dict]:
 
 
 def run_engine_bench(cfg) -> dict:
-    from eaglekit.heads import export_head, load_head
+    from eaglekit.export import export_head, load_head
     from eaglekit.target import load_target
 
     root = llama_cpp.require()

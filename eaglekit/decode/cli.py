@@ -19,7 +19,7 @@ from typing import Literal
 from eaglekit.config import Dtype, NonNegFloat, NonNegInt, PosFraction, PosInt, load_config
 from eaglekit.decode.draft_model import ModelTreeDrafter
 from eaglekit.decode.drafters import TreeSpec
-from eaglekit.heads import load_head
+from eaglekit.export import load_head
 from eaglekit.packed_linear import pack_linears
 from eaglekit.target import load_target
 

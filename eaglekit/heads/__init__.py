@@ -7,14 +7,11 @@ network filling a block of mask slots in one forward) and DFlash (block diffusio
     out = target.forward(ids, layer_ids=head.taps)
     hidden, logits = head.step(input_ids, head.fuse_output(out), position_ids, cache=HeadCache())
 
-Modules, each importing only modules on the lines below it (tests/test_architecture.py checks):
+The engines' layouts (vLLM, SGLang, speculators, llama.cpp, EAGLE-1), ``load_head`` for any of them and
+the Hub push live in eaglekit/export/, above this package. Modules, each importing only modules on the
+lines below it (tests/test_architecture.py checks):
 
-    export_cli, push_cli    eaglekit export / eaglekit push
-    hub                     model card, stage, push_head (DraftHead.push_to_hub)
-    export                  write the engine layouts; load_head (native or any layout)
-    layouts                 the layouts' key sets and renames, what each engine holds; validate_export
-    io, dflash_layout       the native format: save_head (DraftHead.save_pretrained), load_native; the
-                            DFlash layout SGLang and vLLM read (its keys, config, engine facts)
+    io                      the native format: save_head (DraftHead.save_pretrained), load_native
     registry                HEADS by kind, head_class, build_head, tap_layers
     dflash                  DFlash: the block-diffusion drafter (one forward fills a block)
     eagle1, eagle3          the heads: what each reads, fuses, predicts over and trains with (eagle3 also
@@ -23,21 +20,16 @@ Modules, each importing only modules on the lines below it (tests/test_architect
                             ParallelHead, the base of the heads that draft a block in one forward
     layers                  Llama-style layers; HeadCache (and HeadRows: a head's decode rows), masks,
                             shift_left
-    config                  HeadConfig, EAGLE1/EAGLE3, check_target
-    export_engines          data: how each engine's loader reads an export
-    export_verifier         the verifier (target) id an export or model card names
+    config                  HeadConfig, the kinds, check_target
 """
 from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import EAGLE1, EAGLE3, KINDS, HeadConfig, check_target
 from eaglekit.heads.eagle1 import Eagle1Head
 from eaglekit.heads.eagle3 import Eagle3Head
-from eaglekit.heads.export import export_head, load_export, load_head
-from eaglekit.heads.hub import model_card, push_head
-from eaglekit.heads.io import save_head
+from eaglekit.heads.io import load_native, save_head
 from eaglekit.heads.layers import HeadCache, causal_mask, ttt_mask
-from eaglekit.heads.layouts import LAYOUTS, validate_export
 from eaglekit.heads.registry import HEADS, build_head, head_class, tap_layers
 
-__all__ = ["EAGLE1", "EAGLE3", "HEADS", "KINDS", "LAYOUTS", "DraftHead", "Eagle1Head", "Eagle3Head", "HeadCache", "HeadConfig",
-           "build_head", "causal_mask", "check_target", "export_head", "head_class", "load_export", "load_head",
-           "model_card", "push_head", "save_head", "tap_layers", "ttt_mask", "validate_export"]
+__all__ = ["EAGLE1", "EAGLE3", "HEADS", "KINDS", "DraftHead", "Eagle1Head", "Eagle3Head", "HeadCache", "HeadConfig",
+           "build_head", "causal_mask", "check_target", "head_class", "load_native", "save_head", "tap_layers",
+           "ttt_mask"]

@@ -2,7 +2,7 @@
 checks; and the hooks through which each head says how it differs (see ``DraftHead``). ``ParallelHead`` is
 the base of the heads whose one forward drafts a block (P-EAGLE, DFlash), with what decoding asks of them.
 
-Saving and the Hub live above this module (heads.io, heads.hub), which give ``DraftHead`` its
+Saving and the Hub live above this module (heads.io, eaglekit.export.hub), which give ``DraftHead`` its
 ``save_pretrained`` / ``push_to_hub`` methods; nothing here imports them.
 """
 from __future__ import annotations

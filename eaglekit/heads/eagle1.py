@@ -19,7 +19,7 @@ class Eagle1Head(DraftHead):
     kind = EAGLE1
     reads = "last"
     has_draft_vocab = False
-    # how the model card names it and the engines serve it (heads.hub)
+    # how the model card names it and the engines serve it (eaglekit.export.hub)
     display_name, vllm_method, sglang_algorithm, speculators_model = "EAGLE-1", "eagle", "EAGLE", None
 
     def __init__(self, config: HeadConfig):

@@ -55,7 +55,7 @@ class Eagle3Head(DraftHead):
     kind = EAGLE3
     reads = "taps"
     has_draft_vocab = True
-    # how the model card names it and the engines serve it (heads.hub)
+    # how the model card names it and the engines serve it (eaglekit.export.hub)
     display_name, vllm_method, sglang_algorithm = "EAGLE-3", "eagle3", "EAGLE3"
     speculators_model = ("speculators.models.eagle3", "Eagle3DraftModel")
 

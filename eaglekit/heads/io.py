@@ -2,8 +2,8 @@
 
 The target's embedding / lm_head are borrowed, never saved. Loading checks the head against the target
 it is bound to and refuses a mismatch with a message naming what differs. The helpers below that read
-files (``read_config``, ``read_weights``, ``instantiate``...) are public: heads.export reads its layouts
-with them. Folders in an engine's layout are read by ``heads.export.load_head``.
+files (``read_config``, ``read_weights``, ``instantiate``...) are public: eaglekit.export reads its layouts
+with them. Folders in an engine's layout are read by ``eaglekit.export.load_head``.
 
 ``DraftHead.save_pretrained(path)`` is ``save_head``: given to the class here, where saving lives.
 """

@@ -26,7 +26,8 @@ from accelerate.utils import (
     set_seed,
 )
 
-from eaglekit.heads import DraftHead, HeadConfig, build_head, load_head
+from eaglekit.export import load_head
+from eaglekit.heads import DraftHead, HeadConfig, build_head
 from eaglekit.heads.objectives import Teacher
 from eaglekit.target import Target, load_target_from
 from eaglekit.train.config import TrainConfig

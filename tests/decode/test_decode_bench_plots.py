@@ -116,7 +116,7 @@ def test_decode_bench_plots_head_acceptance_pools_generate_stats(saved, tmp_path
     from eaglekit.bench.prompts import load_prompts
     from eaglekit.decode import DecodeStats, generate
     from eaglekit.decode.cli import parse_tree
-    from eaglekit.heads import load_head
+    from eaglekit.export import load_head
     from eaglekit.target import load_target
 
     target_dir, head_dir = saved

@@ -144,7 +144,7 @@ def fitted_head(target, root):
     paths, full-depth trees and bonus tokens on a real target, which an untrained head never reaches. A
     memorised head, not a useful one (test_train_real checks that training learns).
     ``EAGLEKIT_TEST_HEAD=<head dir>`` checks a head of yours instead."""
-    from eaglekit.heads import load_head
+    from eaglekit.export import load_head
 
     if os.environ.get("EAGLEKIT_TEST_HEAD"):
         return load_head(os.environ["EAGLEKIT_TEST_HEAD"], target)

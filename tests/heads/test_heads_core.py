@@ -3,6 +3,7 @@ import pytest
 import torch
 from helpers import tiny_target
 
+from eaglekit.export import load_head
 from eaglekit.heads import (
     Eagle1Head,
     Eagle3Head,
@@ -10,7 +11,6 @@ from eaglekit.heads import (
     HeadConfig,
     build_head,
     causal_mask,
-    load_head,
     ttt_mask,
 )
 

@@ -1,7 +1,7 @@
 """EAGLE 3.1's head options (HeadConfig.fc_norm / norm_output) on a tiny target: off by default and then the
 EAGLE-3 path unchanged; on, a norm per tap before fc and the post-norm hidden state fed to the next draft
 step, the same in training's unroll and in sequential drafting; saved, loaded, exported (the engines'
-reading of the flags is in test_heads_engines); greedy decoding still exact; refusals name the item.
+reading of the flags is in tests/export/test_export_engines); greedy decoding still exact; refusals name the item.
 norm_before_fc (one norm over the concatenated taps, what llama.cpp serves) goes through the same checks."""
 import json
 
@@ -12,8 +12,9 @@ from helpers import tiny_target
 from eaglekit import decode
 from eaglekit.config import ConfigError
 from eaglekit.decode.drafters import TreeSpec
-from eaglekit.heads import HeadCache, HeadConfig, build_head, export_head, load_head
-from eaglekit.heads.export import ExportError
+from eaglekit.export import export_head, load_head
+from eaglekit.export.formats import ExportError
+from eaglekit.heads import HeadCache, HeadConfig, build_head
 from eaglekit.heads.objectives import shift_left, ttt_unroll
 from eaglekit.train.config import load_train_config
 

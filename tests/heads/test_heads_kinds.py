@@ -79,36 +79,35 @@ def test_heads_training_hooks(target):
 
 
 def test_heads_base_imports_no_saving_or_hub():
-    """DraftHead knows nothing of files or the Hub; heads.io / heads.hub give it those two methods."""
+    """DraftHead knows nothing of files or the Hub; heads.io / export.hub give it those two methods."""
+    import eaglekit.export  # noqa: F401  (gives DraftHead.push_to_hub)
+
     imported = {n.module for n in ast.walk(ast.parse(inspect.getsource(base))) if isinstance(n, ast.ImportFrom)}
-    assert not imported & {"eaglekit.heads.io", "eaglekit.heads.hub", "eaglekit.heads.export"}
+    assert not imported & {"eaglekit.heads.io", "eaglekit.export.hub", "eaglekit.export.formats"}
     assert DraftHead.save_pretrained.__module__ == "eaglekit.heads.io"
-    assert DraftHead.push_to_hub.__module__ == "eaglekit.heads.hub"
+    assert DraftHead.push_to_hub.__module__ == "eaglekit.export.hub"
 
 
-HEAD_LAYERS = [  # lowest first: a heads module imports only heads modules of lower layers
-    {"config", "export_engines", "export_verifier", "ttt_attention"},
-    {"layers"},
-    {"objectives"},
-    {"base"},
-    {"eagle1", "eagle3", "dflash"},
-    {"registry"},
-    {"io", "dflash_layout"},
-    {"layouts"},
-    {"export"},
-    {"hub"},
-    {"export_cli"},
-    {"push_cli"},
-]
+LAYERS = {  # lowest first: a module imports only modules of lower layers of its package
+    "eaglekit.heads": [{"config", "ttt_attention"}, {"layers"}, {"objectives"}, {"base"},
+                       {"eagle1", "eagle3", "dflash"}, {"registry"}, {"io"}],
+    "eaglekit.export": [{"engines", "verifier"}, {"dflash_layout"}, {"layouts"}, {"formats"}, {"hub"},
+                        {"cli"}, {"push_cli"}],
+}
 
 
-def test_heads_modules_import_only_lower_layers():
-    """config → layers → objectives → base → eagle1/eagle3 → registry → io → layouts → export → hub → CLIs
-    (function-local imports counted, tests/test_architecture.py's graph)."""
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_package_modules_import_only_lower_layers(package):
+    """heads: config → layers → objectives → base → eagle1/eagle3 → registry → io; export: engines →
+    dflash_layout → layouts → formats → hub → CLIs (function-local imports counted, tests/test_architecture.py's
+    graph); nothing in heads imports export (the networks and their native files stand alone)."""
     graph = import_graph()
-    names = {m.rsplit(".", 1)[1] for m in graph if m.startswith("eaglekit.heads.")}
-    assert names == set().union(*HEAD_LAYERS), "give every heads module a layer (and drop removed ones)"
-    layer = {name: i for i, group in enumerate(HEAD_LAYERS) for name in group}
-    upward = [(m, dep) for m in sorted(names) for dep in sorted(graph[f"eaglekit.heads.{m}"])
-              if dep.startswith("eaglekit.heads.") and layer[dep.rsplit(".", 1)[1]] >= layer[m]]
+    names = {m.rsplit(".", 1)[1] for m in graph if m.startswith(package + ".")}
+    assert names == set().union(*LAYERS[package]), "give every module a layer (and drop removed ones)"
+    layer = {name: i for i, group in enumerate(LAYERS[package]) for name in group}
+    upward = [(m, dep) for m in sorted(names) for dep in sorted(graph[f"{package}.{m}"])
+              if dep.startswith(package + ".") and layer[dep.rsplit(".", 1)[1]] >= layer[m]]
     assert upward == []
+    if package == "eaglekit.heads":
+        assert not [m for m in graph if m.startswith("eaglekit.heads") and
+                    any(d.startswith("eaglekit.export") for d in graph[m])]

@@ -8,7 +8,8 @@ import pytest
 import torch
 from helpers import tiny_target
 
-from eaglekit.heads import HeadCache, HeadConfig, build_head, load_head
+from eaglekit.export import load_head
+from eaglekit.heads import HeadCache, HeadConfig, build_head
 from eaglekit.heads.base import ParallelHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -282,7 +283,7 @@ def _vllm_reads_peagle(config: dict, weights: dict, num_spec: int) -> dict:
 def test_peagle_speculators_export_as_vllm_and_speculators_read_it(target, tmp_path):
     from safetensors.torch import load_file
 
-    from eaglekit.heads.export import ExportError, export_head
+    from eaglekit.export.formats import ExportError, export_head
 
     head = peagle(target, block=3, draft_vocab=48, taps=[3, 0, 1])  # engines capture taps sorted: fc permuted
     ids = torch.randperm(64)[:48].sort().values
@@ -331,7 +332,7 @@ def test_peagle_export_loads_in_speculators_and_computes_our_logits(tmp_path, mo
 
     from helpers import save_tiny
 
-    from eaglekit.heads.export import export_head
+    from eaglekit.export.formats import export_head
     from eaglekit.target import load_target
 
     if sys.version_info < (3, 11):

@@ -6,7 +6,7 @@ import math
 import pytest
 from helpers import save_tiny, tiny_conversations
 
-from eaglekit.heads import load_head
+from eaglekit.export import load_head
 from eaglekit.target import load_target
 from eaglekit.train.config import load_train_config
 from eaglekit.train.trainer import train

@@ -8,7 +8,8 @@ import torch
 from dflash_reference import naive_block_loss
 from helpers import save_tiny, tiny_conversations, tiny_target
 
-from eaglekit.heads import HeadConfig, build_head, load_head
+from eaglekit.export import load_head
+from eaglekit.heads import HeadConfig, build_head
 from eaglekit.heads.dflash import decay_gamma, position_weights
 from eaglekit.heads.objectives import Teacher, supervised_count
 

@@ -7,7 +7,7 @@ import torch
 from helpers import save_tiny, tiny_conversations
 
 from eaglekit import decode
-from eaglekit.heads import load_head
+from eaglekit.export import load_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,7 +10,8 @@ import torch
 import yaml
 from helpers import save_tiny, tiny_target
 
-from eaglekit.heads import HeadConfig, build_head, model_card, push_head
+from eaglekit.export import model_card, push_head
+from eaglekit.heads import HeadConfig, build_head
 
 SECRET = "hf_eaglekitTESTtoken0123456789abcdef"
 
@@ -92,12 +93,12 @@ def front_matter(card):
     return yaml.safe_load(meta_text), body
 
 
-def test_heads_model_card_yaml(saved_head):
+def test_export_model_card_yaml(saved_head):
     _, head, d = saved_head
     (d / "results.json").write_text(json.dumps({"tau": 2.75, "speedup": 1.9, "benchmark": "mt-bench",
                                                 "device": "H100"}))
     try:
-        from eaglekit.heads.hub import read_results
+        from eaglekit.export.hub import read_results
         card = model_card(head.config, "me/smol-eagle3", "sglang", datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"],
                           results=read_results(d))
     finally:
@@ -119,7 +120,7 @@ def test_heads_model_card_yaml(saved_head):
     assert meta3["simulated_acceptance_length"] == 2.346 and "acceptance_length" not in meta3 and "2.35" in body3
 
 
-def test_heads_push_uploads_files_and_hides_token(fake_hub, saved_head, capsys, caplog):
+def test_export_push_uploads_files_and_hides_token(fake_hub, saved_head, capsys, caplog):
     caplog.set_level(logging.DEBUG)
     target, _, d = saved_head
     res = push_head(d, "me/smol-eagle3", private=True, token=SECRET, datasets=["me/data"], target=target)
@@ -138,7 +139,7 @@ def test_heads_push_uploads_files_and_hides_token(fake_hub, saved_head, capsys, 
     assert SECRET not in caplog.text and SECRET not in json.dumps(res)
 
 
-def test_heads_push_cli_dry_run_and_upload(fake_hub, saved_head, capsys, monkeypatch, tmp_path):
+def test_export_push_cli_dry_run_and_upload(fake_hub, saved_head, capsys, monkeypatch, tmp_path):
     from eaglekit.cli import main
 
     _, _, d = saved_head
@@ -156,12 +157,12 @@ def test_heads_push_cli_dry_run_and_upload(fake_hub, saved_head, capsys, monkeyp
     assert SECRET not in out.out + out.err
 
 
-def test_heads_load_head_from_hub_id(saved_head, monkeypatch, tmp_path):
+def test_export_load_head_from_hub_id(saved_head, monkeypatch, tmp_path):
     """A repo id goes through huggingface_hub.snapshot_download (HF_ENDPOINT / cache honoured); a local
     folder of the same name wins."""
     import huggingface_hub
 
-    from eaglekit.heads import load_head
+    from eaglekit.export import load_head
 
     target, head, d = saved_head
     calls = []
@@ -182,9 +183,9 @@ def no_saved_token(monkeypatch, tmp_path):
     monkeypatch.setattr(hc, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
 
 
-def test_heads_push_without_token_fails_before_any_request(fake_hub, saved_head, no_saved_token, capsys):
+def test_export_push_without_token_fails_before_any_request(fake_hub, saved_head, no_saved_token, capsys):
     from eaglekit.cli import main
-    from eaglekit.heads.hub import NO_TOKEN, PushError
+    from eaglekit.export.hub import NO_TOKEN, PushError
 
     target, _, d = saved_head
     with pytest.raises(PushError, match="no Hugging Face token: set HF_TOKEN or run `hf auth login`"):
@@ -194,12 +195,12 @@ def test_heads_push_without_token_fails_before_any_request(fake_hub, saved_head,
     assert fake_hub.requests == []
 
 
-def test_heads_push_refused_connection_names_the_endpoint(saved_head, monkeypatch):
+def test_export_push_refused_connection_names_the_endpoint(saved_head, monkeypatch):
     import socket
 
     import huggingface_hub.constants as hc
 
-    from eaglekit.heads.hub import PushError
+    from eaglekit.export.hub import PushError
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -211,7 +212,7 @@ def test_heads_push_refused_connection_names_the_endpoint(saved_head, monkeypatc
         push_head(d, "me/h", token=SECRET, target=target)
 
 
-def test_heads_push_reads_and_checks_the_head_before_any_request(fake_hub, saved_head, tmp_path):
+def test_export_push_reads_and_checks_the_head_before_any_request(fake_hub, saved_head, tmp_path):
     from safetensors.torch import load_file, save_file
 
     target, head, d = saved_head
@@ -235,7 +236,7 @@ def test_heads_push_reads_and_checks_the_head_before_any_request(fake_hub, saved
     assert front_matter(res["card"])[0]["base_model"] == "org/base"
 
 
-def test_heads_push_module_is_checked_before_any_request(fake_hub, saved_head):
+def test_export_push_module_is_checked_before_any_request(fake_hub, saved_head):
     target, head, _ = saved_head
     with pytest.raises(ValueError, match="push: this head was not trained for this target"):
         head.push_to_hub("me/h", token=SECRET, target=tiny_target(layers=10, hidden=32, vocab_size=64))
@@ -257,7 +258,7 @@ def test_heads_push_module_is_checked_before_any_request(fake_hub, saved_head):
     ("dflash", "vllm", "# DFlash draft head", ['"method": "dflash"', '"num_speculative_tokens": 7']),
     ("dflash", "sglang", "# DFlash draft head", ["--speculative-algorithm DFLASH"]),
 ])
-def test_heads_model_card_names_each_kind_and_its_serve_command(kind, layout, title, serve):
+def test_export_model_card_names_each_kind_and_its_serve_command(kind, layout, title, serve):
     """Each kind's card is titled with the kind's own name (from its head class) and shows the command its
     engines take: a parallel drafter its block in one forward (P-EAGLE block 4, DFlash block 8 = 7 drafts),
     P-EAGLE with vLLM's method written out ("eagle3" + parallel_drafting), no EAGLE tree flags."""

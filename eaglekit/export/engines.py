@@ -17,7 +17,7 @@ TAP_KEY = "eagle_aux_hidden_state_layer_ids"
 
 class ExportError(ValueError):
     """An export (or a folder read as one) whose keys, shapes or config do not match its layout, or a head
-    a layout's engines cannot represent (re-exported by heads.layouts and heads.export)."""
+    a layout's engines cannot represent (re-exported by export.layouts and export.formats)."""
 
 
 def need(ok: bool, msg: str) -> None:

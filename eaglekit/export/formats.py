@@ -1,7 +1,7 @@
 """Write a head in the layouts serving engines load, and read any head folder back (docs/exports.md).
 
 The layouts themselves (key sets, renames, what each engine can hold, reading a folder's config) are
-heads.layouts; this module writes them (``export_head``: checked against the exact expected key set,
+export.layouts; this module writes them (``export_head``: checked against the exact expected key set,
 shapes and dtypes before and after writing, refused if any weight is non-finite) and loads them
 (``load_head``: a native folder, an export, or a head another trainer wrote in an engine's layout).
 Each config also carries an ``eaglekit`` block (the HeadConfig) so ``load_head`` can check the target
@@ -14,17 +14,14 @@ from pathlib import Path
 
 import torch
 
-from eaglekit.fileio import write_json, write_safetensors
-from eaglekit.heads.base import DraftHead
-from eaglekit.heads.config import DFLASH, PEAGLE, HeadConfig, check_target
-from eaglekit.heads.dflash_layout import (
+from eaglekit.export.dflash_layout import (
     DFLASH_ENGINES,
     dflash_config,
     dflash_state,
     refuse_dflash,
     shared_lm_head,
 )
-from eaglekit.heads.export_engines import (
+from eaglekit.export.engines import (
     ENGINES,
     LAYOUT_ENGINES,
     TAP_KEY,
@@ -32,20 +29,7 @@ from eaglekit.heads.export_engines import (
     refusing_engines,
     set_path,
 )
-from eaglekit.heads.export_verifier import resolve_verifier
-from eaglekit.heads.io import (
-    CONFIG,
-    WEIGHTS,
-    check_finite,
-    instantiate,
-    is_native,
-    load_native,
-    read_config,
-    read_weights,
-    resolve_dir,
-    saved_dtype,
-)
-from eaglekit.heads.layouts import (
+from eaglekit.export.layouts import (
     EXPORT_BLOCK,
     LAYOUTS,
     PEAGLE_ARCH,
@@ -61,9 +45,25 @@ from eaglekit.heads.layouts import (
     tensor_kind,
     validate_export,
 )
+from eaglekit.export.verifier import resolve_verifier
+from eaglekit.fileio import write_json, write_safetensors
+from eaglekit.heads.base import DraftHead
+from eaglekit.heads.config import DFLASH, PEAGLE, HeadConfig, check_target
+from eaglekit.heads.io import (
+    CONFIG,
+    WEIGHTS,
+    check_finite,
+    instantiate,
+    is_native,
+    load_native,
+    read_config,
+    read_weights,
+    resolve_dir,
+    saved_dtype,
+)
 
 __all__ = ["EXPORT_BLOCK", "LAYOUTS", "ExportError", "export_config", "export_head", "export_to", "layout_state",
-           "load_export", "load_head", "validate_export"]  # the first three and the last also live in heads.layouts
+           "load_export", "load_head", "validate_export"]  # the first three and the last also live in export.layouts
 LLAMA_CPP = "llama.cpp"  # not a folder layout: a GGUF file written by llama.cpp's converter (eaglekit.llama_cpp)
 FORMATS = (*LAYOUTS, LLAMA_CPP)  # what `eaglekit export --to` writes
 SPECULATORS_VERSION = "0.9.0"  # the speculators release these configs were checked against
@@ -168,7 +168,7 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
     """Write ``head`` as ``layout`` into ``out_dir`` (config.json + model.safetensors), validated.
 
     ``verifier``: the target's id written where engines read it (default: from the head's target
-    name, see heads.export_verifier); required by the speculators layout.
+    name, see export.verifier); required by the speculators layout.
     ``layout="llama.cpp"``: the GGUF llama-server drafts with (``out_dir/head-<gguf_type>.gguf``, through
     llama.cpp's converter, eaglekit.llama_cpp), reading the tokenizer from ``target_dir`` (default: the
     folder of the target the head was trained for); the file's path is returned.

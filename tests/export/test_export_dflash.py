@@ -15,15 +15,16 @@ import torch.nn.functional as F
 from helpers import tiny_target
 from safetensors.torch import load_file
 
-from eaglekit.heads import HeadConfig, build_head, export_head, load_head
-from eaglekit.heads.dflash_layout import (
+from eaglekit.export import export_head, load_head
+from eaglekit.export.dflash_layout import (
     DFLASH_ENGINES,
     engine_block,
     engine_causal_layers,
     engine_mask,
     engine_taps,
 )
-from eaglekit.heads.export import ExportError, validate_export
+from eaglekit.export.formats import ExportError, validate_export
+from eaglekit.heads import HeadConfig, build_head
 
 H, V, N = 32, 64, 12
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -6,8 +6,9 @@ import torch
 from helpers import save_tiny, tiny_target
 from safetensors.torch import load_file, save_file
 
-from eaglekit.heads import HeadConfig, build_head, export_head, load_head, validate_export
-from eaglekit.heads.export import ExportError
+from eaglekit.export import export_head, load_head, validate_export
+from eaglekit.export.formats import ExportError
+from eaglekit.heads import HeadConfig, build_head
 
 H, V, VD, I = 32, 64, 16, 64  # tiny target: hidden, vocab, draft vocab, MLP width
 Q, KV = 32, 16  # 4 heads * 8, 2 kv heads * 8
@@ -68,7 +69,7 @@ def logits(target, head, ids):
 
 
 @pytest.mark.parametrize("layout,layers", CASES)
-def test_heads_export_golden_keys_and_identical_reload(target, tmp_path, layout, layers):
+def test_export_golden_keys_and_identical_reload(target, tmp_path, layout, layers):
     kind = "eagle1" if layout == "eagle1" else "eagle3"
     head = make(target, kind, layers)
     out = export_head(head, tmp_path / layout, layout, verifier="me/tiny-target")
@@ -100,7 +101,7 @@ def test_heads_export_golden_keys_and_identical_reload(target, tmp_path, layout,
     assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
 
 
-def test_heads_export_refuses_what_a_layout_cannot_hold(target, tmp_path):
+def test_export_refuses_what_a_layout_cannot_hold(target, tmp_path):
     with pytest.raises(ExportError, match="single midlayer"):
         export_head(make(target, "eagle3", 2), tmp_path / "a", "sglang")
     with pytest.raises(ExportError, match="EAGLE-3"):
@@ -112,7 +113,7 @@ def test_heads_export_refuses_what_a_layout_cannot_hold(target, tmp_path):
     assert not (tmp_path / "a" / "model.safetensors").exists()
 
 
-def test_heads_validate_export_refuses_tampering(target, tmp_path):
+def test_export_validate_export_refuses_tampering(target, tmp_path):
     out = export_head(make(target, "eagle3", 1), tmp_path / "x", "sglang")
     validate_export(out, "sglang")
     w = load_file(str(out / "model.safetensors"))
@@ -136,13 +137,13 @@ def test_heads_validate_export_refuses_tampering(target, tmp_path):
         validate_export(out)
 
 
-def test_heads_export_reload_refuses_other_target(target, tmp_path):
+def test_export_reload_refuses_other_target(target, tmp_path):
     out = export_head(make(target, "eagle3", 1), tmp_path / "x", "speculators", verifier="me/tiny")
     with pytest.raises(ValueError, match="layer count"):
         load_head(out, tiny_target(layers=10, hidden=H, vocab_size=V))
 
 
-def test_heads_export_foreign_engine_config_loads(target, tmp_path):
+def test_export_foreign_engine_config_loads(target, tmp_path):
     """A head exported elsewhere (no eaglekit block) is rebuilt from the engine fields alone."""
     head = make(target, "eagle3", 1)
     out = export_head(head, tmp_path / "x", "vllm")
@@ -160,7 +161,7 @@ def test_heads_export_foreign_engine_config_loads(target, tmp_path):
     assert torch.equal(logits(target, head, ids), logits(target, back, ids))
 
 
-def test_heads_export_cli_bf16(tmp_path, capsys):
+def test_export_cli_bf16(tmp_path, capsys):
     from eaglekit.cli import main
     from eaglekit.target import load_target
 
@@ -187,7 +188,7 @@ def test_heads_export_cli_bf16(tmp_path, capsys):
         (tmp_path / "out" / "model.safetensors").read_bytes()
 
 
-def test_heads_export_refuses_non_finite_weights(target, tmp_path):
+def test_export_refuses_non_finite_weights(target, tmp_path):
     head = make(target, "eagle3", 1)
     with torch.no_grad():
         head.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
@@ -202,7 +203,7 @@ def test_heads_export_refuses_non_finite_weights(target, tmp_path):
     export_head(big, tmp_path / "c", "sglang", dtype=torch.bfloat16)  # bf16 holds it
 
 
-def test_heads_load_head_refuses_non_finite_weights(target, tmp_path):
+def test_export_load_head_refuses_non_finite_weights(target, tmp_path):
     head = make(target, "eagle3", 1)
     head.save_pretrained(tmp_path / "native")
     out = export_head(head, tmp_path / "exp", "speculators", verifier="me/x")
@@ -215,8 +216,8 @@ def test_heads_load_head_refuses_non_finite_weights(target, tmp_path):
             load_head(folder, target)
 
 
-def test_heads_export_verifier(target, tmp_path):
-    from eaglekit.heads.export_verifier import default_verifier
+def test_export_verifier(target, tmp_path):
+    from eaglekit.export.verifier import default_verifier
 
     assert default_verifier("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert default_verifier("qwen2.5-coder-0.5b-instruct") == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
@@ -247,7 +248,7 @@ def test_heads_export_verifier(target, tmp_path):
         "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def test_heads_export_cli_verifier(tmp_path, capsys):
+def test_export_cli_verifier(tmp_path, capsys):
     from eaglekit.cli import main
     from eaglekit.target import load_target
 

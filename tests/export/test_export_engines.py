@@ -1,4 +1,4 @@
-"""Exports read the way each engine's loader reads them (heads.export_engines), for 3 and 4 taps and custom taps.
+"""Exports read the way each engine's loader reads them (export.engines), for 3 and 4 taps and custom taps.
 
 ``engine_logits`` plays an engine from the exported files alone: it takes the tap ids from where the
 engine reads them, captures the target's hidden states the way the engine does (HF
@@ -13,9 +13,8 @@ import torch
 from helpers import tiny_target
 from safetensors.torch import load_file
 
-from eaglekit.heads import HeadConfig, build_head, export_head, load_head
-from eaglekit.heads.export import ExportError
-from eaglekit.heads.export_engines import (
+from eaglekit.export import export_head, load_head
+from eaglekit.export.engines import (
     ENGINES,
     LAYOUT_ENGINES,
     TAP_KEY,
@@ -24,6 +23,8 @@ from eaglekit.heads.export_engines import (
     read_flag,
     read_tap_count,
 )
+from eaglekit.export.formats import ExportError
+from eaglekit.heads import HeadConfig, build_head
 from eaglekit.heads.io import check_finite
 from eaglekit.heads.objectives import ttt_unroll
 
@@ -115,7 +116,7 @@ CASES = [  # (taps, norm_before_residual): default 3 taps, custom 3, custom 4 ou
 
 @pytest.mark.parametrize("layout", ["vllm", "sglang", "speculators"])
 @pytest.mark.parametrize("taps,nbr", CASES)
-def test_heads_engines_read_exports_as_eaglekit_runs_them(target, tmp_path, layout, taps, nbr):
+def test_export_engines_read_exports_as_eaglekit_runs_them(target, tmp_path, layout, taps, nbr):
     head = make(target, taps, norm_before_residual=nbr)
     if layout == "sglang" and nbr:
         with pytest.raises(ExportError, match="norm_before_residual"):
@@ -131,7 +132,7 @@ def test_heads_engines_read_exports_as_eaglekit_runs_them(target, tmp_path, layo
 
 
 @pytest.mark.parametrize("taps", [None, [9, 0, 4, 7]])
-def test_heads_engines_config_fields_written_out(target, tmp_path, taps):
+def test_export_engines_config_fields_written_out(target, tmp_path, taps):
     """The engines' meanings written out by hand (not from the table): vLLM layer inputs, SGLang outputs."""
     head = make(target, taps, norm_before_residual=False)
     want = sorted(head.config.aux_layer_ids)
@@ -146,8 +147,8 @@ def test_heads_engines_config_fields_written_out(target, tmp_path, taps):
         assert cfg["eaglekit"]["aux_layer_ids"] == want  # the head as written: fc blocks in sorted order
 
 
-def test_heads_engines_table_matches_the_engine_sources():
-    """The facts the exporter relies on, as read in each engine's source (see heads.export_engines.sources)."""
+def test_export_engines_table_matches_the_engine_sources():
+    """The facts the exporter relies on, as read in each engine's source (see export.engines.sources)."""
     vllm, sgl, spec, vspec = (ENGINES[n] for n in ("vllm", "sglang", "speculators", "vllm-speculators"))
     assert vllm.tap_offset == 0 and vllm.tap_ids_at == (TAP_KEY, f"eagle_config.{TAP_KEY}")
     assert sgl.tap_offset == -1 and sgl.tap_ids_at == (f"eagle_config.{TAP_KEY}",)
@@ -170,7 +171,7 @@ def test_heads_engines_table_matches_the_engine_sources():
 
 @pytest.mark.parametrize("norm", ["fc_norm", "norm_before_fc"])
 @pytest.mark.parametrize("layout", ["vllm", "sglang", "speculators"])
-def test_heads_engines_run_eagle31_heads_as_eaglekit_does(target, tmp_path, layout, norm):
+def test_export_engines_run_eagle31_heads_as_eaglekit_does(target, tmp_path, layout, norm):
     """fc_norm (or norm_before_fc) and norm_output as each engine reads them: two chained draft steps, taps out
     of order (each tap's norm, or its slice of the one norm, moves with its fc block)."""
     head = make(target, [9, 0, 4, 7], norm_output=True, **{norm: True})
@@ -184,7 +185,7 @@ def test_heads_engines_run_eagle31_heads_as_eaglekit_does(target, tmp_path, layo
     assert not torch.allclose(eaglekit_logits(target, plain, ids, steps=2), want, atol=1e-3)
 
 
-def test_heads_engines_refusals(target, tmp_path):
+def test_export_engines_refusals(target, tmp_path):
     with pytest.raises(ExportError, match=r"repeat layer\(s\) \[4\]"):
         export_head(make(target, [2, 4, 4]), tmp_path / "a", "vllm")
     head = make(target, None, norm_before_residual=True)
@@ -196,7 +197,7 @@ def test_heads_engines_refusals(target, tmp_path):
         assert cfg["norm_before_residual"] is True
 
 
-def test_heads_engines_full_vocab_head_has_no_vocab_maps(target, tmp_path):
+def test_export_engines_full_vocab_head_has_no_vocab_maps(target, tmp_path):
     """vLLM has no draft_id_to_target_id when draft vocab == target vocab: d2t/t2d are left out."""
     head = make(target, None, draft_vocab=V)
     ids = torch.randint(0, V, (1, 6))
@@ -209,7 +210,7 @@ def test_heads_engines_full_vocab_head_has_no_vocab_maps(target, tmp_path):
         assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
 
 
-def test_heads_engines_foreign_sglang_config_taps_are_outputs(target, tmp_path):
+def test_export_engines_foreign_sglang_config_taps_are_outputs(target, tmp_path):
     """A SpecForge/SGLang head names its taps only in eagle_config, as layer outputs: read back +1."""
     head = make(target, [1, 5, 10])
     out = export_head(head, tmp_path / "x", "sglang")
@@ -224,13 +225,13 @@ def test_heads_engines_foreign_sglang_config_taps_are_outputs(target, tmp_path):
     torch.testing.assert_close(eaglekit_logits(target, back, ids), eaglekit_logits(target, head, ids))
 
 
-def test_heads_check_finite_names_the_tensor():
+def test_export_check_finite_names_the_tensor():
     with pytest.raises(ValueError, match=r"'b' holds 2 non-finite"):
         check_finite({"a": torch.ones(3), "i": torch.zeros(2, dtype=torch.long),
                       "b": torch.tensor([1.0, float("nan"), float("inf")])}, "here")
 
 
-def test_heads_engines_older_eaglekit_export_still_loads(target, tmp_path):
+def test_export_engines_older_eaglekit_export_still_loads(target, tmp_path):
     """Exports written before the engine table (top-level fields only, 4 taps) load back unchanged."""
     head = make(target, [1, 3, 5, 10])
     out = export_head(head, tmp_path / "x", "vllm")

@@ -19,10 +19,10 @@ from pathlib import Path
 import yaml
 from huggingface_hub import HfApi, constants, get_token
 
+from eaglekit.export.formats import check_finite_head, export_head, load_head
+from eaglekit.export.verifier import default_verifier, resolve_verifier
 from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import HeadConfig, check_target
-from eaglekit.heads.export import check_finite_head, export_head, load_head
-from eaglekit.heads.export_verifier import default_verifier, resolve_verifier
 from eaglekit.heads.io import CONFIG, WEIGHTS, save_head, target_name_of
 from eaglekit.heads.registry import head_class
 from eaglekit.target import Target, load_target
@@ -120,7 +120,7 @@ Drafting is lossless: the target verifies every drafted token.
 
 ```python
 from eaglekit.target import load_target
-from eaglekit.heads import load_head
+from eaglekit.export import load_head
 from eaglekit import decode
 
 target = load_target("{config.target_name or base}")
@@ -286,7 +286,7 @@ def push_head(head_or_dir, repo_id: str, private: bool = False, token: str | Non
 
 def _push_to_hub(self: DraftHead, repo_id: str, private: bool = False, token: str | None = None, **kw) -> dict:
     """``head.push_to_hub(repo_id)``: upload this head (``layout="native"`` or an export layout) with a
-    model card; see ``heads.hub.push_head``."""
+    model card; see ``export.hub.push_head``."""
     return push_head(self, repo_id, private=private, token=token, **kw)
 
 

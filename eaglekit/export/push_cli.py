@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eaglekit.config import TargetSpec
-from eaglekit.heads.export_cli import load_target_for, options
-from eaglekit.heads.hub import hub_token, push_head
+from eaglekit.export.cli import load_target_for, options
+from eaglekit.export.hub import hub_token, push_head
 
 
 @dataclass

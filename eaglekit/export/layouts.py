@@ -10,9 +10,9 @@ them, which heads each can hold, and reading a layout folder back into a HeadCon
 - ``eagle1``: SafeAILab/EAGLE's EAGLE-1 draft (``fc`` with bias, ``layers.N.*``, no input norm on
   layer 0, the target's ``embed_tokens.weight``).
 
-Where each engine reads what is data in ``heads.export_engines``. Engines skip weight names they do not know,
+Where each engine reads what is data in ``export.engines``. Engines skip weight names they do not know,
 so every layout is checked against the exact expected key set, shapes and dtypes (from the config
-alone); heads.export writes them, ``validate_export`` checks a written folder.
+alone); export.formats writes them, ``validate_export`` checks a written folder.
 """
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eaglekit.heads.config import DFLASH, EAGLE1, EAGLE3, PEAGLE, HeadConfig, target_rope
-from eaglekit.heads.dflash_layout import DFLASH_ARCH, check_dflash_fields, dflash_head_config, dflash_weights
-from eaglekit.heads.export_engines import (
+from eaglekit.export.dflash_layout import DFLASH_ARCH, check_dflash_fields, dflash_head_config, dflash_weights
+from eaglekit.export.engines import (
     ENGINES,
     HEAD_FLAGS,
     LAYOUT_ENGINES,
@@ -36,6 +35,7 @@ from eaglekit.heads.export_engines import (
     read_tap_count,
     read_taps,
 )
+from eaglekit.heads.config import DFLASH, EAGLE1, EAGLE3, PEAGLE, HeadConfig, target_rope
 from eaglekit.heads.io import CONFIG, WEIGHTS, read_config
 
 LAYOUTS = ("sglang", "vllm", "speculators", "eagle1")
@@ -46,7 +46,7 @@ EXPORT_BLOCK = "eaglekit_export"  # {"layout", "verifier", "engines"}: what eagl
 
 
 def layout_engines(layout: str):
-    """The engines that read ``layout`` (heads.export_engines), refusing an unknown layout."""
+    """The engines that read ``layout`` (export.engines), refusing an unknown layout."""
     if layout not in LAYOUT_ENGINES:
         raise ExportError(f"unknown export layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     return [ENGINES[n] for n in LAYOUT_ENGINES[layout]]

@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers import save_tiny
 
-from eaglekit.heads import HeadCache, HeadConfig, build_head, export_head, ttt_mask
+from eaglekit.export import export_head
+from eaglekit.heads import HeadCache, HeadConfig, build_head, ttt_mask
 from eaglekit.target import load_target
 
 H, V, VD, N, S, STEPS = 32, 64, 16, 12, 9, 3
@@ -79,7 +80,7 @@ def eaglekit_logits(head, aux, ids):
 
 
 @pytest.mark.parametrize("layers,taps,nbr", [(1, None, False), (2, [9, 1, 4, 7], True)])
-def test_heads_speculators_loads_our_export(speculators_eagle3, tiny, tmp_path, layers, taps, nbr):
+def test_export_speculators_loads_our_export(speculators_eagle3, tiny, tmp_path, layers, taps, nbr):
     Eagle3DraftModel, Eagle3SpeculatorConfig = speculators_eagle3
     tdir, target = tiny
     head = make(target, layers, taps, nbr)

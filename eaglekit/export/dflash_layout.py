@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eaglekit.export.engines import TAP_KEY, ExportError, get_path, need
 from eaglekit.heads.config import DFLASH, HeadConfig, target_rope
-from eaglekit.heads.export_engines import TAP_KEY, ExportError, get_path, need
 
 DFLASH_ARCH = "DFlashDraftModel"
 DFLASH_LAYOUTS = ("sglang", "vllm")

@@ -5,10 +5,10 @@ import json
 from dataclasses import dataclass
 
 from eaglekit.config import Dtype, PosInt, TargetSpec, load_config, parse_dtype
-from eaglekit.heads.export import FORMATS, LLAMA_CPP, export_to
-from eaglekit.heads.hub import load_head_target
+from eaglekit.export.formats import FORMATS, LLAMA_CPP, export_to
+from eaglekit.export.hub import load_head_target
+from eaglekit.export.layouts import EXPORT_BLOCK
 from eaglekit.heads.io import read_config
-from eaglekit.heads.layouts import EXPORT_BLOCK
 from eaglekit.target import Target, load_target_from
 
 
