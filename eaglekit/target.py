@@ -44,6 +44,7 @@ from eaglekit import assets
 from eaglekit import tensor_parallel as tp
 from eaglekit.architectures import attention_implementation, attention_windows, check_supported
 from eaglekit.config import TargetSpec, parse_dtype
+from eaglekit.target_borrowed import load_without_decoder
 
 
 @functools.cache
@@ -77,21 +78,30 @@ class Target:
     _twins: dict | None = None  # under TP: plain full copies of embed_tokens / lm_head (tensor_parallel.replicate)
     _input_device: torch.device | None = None  # where inputs go when the weights are spread (device_map)
 
-    def __init__(self, model: nn.Module, tokenizer, name: str = ""):
+    def __init__(self, model: nn.Module, tokenizer, name: str = "", has_decoder: bool = True):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
+        self.has_decoder = has_decoder  # False: only the borrowed modules hold weights (load_target(decoder=False))
         causal = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.config = causal.config
         check_supported(self.config, where=name or type(causal).__name__)
         self.attention_windows = attention_windows(self.config)  # layer type -> sliding window (None: full)
-        self.decoder = causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
+        self.decoder = self.decoder_of(causal)
         self.layers = _find(self.decoder, ("layers", "h", "blocks"), "decoder layers")
-        self.norm = _find(self.decoder, ("norm", "final_layernorm", "final_layer_norm", "ln_f"), "final norm")
+        self.norm = self.final_norm(causal)
         self.num_layers = len(self.layers)
         self.hidden_size = self.config.hidden_size
         self.vocab_size = causal.get_output_embeddings().weight.shape[0]
         self.default_taps = default_taps(self.num_layers)
+
+    @staticmethod
+    def decoder_of(causal: nn.Module) -> nn.Module:
+        return causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
+
+    @staticmethod
+    def final_norm(causal: nn.Module) -> nn.Module:
+        return _find(Target.decoder_of(causal), ("norm", "final_layernorm", "final_layer_norm", "ln_f"), "final norm")
 
     # frozen modules that heads and losses borrow
     @property
@@ -168,6 +178,9 @@ class Target:
         ``layer_ids``: the layers to tap (a head's ``taps``; ``()`` taps none, None the default taps).
         ``logits=False`` runs the decoder without the lm_head, which saves the [B, S, V] matmul during capture.
         """
+        if not self.has_decoder:
+            raise RuntimeError(f"{self.name}: loaded without its decoder (decoder=False, for offline training): "
+                               "it cannot run; load it whole")
         layer_ids = self.default_taps if layer_ids is None else tuple(layer_ids)
         kw = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": past_key_values is not None}
         cache_name = cache_kwarg(type(self.model if logits else self.decoder))
@@ -479,7 +492,7 @@ def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype: torch.d
                 trust_remote_code: bool = False, attn_implementation: str = "sdpa",
                 revision: str | None = None, tp_size: int = 1, device_map: str | dict | None = None,
                 max_memory: dict | None = None, offload_folder: str | Path | None = None,
-                only_tp: bool = False) -> Target:
+                only_tp: bool = False, decoder: bool = True) -> Target:
     """Load a target: embedded name, local HF folder, Hub id or .gguf file, plus an optional LoRA.
 
     ``adapter`` is a PEFT adapter folder, kept live (``merge_adapter=False``) or merged into the weights.
@@ -488,6 +501,8 @@ def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype: torch.d
     tensor-parallel plan (eaglekit.tensor_parallel; ``only_tp``: the launch must be exactly one group);
     ``device`` is then each process's own. ``device_map`` (e.g. ``"auto"``) with ``max_memory`` and
     ``offload_folder`` spreads it over devices, CPU and disk instead (accelerate's big-model placement).
+    ``decoder=False`` reads only what a head borrows (embedding, final norm, lm_head; eaglekit.target_borrowed):
+    enough to train from captured features, not to run the model.
     """
     path, _ = resolve(name_or_path)
     kw = {"trust_remote_code": trust_remote_code, "revision": revision}
@@ -497,6 +512,13 @@ def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype: torch.d
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     kw.update(dtype=parse_dtype(dtype), attn_implementation=attention_implementation(_model_class(config),
                                                                                       attn_implementation))
+    if not decoder:
+        if layout.tp_size > 1 or device_map is not None or adapter is not None:
+            raise ValueError(f"{name_or_path}: decoder=False reads the borrowed modules only; it takes no tp_size, "
+                             "device_map or adapter")
+        model = load_without_decoder(path, config, kw["dtype"], device, kw["attn_implementation"],
+                                     Target.final_norm, revision=revision)
+        return Target(model, tokenizer, name=str(name_or_path), has_decoder=False)
     if layout.tp_size > 1:
         model = AutoModelForCausalLM.from_pretrained(path, **kw, **tp.from_pretrained_kwargs(layout))
         tp.settle(model)
@@ -559,11 +581,12 @@ def job_device(device: str | None, default: str = "cpu") -> str:
     return device
 
 
-def load_target_from(spec: TargetSpec | str, device=None) -> Target:
+def load_target_from(spec: TargetSpec | str, device=None, decoder: bool = True) -> Target:
     """The target a config's ``target:`` section describes (a plain name works); ``device`` (e.g. a
     trainer's accelerator device) wins over the section's, which defaults to the CPU."""
     spec = TargetSpec(name=spec) if isinstance(spec, str) else spec
     return load_target(spec.name, dtype=spec.dtype, device=device or job_device(spec.device),
                        adapter=spec.adapter, merge_adapter=spec.merge_adapter,
                        trust_remote_code=spec.trust_remote_code, revision=spec.revision, tp_size=spec.tp_size,
-                       device_map=spec.device_map, max_memory=spec.max_memory, offload_folder=spec.offload_folder)
+                       device_map=spec.device_map, max_memory=spec.max_memory, offload_folder=spec.offload_folder,
+                       decoder=decoder)

@@ -140,9 +140,20 @@ def no_zero3_partitioning():
 
 
 def build_target(cfg: TrainConfig, device) -> Target:
-    """The frozen target of ``cfg.target`` on ``device`` (this process's), whole on every rank."""
+    """The frozen target of ``cfg.target`` on ``device`` (this process's), whole on every rank, or only the
+    modules the head borrows where nothing runs the decoder (``needs_decoder``)."""
     with no_zero3_partitioning():
-        return load_target_from(cfg.target, device=device)
+        return load_target_from(cfg.target, device=device, decoder=needs_decoder(cfg))
+
+
+def needs_decoder(cfg: TrainConfig) -> bool:
+    """Whether training runs (or reads) the target's decoder layers: online features, a layer warm start, an
+    adapter (it may touch any module) or a split target do; training from captured features reads only the
+    embedding, final norm and lm_head — for a large target a tenth of its bytes or less."""
+    if cfg.data.load_target_decoder is not None:
+        return cfg.data.load_target_decoder
+    t = cfg.target
+    return bool(cfg.data.conversations or cfg.head.init_layer_from_target or t.adapter or t.tp_size > 1)
 
 
 def build_train_head(cfg: TrainConfig, target: Target, sources: Sources) -> DraftHead:

@@ -35,6 +35,8 @@ class DataConfig:
     max_tokens: NonNegInt = 0  # if > 0, micro-batches are cut so batch*padded_len <= max_tokens
     bucket_pool: PosInt = 64  # length-bucketing pool, in micro-batches (sort by length within a pool)
     draft_vocab: str | None = None  # d2t/t2d file; default: features_dir/draft_vocab.safetensors or built
+    load_target_decoder: bool | None = None  # None: only where it runs (online features, head.init_layer_from_target,
+    # an adapter, target.tp_size > 1); offline, the target's embedding, final norm and lm_head are read alone
 
 
 @dataclass
@@ -141,6 +143,10 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
                           "set loss.objective to lk, lk_alpha or lk_tv (or leave lk_acceptance 'sampled')")
     if cfg.eval_only and not h.init_from:
         raise ConfigError(f"{where}: eval_only=true needs head.init_from=<saved head> to evaluate")
+    if d.load_target_decoder is False and (d.conversations or h.init_layer_from_target):
+        raise ConfigError(f"{where}: data.load_target_decoder=false, but "
+                          f"{'online features' if d.conversations else 'head.init_layer_from_target'} "
+                          "run the target's decoder layers: leave it unset or set it true")
     if cfg.target.device_map is not None:
         raise ConfigError(f"{where}: target.device_map={cfg.target.device_map!r} is for offline capture "
                           "(eaglekit prepare); training splits a target over processes with target.tp_size")

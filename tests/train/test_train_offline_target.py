@@ -1,0 +1,87 @@
+"""Offline training without the target's decoder: load_target(decoder=False) reads the embedding, final norm and
+lm_head by name (single file or sharded index, tied or not) and nothing else, refuses to run, and a run from
+captured features takes the same steps as with the whole target loaded."""
+import pytest
+import torch
+from helpers import save_tiny, tiny_conversations
+
+from eaglekit.config import ConfigError
+from eaglekit.target import load_target
+from eaglekit.train.config import load_train_config
+from eaglekit.train.trainer import build_trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
+
+
+@pytest.mark.parametrize("arch,shard", [("llama", None), ("qwen2", "40KB")])
+def test_load_without_decoder_reads_the_borrowed_tensors_only(tmp_path, arch, shard):
+    from helpers import tiny_model, tiny_tokenizer
+
+    model = tiny_model(arch, 0, vocab_size=64, hidden=32, layers=4)  # llama: tied embeddings; qwen2: not
+    model.save_pretrained(tmp_path / "m", **({"max_shard_size": shard} if shard else {}))
+    tiny_tokenizer(64).save_pretrained(tmp_path / "m")
+    assert (tmp_path / "m/model.safetensors.index.json").exists() == bool(shard)
+    whole, part = load_target(tmp_path / "m"), load_target(tmp_path / "m", decoder=False)
+    for name in ("embed_tokens", "lm_head", "norm"):
+        assert torch.equal(getattr(part, name).weight, getattr(whole, name).weight), name
+    assert (part.embed_tokens.weight is part.lm_head.weight) == (whole.embed_tokens.weight is whole.lm_head.weight)
+    assert part.layers[0].mlp.down_proj.weight.is_meta and not part.lm_head.weight.is_meta
+    assert part.fingerprint() == whole.fingerprint() and part.vocab_size == whole.vocab_size
+    with pytest.raises(RuntimeError, match="without its decoder"):
+        part.forward(torch.tensor([[1, 2]]))
+
+
+def test_load_without_decoder_names_a_missing_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(tmp_path / "m", arch="qwen2", vocab_size=64, hidden=32, layers=2)
+    state = load_file(tmp_path / "m/model.safetensors")
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, tmp_path / "m/model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="'lm_head.weight'.*load it whole"):
+        load_target(tmp_path / "m", decoder=False)
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory):
+    from eaglekit.config import load_config
+    from eaglekit.data_prep.prepare import PrepareConfig, run_prepare
+
+    d = tmp_path_factory.mktemp("offline")
+    save_tiny(d / "tiny", arch="qwen2", vocab_size=64, hidden=32, layers=4)
+    tiny_conversations(d / "convs.jsonl", n=12)
+    run_prepare(load_config(PrepareConfig, None, [f"target={d / 'tiny'}", f"data={d / 'convs.jsonl'}",
+                                                  f"output_dir={d / 'feats'}", "draft_vocab_size=32",
+                                                  "progress=false"]))
+    return d
+
+
+def _trainer(d, out, *extra):
+    return build_trainer(load_train_config(None, [
+        f"target={d / 'tiny'}", f"data.features_dir={d / 'feats'}", "data.eval_samples=2", "head.kind=eagle3",
+        "head.draft_vocab_size=32", "head.init_from_target=true", "loss.ttt_steps=2", "data.batch_size=2",
+        "progress=false", "trackers=[]", "eval_interval=0", "save_interval=0", f"output_dir={out}", *extra]))
+
+
+def test_offline_training_without_the_decoder_takes_the_same_steps(capture, tmp_path):
+    runs = {}
+    for name, extra in (("borrowed", []), ("whole", ["data.load_target_decoder=true"])):
+        trainer = _trainer(capture, tmp_path / name, *extra)
+        try:
+            records = [trainer.train_step([[0, 1]]), trainer.train_step([[2, 3]])]
+            runs[name] = (trainer.target.has_decoder, records, {k: v.detach().clone() for k, v in
+                                                                trainer.head.state_dict().items()})
+        finally:
+            trainer.lock.release()
+    assert runs["borrowed"][0] is False and runs["whole"][0] is True
+    assert [r["loss"] for r in runs["borrowed"][1]] == [r["loss"] for r in runs["whole"][1]]
+    a, b = runs["borrowed"][2], runs["whole"][2]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_load_target_decoder_false_refused_where_the_decoder_runs(tmp_path):
+    with pytest.raises(ConfigError, match="load_target_decoder=false, but online features"):
+        load_train_config(None, ["data.conversations=sharegpt", "data.load_target_decoder=false"])
+    with pytest.raises(ConfigError, match="head.init_layer_from_target"):
+        load_train_config(None, ["data.features_dir=x", "data.load_target_decoder=false",
+                                 "head.init_layer_from_target=true"])
