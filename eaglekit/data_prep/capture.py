@@ -24,6 +24,10 @@ while they write; the process that completes the capture copies every shard's su
 (``shards[j]["sha256"]``). ``FeatureDataset`` checks a shard against it when it first opens it.
 
 Bytes per token on disk = (L·H + H)·2 for the bf16 features, plus 5 for ``input_ids``/``loss_mask``.
+``feature_dtype="float8_e4m3fn"`` halves that: each token's taps (each tap alone) and ``last`` are scaled
+so their largest magnitude is e4m3's 448 and stored in fp8, the scales beside them in fp32 (``taps_scale``
+[T, L], ``last_scale`` [T, 1]); (L + 1)·(H + 4) bytes per token. Readers give bf16 back (``dequantize``).
+``convert_features`` rewrites a bf16 capture in fp8 without the target: the bytes a fp8 capture writes.
 """
 
 from __future__ import annotations
@@ -51,15 +55,52 @@ SUMS_DIR = "checksums"  # per-shard sha256 files, gathered into the manifest whe
 # 2: shards[j]["sha256"] and "draft_vocab" (version 1 manifests have neither); 3: the taps tensor is "taps"
 FORMAT_VERSION = 3
 FEATURE_DTYPE = torch.bfloat16
+FP8 = "float8_e4m3fn"
+FEATURE_DTYPES = ("bfloat16", FP8)  # how shards store the features
+FP8_MAX = 448.0  # e4m3's largest finite value
 
 
 def shard_name(j: int) -> str:
     return f"shard-{j:05d}.safetensors"
 
 
-def feature_bytes_per_token(hidden_size: int, num_taps: int) -> int:
-    """bf16 bytes of ``taps`` + ``last`` per token: (L·H + H)·2 (L = 0 for eagle1)."""
+def feature_bytes_per_token(hidden_size: int, num_taps: int, feature_dtype: str = "bfloat16") -> int:
+    """Bytes of ``taps`` + ``last`` per token: (L·H + H)·2 in bf16, (L + 1)·(H + 4) in fp8 with its fp32
+    scales (L = 0 for eagle1)."""
+    if feature_dtype == FP8:
+        return (num_taps + 1) * (hidden_size + 4)
     return (num_taps * hidden_size + hidden_size) * 2
+
+
+def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [T, G·H] as e4m3 with one fp32 scale per token and group (a tap), [T, G]: each group's largest
+    magnitude maps to 448, so no value overflows and small tokens keep their resolution."""
+    t = x.float().view(x.shape[0], groups, -1)
+    scale = (t.abs().amax(dim=-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (t / scale[..., None]).to(torch.float8_e4m3fn).view(x.shape), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=FEATURE_DTYPE) -> torch.Tensor:
+    """The inverse of ``quantize``: [T, G·H] in ``dtype``."""
+    return (q.float().view(q.shape[0], scale.shape[1], -1) * scale[..., None].float()).view(q.shape).to(dtype)
+
+
+def stored_features(t: dict, feature_dtype: str, num_taps: int) -> dict:
+    """A shard's tensors as stored: bf16 as they are; fp8 quantized, each with its ``<key>_scale``."""
+    if feature_dtype != FP8:
+        return t
+    out = dict(t)
+    for key, groups in (("taps", num_taps), ("last", 1)):
+        if key in t:
+            out[key], out[f"{key}_scale"] = quantize(t[key], groups)
+    return out
+
+
+def fp8_plan_hash(bf16_plan_hash: str, feature_dtype: str) -> str:
+    """A capture's identity in another storage dtype (the bf16 one unchanged, so old captures resume)."""
+    if feature_dtype == "bfloat16":
+        return bf16_plan_hash
+    return hashlib.sha256(f"{bf16_plan_hash}:{feature_dtype}".encode()).hexdigest()[:16]
 
 
 def resolve_taps(target, kind: str, layer_ids) -> tuple[int, ...]:
@@ -177,7 +218,8 @@ def plan_hash(samples: list[dict], meta: dict) -> str:
 
 
 def build_manifest(
-    target, samples, kind, taps, shard_tokens, extra: dict | None = None, draft_vocab: dict | None = None
+    target, samples, kind, taps, shard_tokens, extra: dict | None = None, draft_vocab: dict | None = None,
+    feature_dtype: str = "bfloat16",
 ) -> dict:
     """The capture's manifest; ``draft_vocab`` is the record of the vocabulary prepared with it
     (``{"file", "sha256", "size"}``, see ``vocab.vocab_record``), which the trainer checks."""
@@ -206,13 +248,13 @@ def build_manifest(
         "kind": kind,
         "layer_ids": list(taps),
         "hidden_size": target.hidden_size,
-        "dtype": "bfloat16",
+        "dtype": feature_dtype,
         "chat_template_hash": template_hash(target.tokenizer),
-        "bytes_per_token": feature_bytes_per_token(target.hidden_size, len(taps)),
+        "bytes_per_token": feature_bytes_per_token(target.hidden_size, len(taps), feature_dtype),
         "num_samples": len(samples),
         "num_tokens": sum(lengths),
         "shard_tokens": shard_tokens,
-        "plan_hash": plan_hash(samples, ident),
+        "plan_hash": fp8_plan_hash(plan_hash(samples, ident), feature_dtype),
         "shards": [
             {"file": shard_name(j), "first_sample": a, "num_samples": b - a, "num_tokens": sum(lengths[a:b])}
             for j, (a, b) in enumerate(plan)
@@ -241,6 +283,7 @@ def capture_features(
     extra: dict | None = None,
     on_shard=None,
     draft_vocab: dict | None = None,
+    feature_dtype: str = "bfloat16",
 ) -> dict:
     """Write this process's shards of ``samples`` under ``out_dir``; returns the manifest.
 
@@ -255,7 +298,9 @@ def capture_features(
     world_size = env_world if world_size is None else world_size
     out = Path(out_dir)
     taps = resolve_taps(target, kind, layer_ids)
-    manifest = build_manifest(target, samples, kind, taps, shard_tokens, extra, draft_vocab)
+    if feature_dtype not in FEATURE_DTYPES:
+        raise ValueError(f"feature_dtype must be one of {', '.join(FEATURE_DTYPES)}, got {feature_dtype!r}")
+    manifest = build_manifest(target, samples, kind, taps, shard_tokens, extra, draft_vocab, feature_dtype)
     check_resume(out / MANIFEST, manifest)
     if layout.writes:
         out.mkdir(parents=True, exist_ok=True)
@@ -276,7 +321,7 @@ def capture_features(
         part = samples[sh["first_sample"] : sh["first_sample"] + sh["num_samples"]]
         items = compute_features(target, part, kind, taps, batch_tokens)
         if layout.writes:
-            _write_shard(out / shard_name(j), shard_tensors(items), manifest)
+            _write_shard(out / shard_name(j), stored_features(shard_tensors(items), feature_dtype, len(taps)), manifest)
         bar.update(sh["num_tokens"])
         if on_shard is not None:
             on_shard(j)
@@ -367,3 +412,32 @@ def _shard_sum(shard: Path) -> str:
     except FileNotFoundError:  # written by an eaglekit without checksums, resumed by this one
         log.warning("%s has no recorded checksum (older capture): computing it now", shard)
         return file_sha256(shard)
+
+
+def convert_features(src: str | Path, dst: str | Path, feature_dtype: str = FP8) -> dict:
+    """Rewrite the complete bf16 capture ``src`` into ``dst`` stored as ``feature_dtype``, shard by shard
+    (the bytes a capture with that dtype writes; no target needed); the draft vocabulary is copied."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    old = json.loads((src / MANIFEST).read_text())
+    if not old.get("complete") or old.get("dtype", "bfloat16") != "bfloat16":
+        raise ValueError(f"{src}: convert_features reads a complete bf16 capture (manifest dtype "
+                         f"{old.get('dtype')!r}, complete {old.get('complete')})")
+    if (dst / MANIFEST).exists():
+        raise ValueError(f"{dst} holds a capture already: use a new directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    taps = len(old["layer_ids"])
+    manifest = {**old, "dtype": feature_dtype, "plan_hash": fp8_plan_hash(old["plan_hash"], feature_dtype),
+                "bytes_per_token": feature_bytes_per_token(old["hidden_size"], taps, feature_dtype),
+                "complete": False, "shards": [{k: v for k, v in s.items() if k != "sha256"} for s in old["shards"]]}
+    from safetensors.torch import load_file
+
+    for s in manifest["shards"]:
+        t = load_file(str(src / s["file"]))
+        if "hidden" in t:  # capture format < 3
+            t["taps"] = t.pop("hidden")
+        _write_shard(dst / s["file"], stored_features(t, feature_dtype, taps), manifest)
+    for extra in src.glob("draft_vocab*.safetensors"):
+        shutil.copy2(extra, dst / extra.name)
+    return finalize(dst, manifest)

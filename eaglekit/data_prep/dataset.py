@@ -2,7 +2,8 @@
 
 Both give ``len(ds)``, ``ds.lengths`` and ``ds[i]`` → ``{"input_ids": LongTensor[T], "loss_mask":
 LongTensor[T], "taps": bf16 [T, L*H] (eagle3 only), "last": bf16 [T, H]}``. Shards written before
-capture format 3 store the taps as ``hidden``; they are read under the one name ``taps``.
+capture format 3 store the taps as ``hidden``; they are read under the one name ``taps``. Shards stored in
+fp8 (``feature_dtype="float8_e4m3fn"``) are read back in bf16 through their scales.
 
 ``FeatureDataset`` opens the shard that holds sample i with ``safe_open`` for each item and reads only
 that sample's slices, then lets the file go: nothing of the data stays mapped between items, so memory
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eaglekit.data_prep.capture import MANIFEST, compute_features, file_sha256, resolve_taps
+from eaglekit.data_prep.capture import MANIFEST, compute_features, dequantize, file_sha256, resolve_taps
 from eaglekit.data_prep.vocab import VOCAB_FILE, load_draft_vocab, vocab_hash
 from eaglekit.heads import EAGLE3
 
@@ -142,7 +143,7 @@ class FeatureDataset(torch.utils.data.Dataset):
         try:
             with safe_open(str(path), framework="pt") as f:
                 lo, hi = (int(x) for x in f.get_slice("offsets")[k : k + 2])
-                item = {key: f.get_slice(stored_name(f, key))[lo:hi] for key in keys}
+                item = {key: read_rows(f, key, lo, hi) for key in keys}
         except Exception as e:  # safetensors raises its own error types for bad headers / short files
             raise FeatureError(f"{path}: corrupt or truncated shard (reading sample {k}): {e}") from e
         if hi - lo != self.lengths[i]:
@@ -195,6 +196,10 @@ class FeatureDataset(torch.utils.data.Dataset):
             }
             if self.layer_ids:
                 want[TAPS] = (s["num_tokens"], width)
+            if self.manifest.get("dtype") == "float8_e4m3fn":
+                want["last_scale"] = (s["num_tokens"], 1)
+                if self.layer_ids:
+                    want["taps_scale"] = (s["num_tokens"], len(self.layer_ids))
             if shapes != want:
                 raise FeatureError(f"{path}: tensor shapes {shapes} do not match the manifest {want}")
             if meta.get("plan_hash") != self.manifest.get("plan_hash"):
@@ -214,13 +219,21 @@ class FeatureDataset(torch.utils.data.Dataset):
                 total, width = rows.get_shape()
                 step = max(1, SCAN_BYTES // (2 * max(1, width)))
                 for lo in range(0, total, step):
-                    bad = (~torch.isfinite(rows[lo : lo + step])).any(dim=-1).nonzero()
+                    bad = (~torch.isfinite(read_rows(f, key, lo, lo + step))).any(dim=-1).nonzero()
                     if bad.numel():
                         row = lo + int(bad[0])
                         k = int(torch.searchsorted(offsets, row, right=True)) - 1
                         raise FeatureError(
                             f"{path}: sample {k} has non-finite values (NaN/Inf) in {key!r}: corrupt shard"
                         )
+
+
+def read_rows(shard, key: str, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo:hi`` of tensor ``key`` of an open shard; fp8 features dequantized to bf16 with their scales."""
+    rows = shard.get_slice(stored_name(shard, key))[lo:hi]
+    if f"{key}_scale" in shard.keys():  # noqa: SIM118 (safe_open is not a dict)
+        return dequantize(rows, shard.get_slice(f"{key}_scale")[lo:hi])
+    return rows
 
 
 def stored_name(shard, key: str) -> str:

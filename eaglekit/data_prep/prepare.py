@@ -20,6 +20,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from eaglekit.config import NonNegInt, PosFloat, PosInt, TargetSpec, load_config
 from eaglekit.data_prep.capture import (
@@ -60,6 +61,7 @@ class PrepareConfig:
     kind: str = EAGLE3  # the head the features are for: eagle3 (its taps + last) or eagle1 (last only)
     layer_ids: list[NonNegInt] | None = None  # EAGLE-3 taps; default (2, N//2, N-3)
     shard_mb: PosFloat = 1024  # feature bytes per shard, MiB
+    feature_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"  # fp8: half the disk (scaled per token)
     batch_tokens: PosInt = 8192  # padded tokens per capture forward
     progress: bool = True
 
@@ -86,11 +88,11 @@ def _read(cfg: PrepareConfig) -> Conversations:
     return read_conversations(cfg.data, strict=cfg.strict, split=cfg.split, limit=limit)
 
 
-def disk_report(out: Path, tokens: int, bytes_per_token: int) -> str:
+def disk_report(out: Path, tokens: int, bytes_per_token: int, feature_dtype: str = "bfloat16") -> str:
     need = tokens * (bytes_per_token + 5)  # + int32 id + uint8 mask per token
     free = shutil.disk_usage(out if out.exists() else out.parent if out.parent.exists() else Path(".")).free
     msg = (
-        f"capture needs {_size(need)} for {tokens:,} tokens ({bytes_per_token} B/token of bf16 "
+        f"capture needs {_size(need)} for {tokens:,} tokens ({bytes_per_token} B/token of {feature_dtype} "
         f"features + 5 B of ids/mask); {_size(free)} free at {out}"
     )
     return msg + ("  ** NOT ENOUGH SPACE **" if need > free else "")
@@ -114,7 +116,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     rank, world = data_ranks(target)  # TP groups, when the target is split; else the processes
     # every check comes before the first write (regenerated.jsonl, the vocabulary, the shards)
     taps = resolve_taps(target, cfg.kind, cfg.layer_ids)
-    bpt = feature_bytes_per_token(target.hidden_size, len(taps))
+    bpt = feature_bytes_per_token(target.hidden_size, len(taps), cfg.feature_dtype)
     shard_tokens = max(1, int(cfg.shard_mb * 2**20 // bpt))
     _check_output_dir(out, cfg, target, taps, shard_tokens)
     convs = load_conversations(cfg)
@@ -151,13 +153,14 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     vocab = vocab_record(d2t, t2d)
     extra = {"data": cfg.data, "max_length": cfg.max_length, "regenerated": cfg.regenerate.enabled}
     if cfg.capture:  # the whole plan (these samples) against a capture already there, before the vocab write
-        check_resume(out / MANIFEST, build_manifest(target, samples, cfg.kind, taps, shard_tokens, extra, vocab))
+        check_resume(out / MANIFEST, build_manifest(target, samples, cfg.kind, taps, shard_tokens, extra, vocab,
+                                                    cfg.feature_dtype))
     if dist_info()[0] == 0:  # one writer of the vocabulary, whatever the layout
         say(f"draft vocabulary ({size} tokens) → {save_draft_vocab(out, d2t, t2d)}")
     result = {"samples": len(samples), "tokens": tokens, "skipped": len(convs.skipped), "empty": len(empty)}
     if not cfg.capture:
         return result
-    say(disk_report(out, tokens, bpt))
+    say(disk_report(out, tokens, bpt, cfg.feature_dtype))
     manifest = capture_features(
         target,
         samples,
@@ -169,6 +172,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         progress=cfg.progress,
         extra=extra,
         draft_vocab=vocab,
+        feature_dtype=cfg.feature_dtype,
     )
     mine = sum(1 for j in range(len(manifest["shards"])) if j % world == rank)
     if target.layout.writes:

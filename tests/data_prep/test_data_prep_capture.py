@@ -149,3 +149,47 @@ def test_corrupt_truncated_and_foreign(tmp_path, target, samples):
     other = tiny_target(hidden=48)
     with pytest.raises(FeatureError, match="hidden_size 32 vs 48"):
         FeatureDataset(tmp_path, other)
+
+
+def test_fp8_quantize_keeps_each_tap_within_e4m3_precision_of_its_own_scale():
+    from eaglekit.data_prep.capture import dequantize, quantize
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3 * 16, generator=g)
+    x[0, :16] *= 1e4  # one token's first tap huge (an attention sink), its other taps untouched
+    x[1] = 0.0
+    q, scale = quantize(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 3)
+    back = dequantize(q, scale, torch.float32)
+    assert bool(torch.isfinite(back).all()) and torch.equal(back[1], x[1])
+    err = (back - x).abs().view(6, 3, 16).amax(-1) / x.abs().view(6, 3, 16).amax(-1).clamp(min=1e-30)
+    assert float(err.max()) <= 2**-4  # e4m3: 3 mantissa bits, the group's max maps to 448
+    assert float(err.max()) > 2**-9  # and it is lossy (a bf16 store would be ~2^-8 at worst)
+    assert float((back[0, 16:] - x[0, 16:]).abs().max()) < 0.5  # per-tap scale: the sink spares the others
+
+
+def test_fp8_capture_reads_back_close_to_bf16_and_converting_writes_the_same_bytes(tmp_path, target, samples):
+    from eaglekit.data_prep.capture import convert_features, file_sha256
+
+    bf = capture_features(target, samples, tmp_path / "bf16", shard_tokens=150, progress=False)
+    f8 = capture_features(target, samples, tmp_path / "fp8", shard_tokens=150, progress=False,
+                          feature_dtype="float8_e4m3fn")
+    L, H = 3, target.hidden_size
+    assert f8["dtype"] == "float8_e4m3fn" and f8["bytes_per_token"] == (L + 1) * (H + 4) < bf["bytes_per_token"]
+    assert f8["plan_hash"] != bf["plan_hash"]
+    with safe_open(str(tmp_path / "fp8" / f8["shards"][0]["file"]), framework="pt") as f:
+        assert f.get_slice("taps").get_dtype() == "F8_E4M3" and f.get_slice("taps_scale").get_shape()[1] == L
+    a, b = FeatureDataset(tmp_path / "bf16", target), FeatureDataset(tmp_path / "fp8", target)
+    b.verify()
+    for i in (0, len(samples) - 1):
+        x, y = a[i], b[i]
+        assert y["taps"].dtype == torch.bfloat16 and torch.equal(x["input_ids"], y["input_ids"])
+        for k in ("taps", "last"):
+            scale = x[k].float().abs().amax()
+            assert 0 < float((x[k].float() - y[k].float()).abs().max()) <= scale / 16 + 1e-2, k
+    convert_features(tmp_path / "bf16", tmp_path / "converted")
+    c = json.loads((tmp_path / "converted/manifest.json").read_text())
+    assert c["plan_hash"] == f8["plan_hash"] and c["complete"]
+    assert [file_sha256(tmp_path / "converted" / s["file"]) for s in c["shards"]] == [s["sha256"] for s in f8["shards"]]
+    with pytest.raises(ValueError, match="bf16 capture"):
+        convert_features(tmp_path / "fp8", tmp_path / "again")
