@@ -17,7 +17,9 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
   verification and τ_sim count);
 - ``no_eagle31``: the recipe without EAGLE 3.1's head options (plain EAGLE-3);
   ``lk_no_eagle31``: that with ``lk``;
-- ``norm_before_fc``: one RMSNorm over the concatenated taps, without EAGLE 3.1 (the head llama.cpp serves).
+- ``norm_before_fc``: one RMSNorm over the concatenated taps, without EAGLE 3.1 (the head llama.cpp serves);
+- ``fp8``: ``base`` trained on the same capture stored in fp8 (``--arm-features fp8=DIR``, a directory
+  ``eaglekit.data_prep.capture.convert_features`` wrote); every arm is scored on ``--features``.
 
     eaglekit prepare --config configs/prepare-smollm2.yaml output_dir=runs/recipes/features \\
         num_conversations=1100 max_length=768 draft_vocab_size=8192
@@ -61,6 +63,7 @@ ARMS = {
     "no_eagle31": NO_EAGLE31,
     "lk_no_eagle31": ["loss.objective=lk", *NO_EAGLE31],
     "norm_before_fc": [*NO_EAGLE31, "head.norm_before_fc=true"],  # what llama.cpp serves, vs per-tap fc_norm
+    "fp8": [],  # the recipe, trained on fp8-stored features (--arm-features fp8=DIR)
 }
 # the default --arms: the recipe (EAGLE 3.1 on since the LK / EAGLE 3.1 grid), LK on it, and the recipe without
 # EAGLE 3.1 (EAGLE-3 as before, to re-check the adoption on new data); `topk`, `layer`: earlier ideas
@@ -98,7 +101,7 @@ def train(arm: str, seed: int, a, steps: int, epochs: int) -> Path:
            "--config", str(CONFIG), *common(a), f"output_dir={out}", f"seed={seed}",
            f"optim.max_steps={steps}", f"optim.warmup_steps={max(1, steps // 10)}", f"optim.epochs={epochs}", "eval_interval=0",
            # a checkpoint every ~10% of the run: a run killed midway resumes (resume=auto) instead of restarting
-           f"save_interval={max(1, steps // 10)}", "keep_last=1", *ARMS[arm]]
+           f"save_interval={max(1, steps // 10)}", "keep_last=1", *ARMS[arm], *arm_features(a, arm)]
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{arm}-s{seed}.log", "a") as log:  # appended: a resumed run keeps its first part
@@ -106,6 +109,14 @@ def train(arm: str, seed: int, a, steps: int, epochs: int) -> Path:
                        env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
     print(f"{arm} seed {seed}: trained in {time.time() - t0:.0f} s", flush=True)
     return out / "final"
+
+
+def arm_features(a, arm: str) -> list[str]:
+    """The override that trains ``arm`` on its own copy of the samples (``--arm-features ARM=DIR``), if any."""
+    own = dict(x.split("=", 1) for x in a.arm_features).get(arm)
+    if own is None and arm == "fp8":
+        raise SystemExit("arm fp8 trains on a fp8 copy of --features: give --arm-features fp8=DIR")
+    return [] if own is None else [f"data.features_dir={own}"]
 
 
 def training_record(run: Path) -> dict:
@@ -215,6 +226,8 @@ def main() -> None:
     ap.add_argument("--ttt", type=int, default=3, help="TTT steps, trained and scored")
     ap.add_argument("--eval-samples", type=int, default=64, help="held-out samples (the last N)")
     ap.add_argument("--bf16", action="store_true", help="autocast (fast only with avx512_bf16/AMX or a GPU)")
+    ap.add_argument("--arm-features", nargs="*", default=[], metavar="ARM=DIR",
+                    help="train ARM on DIR (the same samples stored otherwise, e.g. fp8); scored on --features")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="training config overrides for every arm (before the arm's own), e.g. head.draft_vocab_size=4096")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per training run")
