@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check --quiet . || { echo "ruff check failed (fix the findings above: \`.venv/bin/ruff check .\`)"; exit 1; }
-exec .venv/bin/python -m pytest -q --durations=30 "$@"
+# 2 workers: each test runs on one thread (tests/conftest.py), so one process alone leaves a core idle
+exec .venv/bin/python -m pytest -q -n "${EAGLEKIT_TEST_WORKERS:-2}" --dist loadgroup --durations=30 "$@"

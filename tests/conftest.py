@@ -12,6 +12,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 # and 2 OpenMP threads spin-wait on a 2-core machine (15 files without the fixture: 162 s -> 62 s wall).
 torch.set_num_threads(1)
 
+# scripts/test.sh runs the suite on 2 pytest-xdist workers (--dist loadgroup), so both cores work while each
+# test keeps its one thread. The files below launch several processes through torch.distributed, which all
+# rendezvous on its default port (29500): they run one after another, on one worker.
+LAUNCHING = {"test_data_prep_prepare.py", "test_decode_cli.py", "test_tensor_parallel.py",
+             "test_train_distributed.py", "test_train_reliability.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in LAUNCHING:
+            item.add_marker(pytest.mark.xdist_group("launchers"))
+
 
 @pytest.fixture(scope="session")
 def smollm2():
