@@ -82,9 +82,16 @@ def head_params(config, draft_vocab: int = 32000) -> int:
     return sum(p.numel() for p in head.parameters())
 
 
-def feature_bytes_per_token(hidden: int) -> int:
-    """Offline capture on disk per token: bf16 taps (3·H) and last (H), int32 id, uint8 loss mask."""
-    return (TAPS * hidden + hidden) * BF16 + 4 + 1
+def feature_bytes_per_token(hidden: int, fp8: bool = False) -> int:
+    """Offline capture on disk per token: bf16 taps (3·H) and last (H) — or fp8 with one fp32 scale per tap
+    and for last — plus the int32 id and uint8 loss mask."""
+    features = (TAPS + 1) * (hidden + 4) if fp8 else (TAPS * hidden + hidden) * BF16
+    return features + 4 + 1
+
+
+def borrowed_gb(c: dict, tied: bool) -> float:
+    """bf16 bytes of what offline training reads of the target (embedding, lm_head; the norm is noise)."""
+    return (c["embed"] + (0 if tied else c["lm_head"])) * BF16 / GB
 
 
 def main() -> None:
@@ -98,7 +105,8 @@ def main() -> None:
         rows.append(f"| {name} | {total / 1e9:.2f} B | " + " | ".join(cells) + " |")
         bpt = feature_bytes_per_token(config.hidden_size)
         p = head_params(config)
-        heads.append((name, bpt, p))
+        heads.append((name, bpt, p, feature_bytes_per_token(config.hidden_size, fp8=True),
+                      per_rank_gb(c, 1), borrowed_gb(c, config.tie_word_embeddings)))
     print("| target | parameters | TP 1 | TP 2 | TP 4 | TP 8 |  (GB of bf16 weights per rank)")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
@@ -106,9 +114,16 @@ def main() -> None:
     print("| target | feature bytes / token | GB per 1M tokens | head parameters | AdamW fp32, 1 rank | "
           "ZeRO-2, 8 ranks | ZeRO-3, 8 ranks |")
     print("|---|---|---|---|---|---|---|")
-    for name, bpt, p in heads:
+    for name, bpt, p, *_ in heads:
         one, z2, z3 = 16 * p / GB, (4 * p + 12 * p / 8) / GB, 16 * p / 8 / GB
         print(f"| {name} | {bpt:,} | {bpt * 1e6 / GB:.1f} | {p / 1e6:.0f} M | {one:.1f} GB | {z2:.1f} GB | {z3:.1f} GB |")
+    print()
+    print("| target | fp8 feature bytes / token | GB per 1M tokens | offline training per process, whole target + "
+          "head (DDP) | target's embedding + lm_head only + head |")
+    print("|---|---|---|---|---|")
+    for name, _, p, bpt8, whole, borrowed in heads:
+        head = 16 * p / GB
+        print(f"| {name} | {bpt8:,} | {bpt8 * 1e6 / GB:.1f} | {whole + head:.1f} GB | {borrowed + head:.1f} GB |")
 
 
 if __name__ == "__main__":
