@@ -1,7 +1,8 @@
 """``decode.generate``: lossless speculative decoding of one prompt or a batch with an EAGLE head, a draft
 model, any ``Drafter``, or none. It builds the drafter from what the caller passed (``make_drafter``: None,
 a draft Target, an EAGLE head or a ready drafter, optionally with a prompt-lookup branch grafted on; one per
-row for a batch, ``make_row_drafters``) and runs the loop (``loop.run``, for one row or many).
+row, ``make_row_drafters``: a lone prompt is a batch of one) and runs the loop once (``loop.run``, for one row
+or many).
 ``tree="auto"`` asks ``cost.auto_plan`` for the head's tree."""
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from eaglekit.decode.draft_model import ModelDrafter
 from eaglekit.decode.drafters import Drafter, EagleDrafter, ParallelDrafter, PlainDrafter, TreeSpec
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput, Sampling, run
-from eaglekit.decode.stats import BatchStats
 
 
 @torch.no_grad()
@@ -49,47 +49,29 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     on a GPU; trees padded to a bucket of 1, 2, 4, ..., 64 nodes): the first steps of each bucket compile, the
     tokens are the same as eager decoding's. A model torch.compile cannot compile raises ``CompileError``.
     """
-    if isinstance(input_ids, (list, tuple)) or attention_mask is not None or torch.as_tensor(input_ids).shape[0] > 1:
-        return _generate_batch(target, drafter, input_ids, attention_mask, pad_token_id, max_new_tokens,
-                               temperature, top_p, top_k, eos_token_id, stop, seed, generator, tree, gamma,
-                               streamer, prompt_lookup, compile)
-    input_ids = torch.as_tensor(input_ids)
-    check_inputs(target, input_ids, max_new_tokens)
-    sampling = Sampling(temperature, top_p, top_k)
-    if generator is None and seed is not None:
-        generator = torch.Generator(device=target.device).manual_seed(seed)
-    eos = eos_ids(target, eos_token_id)
-    drafter = make_drafter(target, drafter, sampling, generator, tree=tree, gamma=gamma,
-                           prompt_lookup=prompt_lookup)
-    stop = [stop] if isinstance(stop, str) else stop
-    return run(target, drafter, input_ids, max_new_tokens, sampling, generator, eos, stop, streamer, compile=compile)
-
-
-def _generate_batch(target, drafter, input_ids, attention_mask, pad_token_id, max_new_tokens, temperature, top_p,
-                    top_k, eos_token_id, stop, seed, generator, tree, gamma, streamer, prompt_lookup, compile):
-    if streamer is not None:
+    batch = _is_batch(input_ids, attention_mask)
+    if batch and streamer is not None:
         raise ValueError("a streamer takes one sequence: decode a batch without one (or one prompt at a time)")
-    pad_id = _pad_id(target, pad_token_id)
+    pad_id = _pad_id(target, pad_token_id) if batch else 0  # one sequence has no pads
     ids, starts = pad_prompts(input_ids, attention_mask, pad_id)
     check_context(target, ids.shape[1], max_new_tokens)
-    B, T = ids.shape
-    if B == 1:  # one prompt: the one-sequence loop (no masks), its output laid out as a batch's
-        one = generate(target, drafter[0] if isinstance(drafter, (list, tuple)) else drafter, ids[:, starts[0]:],
-                       max_new_tokens, temperature, top_p, top_k, eos_token_id, stop, seed, generator, tree,
-                       gamma, None, prompt_lookup, compile=compile)
-        seq = torch.full((1, T + max_new_tokens), pad_id, dtype=ids.dtype, device=one.sequences.device)
-        seq[:, :T] = ids
-        seq[:, T:T + one.stats.new_tokens] = one.sequences[:, T - starts[0]:]
-        stats = BatchStats(rows=[one.stats], forwards=len(one.stats.accept_lengths), **vars(one.stats))
-        return GenerateOutput(seq, stats)
     sampling = Sampling(temperature, top_p, top_k)
     if generator is None and seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
-    drafters = make_row_drafters(target, drafter, B, sampling, generator, tree=tree, gamma=gamma,
+    drafters = make_row_drafters(target, drafter, ids.shape[0], sampling, generator, tree=tree, gamma=gamma,
                                  prompt_lookup=prompt_lookup)
     stop = [stop] if isinstance(stop, str) else stop
-    return run(target, drafters, ids, max_new_tokens, sampling, generator, eos_ids(target, eos_token_id), stop,
-               starts=starts, pad_id=pad_id, compile=compile)
+    # a list of drafters is run's batch layout (BatchStats, rows padded to T + max_new_tokens), even for one row
+    return run(target, drafters if batch else drafters[0], ids, max_new_tokens, sampling, generator,
+               eos_ids(target, eos_token_id), stop, streamer, starts=starts, pad_id=pad_id, compile=compile)
+
+
+def _is_batch(input_ids, attention_mask) -> bool:
+    """A list of prompts, a tensor with its attention mask, or several rows: decoded and returned as a batch."""
+    if isinstance(input_ids, (list, tuple)) or attention_mask is not None:
+        return True
+    ids = torch.as_tensor(input_ids)
+    return ids.dim() > 0 and ids.shape[0] > 1
 
 
 def _pad_id(target, pad_token_id) -> int:
@@ -173,9 +155,9 @@ def _is_head(drafter) -> bool:
 # ---- the inputs: prompts as a left-padded batch, their checks, the EOS ids ----------------------------------
 
 def pad_prompts(input_ids, attention_mask, pad_id: int) -> tuple[torch.Tensor, list[int]]:
-    """``input_ids`` as a left-padded [B, T] tensor and each row's left padding. Takes a list of 1-D
-    prompts (padded here with ``pad_id``) or a [B, T] tensor with ``attention_mask`` (1 on tokens, 0 on
-    the left pads; None = no padding)."""
+    """``input_ids`` as a left-padded [B, T] tensor and each row's left padding, checked (no empty prompt).
+    Takes a list of 1-D prompts (padded here with ``pad_id``) or a [B, T] tensor (one prompt: [1, T]) with
+    ``attention_mask`` (1 on tokens, 0 on the left pads; None = no padding)."""
     if isinstance(input_ids, (list, tuple)):
         if attention_mask is not None:
             raise ValueError("a list of prompts is padded by generate: pass no attention_mask with it")
@@ -190,7 +172,9 @@ def pad_prompts(input_ids, attention_mask, pad_id: int) -> tuple[torch.Tensor, l
         return ids, [width - len(r) for r in rows]
     ids = torch.as_tensor(input_ids)
     if ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, T] or a list of 1-D prompts, got shape {tuple(ids.shape)}")
+        raise ValueError(f"input_ids must be [1, T], [B, T] or a list of 1-D prompts, got shape {tuple(ids.shape)}")
+    if ids.shape[0] == 0:
+        raise ValueError("input_ids has no rows: pass at least one prompt")
     if ids.shape[1] == 0:
         raise ValueError("empty prompt: pass at least one token (e.g. the BOS token or a chat template)")
     if attention_mask is None:
@@ -217,17 +201,6 @@ def _short(row: list, keep: int = 12) -> str:
     if len(row) <= 2 * keep:
         return str(row)
     return f"[{', '.join(map(str, row[:keep]))}, ... ({len(row) - 2 * keep} more), {', '.join(map(str, row[-keep:]))}]"
-
-
-def check_inputs(target, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"one sequence: input_ids must be [1, T], got {input_ids.shape[0]} rows (a batch is a "
-                         "list of prompts or [B, T] with attention_mask; decode.generate takes both)")
-    if input_ids.shape[1] == 0:
-        raise ValueError("empty prompt: pass at least one token (e.g. the BOS token or a chat template)")
-    check_context(target, input_ids.shape[1], max_new_tokens)
 
 
 def check_context(target, prompt_len: int, max_new_tokens: int) -> None:

@@ -312,27 +312,30 @@ def accepted_rows(path: list[int]) -> torch.Tensor:
 def run(target, drafter, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
         generator: torch.Generator | None = None, eos: set[int] = frozenset(), stop: list[str] | None = None,
         streamer=None, starts: list[int] | None = None, pad_id: int = 0, compile: bool = False) -> GenerateOutput:
-    """Decode up to ``max_new_tokens`` after each row of ``ids`` [B, T] (see ``api.check_inputs``).
+    """Decode up to ``max_new_tokens`` after each row of ``ids`` [B, T] (checked by ``api.pad_prompts``).
 
     ``drafter`` one drafter: one sequence (``ids`` [1, T]); ``sequences`` is then [1, T + new], ``stats`` a
     ``DecodeStats``, and ``streamer`` (a transformers streamer) gets the prompt, then each step's tokens as
     they are accepted. A list with one drafter per row: a batch, left-padded (row b starts at ``starts[b]``);
-    ``sequences`` is [B, T + max_new_tokens], ``pad_id`` after a row ended, ``stats`` a ``BatchStats``. A row
-    ends after an ``eos`` token (kept), a ``stop`` string or ``max_new_tokens``. ``compile``: the verify forward
-    through torch.compile (see the module's docstring)."""
+    ``sequences`` is [B, T + max_new_tokens], ``pad_id`` after a row ended, ``stats`` a ``BatchStats``. A lone
+    row decodes without its left padding, as one sequence does. A row ends after an ``eos`` token (kept), a
+    ``stop`` string or ``max_new_tokens``. ``compile``: the verify forward through torch.compile (see the
+    module's docstring)."""
     many = isinstance(drafter, (list, tuple))
     drafters = list(drafter) if many else [drafter]
     B, T = ids.shape
     starts = list(starts) if starts is not None else [0] * B
     ids = ids.to(target.device)
+    # a lone row without its pads: the model's own causal mask, no ragged slots, the tokens it gets alone
+    prompt, starts = (ids[:, starts[0]:], [0]) if B == 1 else (ids, starts)
     rows = [DecodeStats() for _ in range(B)]
     total = BatchStats(rows=rows)
     ends = [Ending(max_new_tokens, eos, stop, target.tokenizer) for _ in range(B)]
     if max_new_tokens > 0:
-        _stream(streamer, ids.cpu())
+        _stream(streamer, prompt.cpu())
         clock = Stopwatch(target.device)  # the caller's queued kernels are not this prefill's
         decoder = Decoder(target, drafters, sampling, generator, max_new_tokens, compile)
-        roots = decoder.prefill(ids, starts)
+        roots = decoder.prefill(prompt, starts)
         for b in range(B):
             ends[b].add([roots[b]])
         _stream(streamer, torch.tensor(ends[0].tokens))
@@ -365,12 +368,13 @@ def run(target, drafter, ids: torch.Tensor, max_new_tokens: int, sampling: Sampl
         row.new_tokens = len(end.tokens)
         total.pool(row)
     total.new_tokens = sum(len(end.tokens) for end in ends)
-    if not many:  # one sequence: the prompt and its new tokens, the row's own stats with the run's seconds
+    if B == 1:  # one row: its own stats carry the run's seconds
         one = rows[0]
         one.prefill_s, one.draft_s, one.verify_s, one.total_s = (total.prefill_s, total.draft_s, total.verify_s,
                                                                   total.total_s)
+    if not many:  # one sequence: the prompt and its new tokens, the row's own stats
         new = torch.tensor([ends[0].tokens], dtype=ids.dtype, device=ids.device)
-        return GenerateOutput(torch.cat([ids, new], dim=1), one)
+        return GenerateOutput(torch.cat([ids, new], dim=1), rows[0])
     out = torch.full((B, T + max_new_tokens), pad_id, dtype=ids.dtype, device=ids.device)
     out[:, :T] = ids
     for b, end in enumerate(ends):

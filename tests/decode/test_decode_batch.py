@@ -17,6 +17,7 @@ from eaglekit.decode.draft_model import ModelTreeDrafter
 from eaglekit.decode.drafters import TreeSpec, catch_up
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import Sampling, accept_minpq_on_topk
+from eaglekit.decode.stats import BatchStats, DecodeStats
 from eaglekit.target import TargetOutput, cache_entries, crop_cache, keep_accepted, new_cache, row_output
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
@@ -149,7 +150,7 @@ def test_decode_batch_finished_rows_leave_the_batch(monkeypatch):
     assert widths == live[: len(widths)] and widths[-1] < widths[0], (widths, live)
 
 
-def test_decode_batch_of_one_is_the_one_sequence_loop():
+def test_decode_batch_of_one_is_the_one_sequence_loop(monkeypatch):
     t = tiny_target(vocab_size=64, layers=3)
     head = tiny_head(t, "eagle3", 48)
     ids = torch.tensor([PROMPTS[2]])
@@ -163,10 +164,20 @@ def test_decode_batch_of_one_is_the_one_sequence_loop():
         forced = loop.run(t, [drafter], ids, 12, Sampling(), starts=[0])
         assert torch.equal(forced.sequences, one.sequences)
         assert forced.stats.rows[0].accept_lengths == one.stats.accept_lengths
+        assert type(one.stats) is DecodeStats and isinstance(as_list.stats, BatchStats)
+        assert as_list.stats.forwards == len(one.stats.accept_lengths) == len(as_list.stats.accept_lengths)
+        assert as_list.stats.rows[0].total_s == as_list.stats.total_s > 0  # a lone row has the run's seconds
+    widths = []  # the prefill of a left-padded batch of one: its prompt alone, under the model's causal mask
+    forward = type(t).forward
+    monkeypatch.setattr(type(t), "forward", lambda self, ids, **kw: widths.append(
+        (ids.shape, kw.get("attention_mask") is None)) or forward(self, ids, **kw))
     padded = decode.generate(t, head, torch.tensor([[0, 0] + PROMPTS[1]]), 6, eos_token_id=False, tree=TREE,
                              attention_mask=torch.tensor([[0, 0, 1, 1, 1]]))
+    assert widths[0] == ((1, 3), True)
     alone = decode.generate(t, head, torch.tensor([PROMPTS[1]]), 6, eos_token_id=False, tree=TREE)
+    assert padded.sequences[0, :5].tolist() == [0, 0] + PROMPTS[1] and padded.sequences.shape == (1, 11)
     assert padded.sequences[0, 5:].tolist() == alone.sequences[0, 3:].tolist()
+    assert padded.stats.rows[0].accept_lengths == alone.stats.accept_lengths
 
 
 def test_decode_batch_sampling_law_per_row():
@@ -210,6 +221,8 @@ def test_decode_batch_bad_input():
         decode.generate(t, None, ids, 4, streamer=object())
     with pytest.raises(ValueError, match="3 drafters for a batch of 2"):
         decode.generate(t, [None] * 3, ids, 4)
+    with pytest.raises(ValueError, match="2 drafters for a batch of 1"):
+        decode.generate(t, [None] * 2, [[2, 3]], 4)
     with pytest.raises(TypeError, match="fork"):
         decode.generate(t, OracleDrafter(t, Sampling(), 2, argmax_second), ids, 4)
     with pytest.raises(ValueError, match="exceeds the target's context of 256"):

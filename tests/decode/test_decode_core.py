@@ -160,6 +160,8 @@ def test_decode_bad_input():
         decode.generate(t, None, torch.zeros(1, 0, dtype=torch.long), 4)
     with pytest.raises(ValueError, match=r"must be \[1, T\]"):
         decode.generate(t, None, torch.ones(1, 2, 3, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="no rows"):
+        decode.generate(t, None, torch.zeros(0, 3, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="exceeds the target's context of 256"):
         decode.generate(t, None, torch.ones(1, 250, dtype=torch.long), 8)
     with pytest.raises(ValueError, match="not trained for this target"):
