@@ -50,7 +50,7 @@ class Oracle:
     nodes, the second child each time, and the output rests on the verify rows of tree nodes, not only the
     root's (an untrained head's nodes are almost never accepted)."""
 
-    kind, layer_ids = None, None
+    layer_ids = None
 
     def __init__(self, t: Target, depth: int = TREE["depth"]):
         self.t, self.depth, self.memo = t, depth, {}

@@ -45,7 +45,7 @@ class ModelProposer:
     """A draft model sharing the target's tokenizer, on its own cache (``new_cache``): element t is token t at
     position t. It reads no target features, and feeds none to its children."""
 
-    kind, layer_ids = None, ()
+    layer_ids = ()
 
     def __init__(self, target, draft):
         check_same_tokenizer(target, draft)
@@ -98,7 +98,7 @@ class ModelDrafter:
     """Classic speculative decoding: a chain of ``gamma`` tokens sampled from a small draft model (the same
     ``ModelProposer`` as a draft-model tree: its cache, its logits over the target's ids)."""
 
-    kind, layer_ids = None, ()
+    layer_ids = ()
 
     def __init__(self, target, draft, gamma: int, sampling: Sampling, generator=None):
         if gamma < 1:

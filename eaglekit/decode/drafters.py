@@ -244,7 +244,6 @@ class Drafter(Protocol):
     sequence (every drafter here has one; without it, pass a list of drafters, one per row).
     """
 
-    kind: str | None
     layer_ids: tuple | None
 
     def prefill(self, prompt: torch.Tensor, out, root: int) -> None: ...
@@ -255,7 +254,7 @@ class Drafter(Protocol):
 
 
 class PlainDrafter:
-    kind, layer_ids = None, ()
+    layer_ids = ()
 
     def prefill(self, prompt, out, root):
         pass
@@ -282,7 +281,7 @@ class HeadProposer:
 
     def __init__(self, target, head):
         check_target(head.config, target, where="decode.generate")
-        self.head, self.kind = head, head.config.kind
+        self.head = head
         # the target layers this head reads, exactly (() for EAGLE-1): what the verify forward taps
         self.layer_ids = type(head).tap_layers(target, head.config.aux_layer_ids)
         p = next(head.parameters())
@@ -383,7 +382,7 @@ class TreeDrafter:
 
     def __init__(self, proposer, spec: TreeSpec):
         self.proposer, self.spec = proposer, spec
-        self.kind, self.layer_ids = proposer.kind, proposer.layer_ids
+        self.layer_ids = proposer.layer_ids
 
     def fork(self) -> TreeDrafter:
         """Another sequence's drafter (same spec, the proposer's model shared, its cache not)."""
@@ -480,7 +479,6 @@ class ParallelDrafter:
             raise TypeError(f"ParallelDrafter needs a parallel head (P-EAGLE, DFlash), got {type(head).__name__}")
         check_target(head.config, target, where="decode.generate")
         self.head, self.spec = head, spec
-        self.kind = head.config.kind
         self.layer_ids = type(head).tap_layers(target, head.config.aux_layer_ids)  # what it reads, exactly
         self.device = next(head.parameters()).device
 

@@ -129,7 +129,7 @@ class LookupDrafter:
         self.inner_nodes = inner_nodes
         inner = PlainDrafter() if inner is None else inner
         self.inner, self.max_ngram, self.min_ngram = inner, max_ngram, min_ngram
-        self.kind, self.layer_ids = inner.kind, inner.layer_ids
+        self.layer_ids = inner.layer_ids
         self.matches = self.accepted = 0  # since construction: drafts with a continuation, lookup nodes accepted
         # match length n -> {k: steps whose accepted path began with k of the branch's tokens}, since construction
         self.accepted_by_match: dict[int, dict[int, int]] = {}

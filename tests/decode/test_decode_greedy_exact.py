@@ -31,7 +31,7 @@ class OracleDrafter:
     ``ignore_max_depth``: draft ``depth`` levels even past max_new_tokens (a protocol-breaking drafter
     the loop must still truncate)."""
 
-    kind, layer_ids = None, ()
+    layer_ids = ()
 
     def __init__(self, target, sampling: Sampling, depth: int, choose, ignore_max_depth=False):
         self.target, self.sampling, self.depth, self.choose = target, sampling, depth, choose
@@ -225,7 +225,7 @@ def test_decode_greedy_head_cache_equals_fresh_every_step(kind):
     text, checks = [], []
 
     class Checked:
-        kind, layer_ids = ed.kind, ed.layer_ids
+        layer_ids = ed.layer_ids
 
         def prefill(self, prompt, out, root):
             text[:] = prompt[0].tolist() + [root]
