@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import platform
 import weakref
@@ -37,7 +38,14 @@ import torch
 
 from eaglekit import __version__, assets
 from eaglekit.decode import loop
-from eaglekit.decode.drafters import EagleDrafter, HeadProposer, ParallelDrafter, PlainDrafter, TreeSpec
+from eaglekit.decode.drafters import (
+    EagleDrafter,
+    HeadProposer,
+    ParallelDrafter,
+    PlainDrafter,
+    TreeSpec,
+    down_paths,
+)
 from eaglekit.decode.loop import Sampling
 from eaglekit.fileio import write_text
 from eaglekit.heads import HeadCache
@@ -235,11 +243,8 @@ def calibrate(target, head, ids: torch.Tensor, contexts: int = 4, depth: int = M
             dr = make(target, head, TreeSpec(depth, k, total_tokens=k + (depth - 1) * k * k))
             dr.prefill(ids[:, :j], out, int(ids[0, j]))  # the head reads the features of the first j rows
             tree = dr.draft(max_depth=depth)
-            path_p = tree.q_token.double().clone()
-            for i, p in enumerate(tree.parents.tolist()):  # parents come first
-                if p >= 0:
-                    path_p[i] *= path_p[p]
-            pools[k].append((tree.depths.tolist(), path_p.tolist()))
+            _, parents, depths = tree.host()
+            pools[k].append((depths, down_paths(tree.q_token.double().tolist(), parents, operator.mul)))
     return pools
 
 

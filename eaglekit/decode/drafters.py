@@ -28,6 +28,7 @@ batch of one); a draft model's rows catch up alone.
 from __future__ import annotations
 
 import copy
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -165,6 +166,15 @@ def select_best(scores: torch.Tensor, parents: torch.Tensor, total: int) -> tupl
     return kept, new_index[parents.to(dev)[kept] + 1]
 
 
+def down_paths(values: list[float], parents: list[int], combine) -> list[float]:
+    """Each node's ``values`` folded down its path from the root, ``combine(own, parent's)``: in Python on
+    host lists (parents come first), not a 0-d tensor op per node."""
+    out: list[float] = []
+    for v, p in zip(values, parents):
+        out.append(v if p < 0 else combine(v, out[p]))
+    return out
+
+
 def prune(tree: Tree, total: int) -> Tree:
     """The ``total`` nodes of ``tree`` with the highest path probability (``q_token`` multiplied down the
     path), closed under ancestors, in tree order. A tree of chosen tokens only (``q_token`` is a score)."""
@@ -172,10 +182,8 @@ def prune(tree: Tree, total: int) -> Tree:
         return tree
     if tree.sampled:
         raise ValueError("prune: a sampled tree's nodes cannot be dropped (the acceptance rule needs them all)")
-    path = tree.q_token.double().cpu().clamp_min(1e-300).log()
-    for i, p in enumerate(tree.parents.tolist()):  # parents come first
-        if p >= 0:
-            path[i] += path[p]
+    log_q = tree.q_token.double().cpu().clamp_min(1e-300).log().tolist()
+    path = torch.tensor(down_paths(log_q, tree.host()[1], operator.add), dtype=torch.float64)
     kept, parents = select_best(path, tree.parents.cpu(), total)
     kept = kept.to(tree.tokens.device)
     return Tree(tree.tokens[kept], parents.to(tree.tokens.device), tree.depths[kept], tree.q_token[kept])

@@ -1,5 +1,7 @@
 """Prompt lookup grafted onto draft trees: the n-gram index (against a brute-force scan), the graft, greedy exactness with every tree
 drafter, and the KV cache after each step. The sampling law with lookup is in test_decode_sampling.py."""
+import operator
+
 import pytest
 import torch
 from helpers import tiny_target
@@ -7,7 +9,7 @@ from test_decode_core import PROMPTS, TREE, hf_greedy, tiny_head, watch_cache
 
 from eaglekit import decode
 from eaglekit.decode.draft_model import ModelTreeDrafter
-from eaglekit.decode.drafters import EagleDrafter, PlainDrafter, Tree, TreeSpec, ancestors, prune
+from eaglekit.decode.drafters import EagleDrafter, PlainDrafter, Tree, TreeSpec, ancestors, down_paths, prune
 from eaglekit.decode.lookup import BY_MATCH, LookupDrafter, NgramIndex, branch_lengths, graft_chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
@@ -112,6 +114,22 @@ def test_decode_lookup_prune_keeps_the_likeliest_paths():
     assert prune(tree, 5) is tree and len(prune(tree, 0)) == 0
     with pytest.raises(ValueError, match="sampled"):
         prune(Tree.chain(torch.tensor([1, 2]), torch.ones(2), sampled=True), 1)
+
+
+def test_decode_down_paths_equal_the_per_node_tensor_fold():
+    """Path products (calibrate) and log sums (prune) on host lists: the same doubles as folding 0-d tensors
+    node by node, parents first."""
+    assert down_paths([0.6, 0.3, 0.5, 0.4, 0.9], [-1, -1, 0, 0, 1], operator.mul) == pytest.approx(
+        [0.6, 0.3, 0.3, 0.24, 0.27])
+    g = torch.Generator().manual_seed(0)
+    parents = [-1, -1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(2, 60)]
+    q = torch.rand(60, generator=g, dtype=torch.float64)
+    for combine, fold, values in ((operator.mul, torch.Tensor.mul_, q), (operator.add, torch.Tensor.add_, q.log())):
+        ref = values.clone()
+        for i, p in enumerate(parents):
+            if p >= 0:
+                fold(ref[i], ref[p])
+        assert down_paths(values.tolist(), parents, combine) == ref.tolist()
 
 
 class InnerSizes(LookupDrafter):

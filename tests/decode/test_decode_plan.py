@@ -81,6 +81,8 @@ def test_decode_plan_auto_tree_measures_calibrates_and_caches(tmp_path, monkeypa
     pools = cost.calibrate(t, head, ids, contexts=2, depth=3, ks=(1, 2, 3))
     assert [len(pools[k][0][0]) for k in (1, 2, 3)] == [3, 2 + 2 * 4, 3 + 2 * 9]
     assert all(0 < p <= 1 for p in pools[3][0][1])
+    for depths, probs in pools[1]:  # a chain: each node's path probability is its parent's times its own
+        assert depths == [1, 2, 3] and probs == sorted(probs, reverse=True) and probs[2] < probs[0]
     monkeypatch.setattr(cost, "calibration_ids", lambda target: ids)
     spec = cost.auto_tree(t, head, cache_dir=tmp_path)
     assert isinstance(spec, TreeSpec) and len(list(tmp_path.glob("*.json"))) == 1
