@@ -142,23 +142,30 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     """Step-k TTT attention of ``q`` [B, h, S, d] over ``keys``/``values`` of steps 0..k, each
     [B, kv_heads, S, d] (after RoPE): causal over step 0, the diagonal over steps 1..k. Equal to
     ``scaled_dot_product_attention`` under ``ttt_mask(S, k)`` within fp32 rounding (fp64 inputs: fp64
-    rounding); returns q's dtype."""
-    rep = q.shape[1] // keys[0].shape[1]
-    work = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax (fp64 kept: exactness checks)
+    rounding); returns q's dtype. An unroll calls it through ``TTTCache``, which expands each step once."""
+    return _attend(q, [_expand(q, k) for k in keys], [_expand(q, v) for v in values])
 
-    def expand(t, dtype=work):  # grouped-query heads → one key/value head per query head
-        return t.repeat_interleave(rep, dim=1).to(dtype)
 
+def _expand(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Grouped-query keys or values → one head per query head, in the softmax's dtype (fp32; fp64 kept:
+    exactness checks)."""
+    return t.repeat_interleave(q.shape[1] // t.shape[1], dim=1).to(torch.promote_types(q.dtype, torch.float32))
+
+
+def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """``ttt_attention`` over keys/values already ``_expand``-ed."""
     if len(keys) == 1:  # step 0: plain causal attention, the fused kernel keeps no mask either
-        return F.scaled_dot_product_attention(q, expand(keys[0], q.dtype), expand(values[0], q.dtype), is_causal=True)
-    kd = torch.stack([expand(k) for k in keys[1:]], dim=2)
-    vd = torch.stack([expand(v) for v in values[1:]], dim=2)
+        k, v = keys[0].to(q.dtype), values[0].to(q.dtype)  # back to q's dtype: exact (it was widened)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    kd, vd = torch.stack(keys[1:], dim=2), torch.stack(values[1:], dim=2)
     attend = _CausalPlusDiagonal if uses_cpu_flash(q) else _TTTAttention
-    return attend.apply(q.to(work), expand(keys[0]), expand(values[0]), kd, vd).to(q.dtype)
+    return attend.apply(q.to(kd.dtype), keys[0], values[0], kd, vd).to(q.dtype)
 
 
 class TTTCache:
-    """What one TTT unroll keeps per layer: each step's keys and values, in step order.
+    """What one TTT unroll keeps per layer: each step's keys and values, in step order, GQA-expanded in the
+    softmax's dtype when they arrive (step k's attention reads every earlier step: expanding them again at
+    each step would copy them K²/2 times).
 
     ``Attention`` hands a layer's new keys to ``attend``, which stores them as the next step and returns
     the attention of that step (``ttt_attention``). Used only by training's unrolls (EAGLE's TTT,
@@ -166,6 +173,7 @@ class TTTCache:
     """
 
     def __init__(self):
+        self.shapes: dict[int, torch.Size] = {}  # per layer, step 0's keys as given: every step's
         self.keys: dict[int, list[torch.Tensor]] = {}
         self.values: dict[int, list[torch.Tensor]] = {}
 
@@ -176,9 +184,10 @@ class TTTCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.keys.setdefault(layer, []), self.values.setdefault(layer, [])
-        if keys and keys[0].shape != k.shape:
+        shape = self.shapes.setdefault(layer, k.shape)
+        if shape != k.shape:
             raise ValueError(f"TTTCache: step {len(keys)} of layer {layer} has keys {list(k.shape)}, "
-                             f"step 0 had {list(keys[0].shape)} (every TTT step covers the same S positions)")
-        keys.append(k)
-        values.append(v)
-        return ttt_attention(q, keys, values)
+                             f"step 0 had {list(shape)} (every TTT step covers the same S positions)")
+        keys.append(_expand(q, k))
+        values.append(_expand(q, v))
+        return _attend(q, keys, values)

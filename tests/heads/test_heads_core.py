@@ -11,8 +11,10 @@ from eaglekit.heads import (
     HeadConfig,
     build_head,
     causal_mask,
+    ttt_attention,
     ttt_mask,
 )
+from eaglekit.heads.ttt_attention import TTTCache
 
 KINDS = [("eagle1", 1), ("eagle1", 2), ("eagle3", 1), ("eagle3", 2)]
 
@@ -152,6 +154,28 @@ def test_heads_cache_crop_keep_clone():
     c.crop(1)
     assert c.length == 1 and torch.equal(c.keys[0], k[:, :, :1])
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_ttt_cache_expands_each_step_once(monkeypatch, dtype):
+    """A TTTCache expands each step's grouped-query keys and values once, as they arrive, and its attention is
+    ttt_attention's over the raw keys of the steps so far, bit for bit (bf16: widened once, step 0 narrowed
+    back exactly)."""
+    calls = []
+    expand = ttt_attention._expand
+    monkeypatch.setattr(ttt_attention, "_expand", lambda q, t: calls.append(1) or expand(q, t))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, generator=g).to(dtype)
+    ks, vs = ([torch.randn(2, 2, 9, 8, generator=g).to(dtype) for _ in range(4)] for _ in range(2))
+    cache = TTTCache()
+    for k in range(4):
+        before = len(calls)
+        got = cache.attend(0, q, ks[k], vs[k])
+        assert len(calls) - before == 2  # this step's keys and values only
+        assert got.dtype == dtype and torch.equal(got, ttt_attention.ttt_attention(q, ks[:k + 1], vs[:k + 1]))
+    assert cache.length == 4 * 9
+    with pytest.raises(ValueError, match="step 4 of layer 0 has keys"):
+        cache.attend(0, q, ks[0][:, :, :5], vs[0][:, :, :5])
 
 def test_heads_draft_vocab_maps(target):
     head = make_head(target, "eagle3", 1, draft_vocab_size=4)
