@@ -7,6 +7,7 @@ Saving and the Hub live above this module (heads.io, eaglekit.export.hub), which
 """
 from __future__ import annotations
 
+import zlib
 from typing import ClassVar
 
 import torch
@@ -215,6 +216,19 @@ class ParallelHead(DraftHead):
     def new_cache(self) -> HeadCache:
         """An empty cache for decoding; a subclass may return its own HeadCache subclass."""
         return HeadCache(self.config.num_layers)
+
+    def row_seed(self, batch: dict, b: int, train: bool) -> int:
+        """A seed for sampling training positions of row ``b``: from the sequence's own tokens and (training)
+        how many times this head has trained on it, so a run is reproducible whatever the batch or the
+        number of processes and the positions move from epoch to epoch; evaluation always gets the same."""
+        mask = batch["loss_mask"][b]
+        n = int(mask.nonzero().max()) + 1 if bool(mask.any()) else 0
+        crc = zlib.crc32(batch["input_ids"][b, :n].cpu().numpy().astype("int64").tobytes())
+        visits = self.__dict__.setdefault("_row_visits", {})  # not a module attribute: never saved
+        seen = visits.get(crc, 0)
+        if train:
+            visits[crc] = seen + 1
+        return crc * 1_000_003 + (seen if train else 0)
 
     def draft(self, cache: HeadCache, ids: torch.Tensor, g: torch.Tensor,
               position_ids: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ What makes it DFlash, all here (docs/design.md, "DFlash"):
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 from torch import nn
@@ -146,7 +145,6 @@ class DFlashHead(ParallelHead):
         t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
-        self.__dict__["_anchor_visits"] = {}  # sequence checksum -> times trained on (anchor seeds)
 
     @classmethod
     def tokens_per_draft(cls, config: HeadConfig) -> int:
@@ -244,7 +242,7 @@ class DFlashHead(ParallelHead):
         for b in range(ids.shape[0]):
             where = cand[b].nonzero().squeeze(1).cpu()
             if where.numel() > cap:
-                gen = torch.Generator().manual_seed(self._anchor_seed(batch, b, train))
+                gen = torch.Generator().manual_seed(self.row_seed(batch, b, train))
                 where = where[torch.randperm(where.numel(), generator=gen)[:cap]].sort().values
             rows.append((where, int(cand[b].sum())))
         N = max(1, max(w.numel() for w, _ in rows))
@@ -256,15 +254,6 @@ class DFlashHead(ParallelHead):
             scale[b] = n / max(1, where.numel())
         dev = ids.device
         return anchors.to(dev), keep.to(dev), scale.to(dev)
-
-    def _anchor_seed(self, batch: dict, b: int, train: bool) -> int:
-        mask = batch["loss_mask"][b]
-        n = int(mask.nonzero().max()) + 1 if bool(mask.any()) else 0
-        crc = zlib.crc32(batch["input_ids"][b, :n].cpu().numpy().astype("int64").tobytes())
-        visits = self._anchor_visits.get(crc, 0)
-        if train:
-            self._anchor_visits[crc] = visits + 1
-        return crc * 1_000_003 + (visits if train else 0)
 
     def training_loss(self, teacher, batch: dict, loss, *, steps: int, train: bool = True):
         """DFlash's block objective → (loss_sum, StepStats with one entry per block depth 1..block_size-1).
@@ -303,6 +292,8 @@ class DFlashHead(ParallelHead):
             top = teacher.targets(last, loss.chunk_tokens)
         want = top.gather(1, at.view(B, -1)).view(B, N, D)
         weights = position_weights(D, decay_gamma(bs, getattr(loss, "block_gamma", 0.0))).to(dev)
+        if getattr(loss, "block_weights_normalized", False):  # SpecForge: the weighted CE over the weights' sum
+            weights = weights / weights.sum()
         row_w = (valid & (want >= 0)).float() * weights * scale[:, None, None]
         cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
         source, weight = (teacher_probs(last, teacher.draft_weight, loss.chunk_tokens), None) if cached \

@@ -238,7 +238,12 @@ class PEagleHead(ParallelHead):
         for EAGLE-3. Normalisation: the trainer divides the sum by the batch's depth-1 supervised count
         (``supervised_count``), as it does the TTT sum, so a depth's weight relative to depth 1 is its decay
         times its share of supervised positions, the same for every kind. StepStats has ``steps`` entries;
-        depths past the block (``steps > block_size``) are scored as misses: a block cannot propose them."""
+        depths past the block (``steps > block_size``) are scored as misses: a block cannot propose them.
+
+        ``loss.cod_ratio`` > 0 trains with P-EAGLE's COD sampling instead: depth k+1 keeps a nested share
+        max(cod_ratio**k, cod_floor) of the anchors (``cod_keep``; every anchor at depth 1), each kept position
+        weighing 1 — the depths' relative weights are then their shares. Evaluation (``train=False``) scores
+        every anchor. The network still runs every anchor at every depth here: the sampling, not its saving."""
         ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
         chunk, decay = loss.chunk_tokens, loss.step_decay
         cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
@@ -249,10 +254,13 @@ class PEagleHead(ParallelHead):
             top = teacher.targets(last, chunk)
         total, stats = torch.zeros((), device=ids.device), StepStats()
         all_right = torch.ones_like(ids, dtype=torch.bool)
+        cod = getattr(loss, "cod_ratio", 0.0) if train else 0.0
+        draw = self.cod_draws(batch, train) if cod > 0 else None
         for k, logits in self.block_unroll(ids, self.training_features(batch), min(steps, self.draft_depths)):
             valid = shift_left(loss_mask, 2 + k).bool()
             want = shift_left(top, 1 + k, fill=-1)
-            row_w = (valid & (want >= 0)).float() * (decay ** k)
+            row_w = (valid & (want >= 0)).float()
+            row_w = row_w * (decay ** k) if draw is None else row_w * (draw < max(cod ** k, loss.cod_floor))
             term = position_loss(logits, shift_left(source, 1 + k), weight, row_w, loss)
             total = total + term
             with torch.no_grad():
@@ -268,6 +276,14 @@ class PEagleHead(ParallelHead):
             stats.total.append(int(shift_left(loss_mask, 2 + k).sum()))
             stats.chain.append(0)
         return total, stats
+
+    def cod_draws(self, batch: dict, train: bool) -> torch.Tensor:
+        """One uniform draw per anchor [B, S] (seeded per sequence, ``row_seed``): anchor t trains at depth k+1
+        when its draw is below that depth's share, so the anchors kept at a depth are kept at every shallower one."""
+        ids = batch["input_ids"]
+        rows = [torch.rand(ids.shape[1], generator=torch.Generator().manual_seed(self.row_seed(batch, b, train)))
+                for b in range(ids.shape[0])]
+        return torch.stack(rows).to(ids.device)
 
     def block_unroll(self, input_ids: torch.Tensor, g: torch.Tensor, depths: int):
         """Yield ``(k, logits)`` for depths k+1 = 1..``depths`` of every anchor of a (right-padded) batch:

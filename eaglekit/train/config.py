@@ -87,6 +87,9 @@ class LossConfig:
     # (alpha = sum min(p, q)) or greedy verification (the teacher's argmax as a point mass)
     anchors: PosInt = 512  # DFlash: anchor blocks drawn per sequence at most (all candidates when fewer)
     block_gamma: NonNegFloat = 0  # DFlash: block depth k weighs exp(-(k-1)/block_gamma); 0 = the paper's for the block
+    block_weights_normalized: bool = False  # DFlash: those weights divided by their sum (SpecForge's CE / sum w)
+    cod_ratio: Fraction = 0.0  # P-EAGLE: > 0 = COD sampling, depth k+1 trains max(cod_ratio**k, cod_floor) of
+    cod_floor: Fraction = 0.2  # the anchors (nested), each kept position weight 1; 0 = all anchors, step_decay**k
     chunk_tokens: PosInt = 512  # teacher / CE computed over this many positions at a time
     cache_teacher_mb: NonNegFloat = 64  # keep the draft-vocab teacher [B,S,Vd] fp32 per batch if it fits, else recompute
 
@@ -138,6 +141,10 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
         except ValueError as e:
             raise ConfigError(f"{where}: head.fc_norm / head.norm_output / head.norm_before_fc with "
                               f"head.kind={h.kind!r}: {e}") from None
+    for key, value, kind in (("loss.cod_ratio", cfg.loss.cod_ratio, "peagle"),
+                             ("loss.block_weights_normalized", cfg.loss.block_weights_normalized, "dflash")):
+        if value and h.kind != kind:  # no silent no-op: the key belongs to one kind's objective
+            raise ConfigError(f"{where}: {key}={value} is a {kind} option, but head.kind={h.kind!r}")
     if cfg.loss.lk_acceptance != "sampled" and cfg.loss.objective == "kl":
         raise ConfigError(f"{where}: loss.lk_acceptance={cfg.loss.lk_acceptance!r} applies to the LK objectives; "
                           "set loss.objective to lk, lk_alpha or lk_tv (or leave lk_acceptance 'sampled')")

@@ -85,9 +85,9 @@ def test_peagle_save_load_and_fingerprint(target, tmp_path):
         load_head(tmp_path / "h", other)
 
 
-def _loss_settings(decay=0.7):
+def _loss_settings(decay=0.7, **kw):
     return SimpleNamespace(chunk_tokens=7, step_decay=decay, cache_teacher_mb=0.0, topk=0, topk_weight=0.0,
-                           ttt_steps=4, noise=0.0)
+                           ttt_steps=4, noise=0.0, **kw)
 
 
 def _batch(target, head, B=2, S=10, seed=3):
@@ -100,7 +100,7 @@ def _batch(target, head, B=2, S=10, seed=3):
     return {"input_ids": ids, "loss_mask": mask, "last": out.last, "taps": out.taps}
 
 
-def _naive_peagle_loss(head, teacher, batch, steps, decay):
+def _naive_peagle_loss(head, teacher, batch, steps, decay, weight=None):
     """Σ over anchors t and depths k < steps of decay^k · CE(teacher at t+1+k, block depth k+1 at t), each
     block run on its own, uncached; counted where loss_mask[t+2+k] = 1 and the teacher argmax is drafted."""
     ids, mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
@@ -121,7 +121,8 @@ def _naive_peagle_loss(head, teacher, batch, steps, decay):
                 pos = torch.arange(t + 1 + k)[None]
                 _, logits = head.step(tok, torch.cat([g[b:b + 1, :t + 1], m_g], 1), pos)
                 p = torch.softmax(last[b, t + 1 + k] @ teacher.draft_weight.T, -1)
-                total = total - decay ** k * (p * torch.log_softmax(logits[0, -1], -1)).sum()
+                w = decay ** k if weight is None else weight(b, t, k)
+                total = total - w * (p * torch.log_softmax(logits[0, -1], -1)).sum()
     return total
 
 
@@ -147,6 +148,29 @@ def test_peagle_objective_matches_naive_reference_value_and_gradient(target):
     # depths past the block are reported as misses, so every kind's stats have `steps` entries
     _, more = head.training_loss(teacher, batch, _loss_settings(), steps=5)
     assert len(more.total) == 5 and more.correct[3:] == [0, 0] and more.total[3] > 0
+
+
+def test_peagle_cod_trains_a_nested_share_of_anchors_per_depth(target):
+    from eaglekit.heads.objectives import Teacher
+
+    head = peagle(target, block=3, draft_vocab=40)
+    teacher = Teacher.build(target.lm_head.weight, head.t2d)
+    batch = _batch(target, head)
+    r, floor = 0.5, 0.3
+    draws = head.cod_draws(batch, train=False)  # the seed the first training call uses
+    assert torch.equal(draws, head.cod_draws(batch, train=False))
+    cod = _loss_settings(cod_ratio=r, cod_floor=floor)
+    loss, _ = head.training_loss(teacher, batch, cod, steps=3)
+    want = _naive_peagle_loss(head, teacher, batch, 3, 0.7,
+                              weight=lambda b, t, k: float(draws[b, t] < max(r ** k, floor)))
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
+    kept = [(draws < max(r ** k, floor)).sum().item() for k in range(3)]
+    assert kept[0] == draws.numel() and kept[0] > kept[1] >= kept[2]  # depth 1 all, then fewer, nested
+    again, _ = head.training_loss(teacher, batch, cod, steps=3)  # the next epoch draws other anchors
+    assert not torch.allclose(again, loss)
+    plain, _ = head.training_loss(teacher, batch, _loss_settings(), steps=3, train=False)
+    scored, _ = head.training_loss(teacher, batch, cod, steps=3, train=False)  # evaluation: every anchor
+    torch.testing.assert_close(scored, plain)
 
 
 # ---- DFlash ------------------------------------------------------------------------------------------

@@ -177,3 +177,14 @@ def test_dflash_shipped_config_loads():
     cfg = load_train_config(Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m-dflash.yaml")
     assert (cfg.head.kind, cfg.head.block_size, cfg.head.num_layers, cfg.loss.anchors) == ("dflash", 8, 2, 64)
     assert cfg.loss.ttt_steps == cfg.head.block_size - 1  # the held-out stats report every block depth
+
+
+def test_dflash_normalised_position_weights_divide_by_their_sum(target):
+    head = _head(target)
+    teacher = Teacher.build(target.lm_head.weight, head.t2d)
+    batch = _batch(target)
+    plain, _ = head.training_loss(teacher, batch, _loss(gamma=2.0), steps=3, train=False)
+    settings = _loss(gamma=2.0)
+    settings.block_weights_normalized = True
+    normed, _ = head.training_loss(teacher, batch, settings, steps=3, train=False)
+    torch.testing.assert_close(normed * position_weights(head.draft_depths, 2.0).sum(), plain)
