@@ -18,7 +18,6 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eaglekit.heads.config import HeadConfig
-from eaglekit.heads.ttt_attention import TTTCache
 
 # ---- the head's KV cache: preallocated buffers, one length per row ------------------------------------
 MIN_CAPACITY = 64  # positions a layer's first buffer holds at least
@@ -85,6 +84,11 @@ class HeadCache:
         vb[:, :, start:end] = v
         self._lengths[layer] = end
         return kb[:, :, :end], vb[:, :, :end]
+
+    def attend(self, layer: int, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        """``Attention``'s call on any cache (a ``TTTCache`` has its own): write k/v, attend over all held."""
+        k, v = self.update(layer, k, v)
+        return attention(q, k, v, mask)
 
     @property
     def keys(self) -> list[torch.Tensor | None]:
@@ -215,6 +219,8 @@ class RowsStep:
         vb[self.lo:self.hi].scatter_(2, self._at, v)
         return kb[self.lo:self.hi, :, :width], vb[self.lo:self.hi, :, :width]
 
+    attend = HeadCache.attend  # write the rows' k/v, attend over what update returns
+
     def advance(self, slot: int, n: int) -> None:
         """Slot ``slot``'s row now holds its first ``n`` new elements too."""
         self.rows.lengths[slot][:] = [self.offsets[slot - self.lo] + n] * self.rows.num_layers
@@ -318,18 +324,19 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(cache, TTTCache):  # training's unroll: its step structure, no mask (linear memory)
-            if mask is not None:
-                raise ValueError("Attention: a TTTCache takes no attn_mask (its steps' pattern is fixed)")
-            return self.o_proj(cache.attend(layer, q, k, v).transpose(1, 2).reshape(B, S, -1))
-        if cache is not None:
-            k, v = cache.update(layer, k, v)
-        if mask is None:
-            mask = causal_mask(S, k.shape[2] - S, q.dtype, q.device)
-        rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
+        out = attention(q, k, v, mask) if cache is None else cache.attend(layer, q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of ``q`` [B, heads, S, d] over ``k``/``v`` [B, kv_heads, T, d] (the last S of them new): under
+    ``mask``, else causal over the new keys; grouped-query heads repeated."""
+    S = q.shape[2]
+    if mask is None:
+        mask = causal_mask(S, k.shape[2] - S, q.dtype, q.device)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
 
 
 class MLP(nn.Module):

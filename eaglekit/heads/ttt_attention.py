@@ -182,7 +182,10 @@ class TTTCache:
         """Keys held per layer, over every step so far (what ``HeadCache.length`` counts)."""
         return sum(k.shape[2] for k in self.keys.get(min(self.keys, default=0), []))
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None:
+            raise ValueError("Attention: a TTTCache takes no attn_mask (its steps' pattern is fixed)")
         keys, values = self.keys.setdefault(layer, []), self.values.setdefault(layer, [])
         shape = self.shapes.setdefault(layer, k.shape)
         if shape != k.shape:

@@ -177,6 +177,18 @@ def test_heads_ttt_cache_expands_each_step_once(monkeypatch, dtype):
     with pytest.raises(ValueError, match="step 4 of layer 0 has keys"):
         cache.attend(0, q, ks[0][:, :, :5], vs[0][:, :, :5])
 
+
+def test_heads_ttt_cache_refuses_a_mask(target):
+    """Attention calls every cache the same way (``attend``); a TTTCache's pattern is fixed, so a step that
+    brings a mask is refused by name (past the step's mask-shape check, which reads the cache's length)."""
+    head = make_head(target, "eagle3", 1)
+    ids = torch.randint(0, 64, (1, 5))
+    g = features(target, head, ids)
+    cache = TTTCache()
+    head.step(ids, g, torch.arange(5)[None], cache=cache)
+    with pytest.raises(ValueError, match="a TTTCache takes no attn_mask"):
+        head.step(ids, g, torch.arange(1, 6)[None], cache=cache, attn_mask=ttt_mask(5, 1))
+
 def test_heads_draft_vocab_maps(target):
     head = make_head(target, "eagle3", 1, draft_vocab_size=4)
     assert head.draft_to_target(torch.arange(4)).tolist() == [0, 1, 2, 3]  # identity until set
