@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from eaglekit.bench.report import paired_bootstrap
+
 BOOTSTRAP = 2000
 
 
@@ -115,7 +117,6 @@ def bucket_of(where: torch.Tensor, edges: list[int]) -> torch.Tensor:
 def summarise(per_conv: list, edges: list[int], steps: int, seed: int = 0) -> list[dict]:
     """Rows (bucket, step): accuracy pooled over conversations and its conversation-bootstrap 95% interval."""
     names = [f"<{edges[0]}"] + [f"{a}-{b}" for a, b in itertools.pairwise(edges)] + [f">={edges[-1]}"]
-    gen = torch.Generator().manual_seed(seed)
     rows = []
     for k in range(steps):
         # right[c, b], total[c, b]: conversation c, bucket b
@@ -126,15 +127,19 @@ def summarise(per_conv: list, edges: list[int], steps: int, seed: int = 0) -> li
             b = bucket_of(where, edges)
             total[c].index_add_(0, b, torch.ones_like(where, dtype=torch.float))
             right[c].index_add_(0, b, ok.float())
-        pick = torch.randint(0, len(per_conv), (BOOTSTRAP, len(per_conv)), generator=gen)
-        boot = right[pick].sum(1) / total[pick].sum(1).clamp(min=1)  # [BOOTSTRAP, buckets]
-        q = torch.tensor([0.025, 0.975], dtype=boot.dtype)
+
+        def acc_of(idx, b, right=right, total=total):  # bucket b's accuracy pooled over conversations idx
+            return float(right[idx, b].sum() / total[idx, b].sum().clamp(min=1))
+
+        def ci95(stat):  # seeded alike: every bucket's resamples are the same conversations
+            return list(paired_bootstrap(stat, len(per_conv), BOOTSTRAP, seed)[1:])
+
         acc = right.sum(0) / total.sum(0).clamp(min=1)
         for b, name in enumerate(names):
             n = int(total[:, b].sum())
-            ci = boot[:, b].quantile(q).tolist() if n else [float("nan")] * 2
+            ci = ci95(lambda idx, b=b: acc_of(idx, b)) if n else [float("nan")] * 2
             # paired with the first bucket: the same resampled conversations, so content differences cancel
-            diff = (boot[:, b] - boot[:, 0]).quantile(q).tolist() if n and b else [0.0, 0.0]
+            diff = ci95(lambda idx, b=b: acc_of(idx, b) - acc_of(idx, 0)) if n and b else [0.0, 0.0]
             rows.append({"step": k, "bucket": name, "positions": n, "conversations": int((total[:, b] > 0).sum()),
                          "acc": float(acc[b]), "ci95": ci, "minus_first": float(acc[b] - acc[0]),
                          "minus_first_ci95": diff})

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from eaglekit.bench.report import paired_bootstrap
 from eaglekit.fileio import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,16 +201,12 @@ def compare(scores: dict, n_boot: int = 10000, seed: int = 0) -> dict:
     def arm_tau(arm, idx):
         return sum(tau_sim(rows, idx) for rows in scores[arm].values()) / len(scores[arm])
 
-    rng = random.Random(seed)
-    boots = [[rng.randrange(n) for _ in range(n)] for _ in range(n_boot)]
     base = arm_tau("base", every)
     out = {"base": {"tau_sim": base, "per_seed": {s: tau_sim(r, every) for s, r in scores["base"].items()}}}
     for arm, runs in scores.items():
         if arm == "base":
             continue
-        diffs = sorted(arm_tau(arm, b) - arm_tau("base", b) for b in boots)
-        d = arm_tau(arm, every) - base
-        lo, hi = diffs[int(0.025 * n_boot)], diffs[int(0.975 * n_boot) - 1]
+        d, lo, hi = paired_bootstrap(lambda idx, arm=arm: arm_tau(arm, idx) - arm_tau("base", idx), n, n_boot, seed)
         out[arm] = {"tau_sim": base + d, "diff": d, "ci95": [lo, hi], "gain_pct_of_tau_minus_1": 100 * d / (base - 1),
                     "per_seed": {s: tau_sim(r, every) for s, r in runs.items()}}
     return out

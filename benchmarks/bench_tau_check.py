@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 from pathlib import Path
 
 import torch
+
+from eaglekit.bench.report import paired_bootstrap
 
 
 def pooled(tokens: list[int], steps: list[int], idx) -> float:
@@ -41,11 +42,10 @@ def paired_ci(base: dict, other: dict, n_boot: int = 10000, seed: int = 0) -> di
     def diff(idx):
         return pooled(other["accepted"], other["steps"], idx) - pooled(base["accepted"], base["steps"], idx)
 
-    rng = random.Random(seed)
-    boots = sorted(diff([rng.randrange(n) for _ in range(n)]) for _ in range(n_boot))
+    d, lo, hi = paired_bootstrap(diff, n, n_boot, seed)
     pairs = list(zip(per_prompt(other), per_prompt(base)))
-    return {"diff": diff(range(n)), "ci95": [boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]],
-            "prompts_higher": sum(o > b for o, b in pairs), "prompts_lower": sum(o < b for o, b in pairs)}
+    return {"diff": d, "ci95": [lo, hi], "prompts_higher": sum(o > b for o, b in pairs),
+            "prompts_lower": sum(o < b for o, b in pairs)}
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
 """The bench's report: summaries over repeats (with the speedup the measured acceptance and step costs
 predict), speedup per prompt category, acceptance per depth, the JSON file (with its PNGs) and a markdown
-table (with the drafter's memory beside the target's)."""
+table (with the drafter's memory beside the target's); the paired bootstrap the benchmarks/ scripts share."""
 from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 from pathlib import Path
 
@@ -20,6 +21,17 @@ def rates(stats) -> list[float | None]:
     A conditional rate, so not monotone in d. None where no step qualified (NaN is not JSON)."""
     return [None if math.isnan(r) else r for r in stats.acceptance_per_depth]
 
+
+
+def paired_bootstrap(stat, n: int, n_boot: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """(``stat`` on all ``n`` items, its bootstrap 95% interval): ``stat`` takes a list of item indices (e.g.
+    one head's pooled τ minus another's on the same prompts) and is recomputed on ``n_boot`` resamples of
+    ``n`` items drawn with replacement, a compared pair staying together (paired). The interval is the
+    resamples' 2.5% and 97.5% points. Seeded: calls with the same ``n``, ``n_boot`` and ``seed`` draw the
+    same resamples, so several arms compared with one base are resampled alike."""
+    rng = random.Random(seed)
+    boots = sorted(stat([rng.randrange(n) for _ in range(n)]) for _ in range(n_boot))
+    return stat(list(range(n))), boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]
 
 def speedup_per_category(records: list[dict]) -> dict[str, float]:
     """category -> median over repeats of ours' tokens/s over plain's, totals over the category's
