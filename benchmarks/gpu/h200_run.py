@@ -52,13 +52,16 @@ from gpu_io import (
 from eaglekit import assets
 from eaglekit.fileio import write_bytes, write_json
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the recipes' own list, one copy
+from bench_recipes import NO_EAGLE31
+
 T0 = time.perf_counter()
 TARGET = "smollm2-135m-instruct"
 REGENERATED = "regenerated.jsonl"
 # Each kind's head and loss keys over the shared --train-config (data, optimiser and budget stay the same):
 # the shapes of configs/smollm2-135m-peagle.yaml and -dflash.yaml. loss.ttt_steps is the depths scored. The
-# EAGLE-3 config's EAGLE 3.1 options are EAGLE-3's own: the parallel kinds refuse them, so they are turned off.
-NO_EAGLE31 = ["head.fc_norm=false", "head.norm_output=false"]
+# EAGLE-3 config's EAGLE 3.1 options are EAGLE-3's own: the parallel kinds refuse them, so they are turned off
+# (NO_EAGLE31, bench_recipes' arm of that name).
 KIND_SET = {
     "eagle3": [],
     "peagle": ["head.kind=peagle", "head.num_layers=2", "head.block_size=4", "loss.ttt_steps=4", *NO_EAGLE31],
