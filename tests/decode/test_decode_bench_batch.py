@@ -43,7 +43,9 @@ def test_decode_bench_batch_self_draft_every_size(saved, tmp_path):  # noqa: F81
                                                          (ours["draft_s_per_forward"] + ours["verify_s_per_forward"]))
         assert plain["speedup_vs_plain"] == plain["decode_speedup_vs_plain"] == 1.0 and plain["tau"] == 1.0
         rep0 = ours["repeats"][0]
-        assert rep0["decode_tokens_per_s"] > rep0["tokens_per_s"]  # the prefill (and its token) left out
+        # the prefill (and its token) left out: another rate than the whole run's (which is larger depends on
+        # how the prefill's time compares with a step's, a timing this test does not assert on)
+        assert rep0["decode_tokens_per_s"] > 0 and rep0["decode_tokens_per_s"] != rep0["tokens_per_s"]
     mem = rep["memory"]
     assert mem["drafter"]["parameters"] == mem["target"]["parameters"] > 0
     assert mem["target"]["kv_bytes_per_token"] == 2 * 3 * 2 * 8 * 4  # 3 layers, 2 KV heads of 8, fp32
