@@ -12,14 +12,16 @@ ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "benchmarks" / "bench_recipes.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
-ARGS = types.SimpleNamespace(features="features", ttt=3, eval_samples=64, bf16=False, set=["head.draft_vocab_size=4096"])
+ARGS = types.SimpleNamespace(features="features", ttt=3, eval_samples=64, bf16=False, set=["head.draft_vocab_size=4096"],
+                             arm_features=["fp8=features-fp8"])
 
 
 @pytest.mark.parametrize("arm", list(bench.ARMS))
 def test_train_recipe_arm_is_a_valid_config(arm):
-    cfg = load_train_config(bench.CONFIG, [*bench.common(ARGS), *bench.ARMS[arm]])
+    cfg = load_train_config(bench.CONFIG, [*bench.common(ARGS), *bench.ARMS[arm], *bench.arm_features(ARGS, arm)])
     base = load_train_config(bench.CONFIG, bench.common(ARGS))
-    assert (cfg == base) == (arm == "base")  # every other arm changes the recipe
+    assert (cfg == base) == (arm == "base")  # every other arm changes the recipe (fp8: the features it reads)
+    assert (cfg.data.features_dir == "features-fp8") == (arm == "fp8")
     want_lk = arm.startswith("lk")
     assert (cfg.loss.objective != "kl") == want_lk
     eagle31 = "no_eagle31" not in arm and arm != "norm_before_fc"
@@ -28,6 +30,11 @@ def test_train_recipe_arm_is_a_valid_config(arm):
     assert (cfg.loss.lk_acceptance == "greedy") == (arm == "lk_greedy")
     assert base.loss.objective == "kl" and base.head.fc_norm and base.head.norm_output  # today's recipe: kl, EAGLE 3.1
     assert cfg.head.draft_vocab_size == 4096  # --set reaches every arm
+
+
+def test_train_recipe_fp8_arm_needs_its_features():
+    with pytest.raises(SystemExit, match="--arm-features fp8=DIR"):
+        bench.arm_features(types.SimpleNamespace(arm_features=[]), "fp8")
 
 
 def test_train_recipe_default_grid():
