@@ -37,10 +37,11 @@ import json
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from eaglekit import __version__
@@ -417,8 +418,6 @@ def _shard_sum(shard: Path) -> str:
 def convert_features(src: str | Path, dst: str | Path, feature_dtype: str = FP8) -> dict:
     """Rewrite the complete bf16 capture ``src`` into ``dst`` stored as ``feature_dtype``, shard by shard
     (the bytes a capture with that dtype writes; no target needed); the draft vocabulary is copied."""
-    import shutil
-
     src, dst = Path(src), Path(dst)
     old = json.loads((src / MANIFEST).read_text())
     if not old.get("complete") or old.get("dtype", "bfloat16") != "bfloat16":
@@ -431,8 +430,6 @@ def convert_features(src: str | Path, dst: str | Path, feature_dtype: str = FP8)
     manifest = {**old, "dtype": feature_dtype, "plan_hash": fp8_plan_hash(old["plan_hash"], feature_dtype),
                 "bytes_per_token": feature_bytes_per_token(old["hidden_size"], taps, feature_dtype),
                 "complete": False, "shards": [{k: v for k, v in s.items() if k != "sha256"} for s in old["shards"]]}
-    from safetensors.torch import load_file
-
     for s in manifest["shards"]:
         t = load_file(str(src / s["file"]))
         if "hidden" in t:  # capture format < 3

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eaglekit.data_prep.capture import MANIFEST, compute_features, dequantize, file_sha256, resolve_taps
+from eaglekit.data_prep.capture import FP8, MANIFEST, compute_features, dequantize, file_sha256, resolve_taps
 from eaglekit.data_prep.vocab import VOCAB_FILE, load_draft_vocab, vocab_hash
 from eaglekit.heads import EAGLE3
 
@@ -196,7 +196,7 @@ class FeatureDataset(torch.utils.data.Dataset):
             }
             if self.layer_ids:
                 want[TAPS] = (s["num_tokens"], width)
-            if self.manifest.get("dtype") == "float8_e4m3fn":
+            if self.manifest.get("dtype") == FP8:
                 want["last_scale"] = (s["num_tokens"], 1)
                 if self.layer_ids:
                     want["taps_scale"] = (s["num_tokens"], len(self.layer_ids))

@@ -241,7 +241,7 @@ class PEagleHead(ParallelHead):
         depths past the block (``steps > block_size``) are scored as misses: a block cannot propose them.
 
         ``loss.cod_ratio`` > 0 trains with P-EAGLE's COD sampling instead: depth k+1 keeps a nested share
-        max(cod_ratio**k, cod_floor) of the anchors (``cod_keep``; every anchor at depth 1), each kept position
+        max(cod_ratio**k, cod_floor) of the anchors (``cod_draws``; every anchor at depth 1), each kept position
         weighing 1 — the depths' relative weights are then their shares. Evaluation (``train=False``) scores
         every anchor. The network still runs every anchor at every depth here: the sampling, not its saving."""
         ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
