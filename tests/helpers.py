@@ -145,3 +145,20 @@ def fit_head(target, conversations: list[dict], out: Path, *overrides: str) -> P
     with mock.patch.object(build, "build_target", lambda cfg, device: target):  # the session's target
         build_trainer(cfg).fit()
     return out / "run" / "final"
+
+
+def scramble_head(head, vocab_size: int, draft_vocab: int):
+    """Random norm weights (a skipped or swapped norm then changes the output) and, below the full vocabulary,
+    a spread-out draft vocabulary (every (V // Vd)-th id from 1): what export checks run on. Returns the head."""
+    import torch
+
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    if draft_vocab < vocab_size:
+        keep = torch.arange(draft_vocab) * (vocab_size // draft_vocab) + 1
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[keep] = True
+        head.set_draft_vocab(keep - torch.arange(draft_vocab), t2d)
+    return head

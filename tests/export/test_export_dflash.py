@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_target
+from helpers import scramble_head, tiny_target
 from safetensors.torch import load_file
 
 from eaglekit.export import export_head, load_head
@@ -39,16 +39,7 @@ def make(target, draft_vocab=V, taps=None, block=4, seed=0):
     torch.manual_seed(seed)
     head = build_head(HeadConfig.from_target(target, kind="dflash", num_layers=2, block_size=block,
                                              draft_vocab_size=draft_vocab, aux_layer_ids=taps), target)
-    with torch.no_grad():
-        for n, p in head.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-    if draft_vocab < V:
-        keep = torch.arange(draft_vocab) * (V // draft_vocab) + 1
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[keep] = True
-        head.set_draft_vocab(keep - torch.arange(draft_vocab), t2d)
-    return head
+    return scramble_head(head, V, draft_vocab)
 
 
 def _rms(x, w, eps):

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_target
+from helpers import scramble_head, tiny_target
 from safetensors.torch import load_file
 
 from eaglekit.export import export_head, load_head
@@ -41,16 +41,7 @@ def make(target, taps=None, seed=0, draft_vocab=VD, **kw):
     torch.manual_seed(seed)
     head = build_head(HeadConfig.from_target(target, kind="eagle3", draft_vocab_size=draft_vocab,
                                              aux_layer_ids=taps, **kw), target)
-    with torch.no_grad():  # random norms: a skipped or swapped norm changes the output
-        for n, p in head.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-    if draft_vocab < V:
-        keep = torch.arange(draft_vocab) * (V // draft_vocab) + 1
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[keep] = True
-        head.set_draft_vocab(keep - torch.arange(draft_vocab), t2d)
-    return head
+    return scramble_head(head, V, draft_vocab)
 
 
 def drafts(head, ids, g, steps):
