@@ -132,9 +132,16 @@ def require(build_if_missing: bool = True) -> Path:
 def refusal(cfg) -> str | None:
     """Why llama.cpp's EAGLE-3 cannot run a head of config ``cfg`` as trained (None: it can)."""
     why = []
+    if cfg.kind == "dspark":  # --spec-type draft-dspark, through speculators' dspark layout
+        taps = list(cfg.aux_layer_ids)
+        if min(taps) < 1 or taps != sorted(set(taps)):
+            return (f"llama.cpp cannot serve this dspark head: taps {taps} (it extracts distinct layers in order, "
+                    "written as layer outputs, so tap 0 has no id)")
+        return None
     if cfg.kind != "eagle3":
-        return (f"llama.cpp serves EAGLE-3 heads; this is a {cfg.kind} head (eaglekit's DFlash layout is not "
-                "z-lab's that llama.cpp's draft-dflash converter reads; P-EAGLE has no llama.cpp loader)")
+        return (f"llama.cpp serves EAGLE-3 and DSpark heads through eaglekit; this is a {cfg.kind} head (DFlash: "
+                "llama.cpp's converter reads a draft vocabulary only for DSpark, and eaglekit has not checked its "
+                "draft-dflash against eaglekit's decoder; P-EAGLE has no llama.cpp loader)")
     if cfg.fc_norm:
         why.append("head.fc_norm=true (llama.cpp has one norm over all taps, norm_before_fc, not one per tap)")
     if cfg.norm_output:

@@ -17,9 +17,10 @@ def _heads(x, n, d):
     return x.view(x.shape[0], x.shape[1], n, d).transpose(1, 2)
 
 
-def naive_block_logits(head, g, ids, t: int, pos0: int = 0) -> torch.Tensor:
+def naive_block_logits(head, g, ids, t: int, pos0: int = 0, hidden: bool = False) -> torch.Tensor:
     """Draft logits [D, Vd] of the block after element ``t`` of one sequence (``g`` [1, S, H] fused features,
-    ``ids`` [1, S] tokens; element i sits at position pos0 + i), recomputed from scratch."""
+    ``ids`` [1, S] tokens; element i sits at position pos0 + i), recomputed from scratch (DFlash's: no
+    DSpark bias); ``hidden``: (the slots' final states [D, H], logits)."""
     cfg, bs = head.config, head.config.block_size
     ctx = head.hidden_norm(g[:, :t + 1])
     block = torch.full((1, bs), cfg.mask_token_id, dtype=torch.long)
@@ -42,7 +43,8 @@ def naive_block_logits(head, g, ids, t: int, pos0: int = 0) -> torch.Tensor:
         x = x + a.o_proj(out.transpose(1, 2).reshape(1, bs, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     w = head.target_module("lm_head").weight[torch.arange(cfg.draft_vocab_size) + head.d2t]
-    return (head.norm(x) @ w.T)[0, 1:]
+    out = head.norm(x)[0, 1:]
+    return (out, out @ w.T) if hidden else out @ w.T
 
 
 def naive_block_loss(head, teacher, batch, anchors, keep, scale, gamma: float):

@@ -30,6 +30,7 @@ def target():
     ("eagle3", {"aux_layer_ids": [1, 4, 7, 9]}, "taps [1, 4, 7, 9]"),
     ("peagle", {}, "this is a peagle head"),
     ("dflash", {}, "this is a dflash head"),
+    ("dspark", {"aux_layer_ids": [0, 4, 7]}, "taps [0, 4, 7]"),
     ("eagle1", {}, "this is a eagle1 head"),
 ])
 def test_llama_cpp_refuses_what_it_cannot_serve(target, tmp_path, kind, flags, named):
@@ -77,21 +78,29 @@ def test_llama_cpp_completion_counts_steps_as_eaglekit_does():
     assert c.steps == 8 and c.tau == 2.0  # 16 tokens after the prefill's, 8 of them accepted drafts
 
 
-@pytest.mark.real
-@pytest.mark.slow  # ~1 min with a built llama.cpp (~12 min more the first time: it is built)
-def test_llama_cpp_real_server_drafts_with_an_exported_head(smollm2, tmp_path):
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """(llama.cpp root, the embedded Q4_1 SmolLM2 file, 4 MT-bench prompts, plain llama-server's 40 greedy
+    tokens for each, conversations of those answers to fit heads to)."""
     root = llama_cpp.require(build_if_missing=True)
     model = assets.asset_file("smollm2-135m-instruct")  # the embedded Q4_1 file the PyTorch path dequantises
     questions = [q["turns"][0] for q in assets.load_mt_bench()[:4]]
     prompts = [smollm2.chat_ids(q)[0].tolist() for q in questions]
-    n = 40
     with llama_cpp.Server(model, root=root, threads=2) as plain:
-        refs = [plain.complete(ids, n).tokens for ids in prompts]
+        refs = [plain.complete(ids, 40).tokens for ids in prompts]
     assert all(len(r) >= 8 for r in refs)
-    # a head fitted to llama-server's own answers, as llama.cpp can serve it (one norm over the taps)
     convs = [{"id": str(i), "messages": [{"role": "user", "content": q},
                                          {"role": "assistant", "content": smollm2.tokenizer.decode(r)}]}
              for i, (q, r) in enumerate(zip(questions, refs))]
+    return root, model, prompts, refs, convs
+
+
+@pytest.mark.real
+@pytest.mark.slow  # ~1 min with a built llama.cpp (~12 min more the first time: it is built)
+def test_llama_cpp_real_server_drafts_with_an_exported_head(smollm2, served, tmp_path):
+    root, model, prompts, refs, convs = served
+    n = 40
+    # a head fitted to llama-server's own answers, as llama.cpp can serve it (one norm over the taps)
     trained = fit_head(smollm2, convs, tmp_path / "fit", "head.fc_norm=false", "head.norm_output=false",
                        "head.norm_before_fc=true", "head.init_from_target=true", "optim.epochs=20")
     from eaglekit.export import load_head
@@ -118,3 +127,30 @@ def test_llama_cpp_real_server_drafts_with_an_exported_head(smollm2, tmp_path):
             tau_server = sum(len(o.tokens) - 1 for o in outs) / sum(o.steps for o in outs)
             assert abs(tau_server - tau_ours) <= 0.05 * tau_ours, (tau_server, tau_ours)
     assert rates["trained"] > 0.15 and rates["random"] < 0.02, rates
+
+
+@pytest.mark.real
+@pytest.mark.slow  # ~40 s with a built llama.cpp
+def test_llama_cpp_real_server_drafts_with_an_exported_dspark_head(smollm2, served, tmp_path):
+    """A DSpark head (block of 4, its previous-token bias chained through the block) exported with
+    ``--to llama.cpp`` (speculators' dspark layout, then llama.cpp's converter) and served with
+    ``--spec-type draft-dspark``: greedy output identical to plain llama-server, and what the server accepts
+    is what eaglekit's own drafting of the same head accepts on those outputs (within 5%: f16 weights and
+    llama.cpp's arithmetic may flip a near tie; on 2026-12-03 they were equal prompt by prompt)."""
+    from eaglekit.export import load_head
+
+    root, model, prompts, refs, convs = served
+    fitted = fit_head(smollm2, convs, tmp_path / "fit", "head.kind=dspark", "head.block_size=4", "head.num_layers=1",
+                      "head.markov_rank=64", "head.init_from_target=true", "optim.epochs=20")
+    head = load_head(fitted, smollm2)
+    assert head.config.kind == "dspark" and float(head.markov_w2.weight.abs().max()) > 0  # the bias trained
+    gguf = export_head(head, tmp_path / "gguf", "llama.cpp", gguf_type="f16")
+    with llama_cpp.Server(model, draft=gguf, spec_type="draft-dspark", n_max=3, root=root, threads=2) as s:
+        outs = [s.complete(ids, 40) for ids in prompts]
+    for i, (ref, out) in enumerate(zip(refs, outs)):
+        assert out.tokens == ref, f"dspark head, prompt {i}: output differs from plain llama-server"
+    reps = [replay(ids + o.tokens, len(ids), *head_drafts(smollm2, head, ids, o.tokens, 3), n_max=3)
+            for ids, o in zip(prompts, outs)]
+    server, ours = sum(o.accepted for o in outs), sum(r["accepted"] for r in reps)
+    assert abs(server - ours) <= 0.05 * ours, ([o.accepted for o in outs], [r["accepted"] for r in reps])
+    assert sum(o.accepted for o in outs) / sum(o.draft_n for o in outs) > 0.15

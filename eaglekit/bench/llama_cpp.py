@@ -45,14 +45,22 @@ PROBE = (3, 0.0)  # the head run that measures its cost per forward
 @torch.no_grad()
 def head_drafts(target, head, prompt: list[int], tokens: list[int], depth: int):
     """(drafts [S, depth] target ids, top-prob [S, depth]) of chain drafting from every anchor of the sequence
-    ``prompt + tokens``: row t holds what the head drafts when the last known token is at t + 1 (the TTT unroll
-    equals sequential drafting; its probabilities are softmax over the top 10, llama.cpp's draft sampler)."""
+    ``prompt + tokens``: row t holds what the head drafts when the last known token is at t + 1 (an EAGLE
+    head: the TTT unroll, which equals sequential drafting; a parallel head — DFlash, DSpark — one block per
+    element, fed one element at a time; probabilities are softmax over the top 10, llama.cpp's draft sampler)."""
     from eaglekit.heads.objectives import ttt_unroll
 
     seq = torch.tensor([list(prompt) + list(tokens)], device=target.device)
     g = head.fuse(target.forward(seq, layer_ids=head.taps, logits=False).taps)
+    if getattr(head, "parallel", False):
+        cache, S = head.new_cache(), seq.shape[1]
+        blocks = [head.draft(cache, seq[:, t + 1:t + 2], g[:, t:t + 1], torch.tensor([[t]]))[0, :depth]
+                  for t in range(S - 1)]
+        steps = [d[None] for d in torch.stack(blocks + [blocks[-1]]).unbind(1)]  # [1, S, Vd] per depth (last row unused)
+    else:
+        steps = [logits for _, _, logits in ttt_unroll(head, seq, g, depth)]
     drafts, probs = [], []
-    for _, _, logits in ttt_unroll(head, seq, g, depth):
+    for logits in steps:
         top = logits[0].float().topk(min(10, logits.shape[-1]), dim=-1)
         drafts.append(top.indices[:, 0] + head.d2t[top.indices[:, 0]])
         probs.append(top.values.softmax(-1)[:, 0])

@@ -21,6 +21,7 @@ from eaglekit.export.dflash_layout import (
     refuse_dflash,
     shared_lm_head,
 )
+from eaglekit.export.dspark_layout import DSPARK_ARCH, export_dspark, load_dspark
 from eaglekit.export.engines import (
     ENGINES,
     LAYOUT_ENGINES,
@@ -48,7 +49,7 @@ from eaglekit.export.layouts import (
 from eaglekit.export.verifier import resolve_verifier
 from eaglekit.fileio import write_json, write_safetensors
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.config import DFLASH, PEAGLE, HeadConfig, check_target
+from eaglekit.heads.config import DFLASH, DSPARK, PEAGLE, HeadConfig, check_target
 from eaglekit.heads.io import (
     CONFIG,
     WEIGHTS,
@@ -180,10 +181,17 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
         if (why := llama_cpp.refusal(head.config)) is not None:  # before the target's folder is even looked up
             raise ExportError(why)
         target_dir = target_dir or resolve(head.config.target_name)[0]
-        with tempfile.TemporaryDirectory(prefix="eaglekit-gguf-") as work:  # the vLLM layout: what it converts
-            layout = export_head(head, Path(work) / "vllm", "vllm")
+        with tempfile.TemporaryDirectory(prefix="eaglekit-gguf-") as work:  # the layout its converter reads
+            if head.config.kind == DSPARK:  # speculators' dspark folder (it names the target as its verifier)
+                layout = export_head(head, Path(work) / "dspark", "speculators", verifier=str(target_dir))
+            else:  # EAGLE-3: the vLLM layout
+                layout = export_head(head, Path(work) / "vllm", "vllm")
             return llama_cpp.export_gguf(layout, out_dir, target_dir, outtype=gguf_type, overwrite=overwrite)
     layout_engines(layout)
+    if head.config.kind == DSPARK:  # its own layout (export.dspark_layout)
+        verifier = resolve_verifier(verifier, head.config.target_name, required=True)
+        check_finite_head(head, where=f"export {layout}")
+        return export_dspark(head, out_dir, layout, dtype, verifier, verifier_architectures, overwrite)
     if head.config.kind == DFLASH:
         refuse_dflash(head.config, layout)
     refused = refusing_engines(layout, verifier_architectures)
@@ -233,8 +241,11 @@ def load_export(path, target, dtype=None, device=None):
 def load_head(path_or_id, target, dtype=None, device=None, token=None) -> DraftHead:
     """Load a saved head (native folder, Hub id, or an ``eaglekit export`` folder) bound to ``target``."""
     path = resolve_dir(path_or_id, token=token)
-    if is_native(read_config(path)):
+    config = read_config(path)
+    if is_native(config):
         return load_native(path, target, dtype=dtype, device=device)
+    if DSPARK_ARCH in (config.get("architectures") or []):  # speculators' dspark layout (export.dspark_layout)
+        return load_dspark(path, target, dtype=dtype, device=device)
     return load_export(path, target, dtype=dtype, device=device)
 
 

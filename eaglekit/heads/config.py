@@ -9,9 +9,10 @@ from transformers import LlamaConfig
 
 from eaglekit import __version__
 
-EAGLE1, EAGLE3, PEAGLE, DFLASH = "eagle1", "eagle3", "peagle", "dflash"
-KINDS = (EAGLE1, EAGLE3, PEAGLE, DFLASH)  # the head classes of heads.registry, by kind
-DEFAULT_BLOCK = {PEAGLE: 4, DFLASH: 8}  # parallel drafters: positions one forward fills unless from_target is told
+EAGLE1, EAGLE3, PEAGLE, DFLASH, DSPARK = "eagle1", "eagle3", "peagle", "dflash", "dspark"
+KINDS = (EAGLE1, EAGLE3, PEAGLE, DFLASH, DSPARK)  # the head classes of heads.registry, by kind
+DEFAULT_BLOCK = {PEAGLE: 4, DFLASH: 8, DSPARK: 8}  # parallel drafters: positions one forward fills unless told
+DEFAULT_MARKOV_RANK = 256  # DSpark: the rank of its previous-token bias W2(W1[x]) (speculators' default)
 DEFAULT_DRAFT_VOCAB = 32000
 
 
@@ -55,6 +56,7 @@ class HeadConfig:
     norm_before_fc: bool = False  # one RMSNorm over the concatenated taps before fc (`norm_before_fc`, llama.cpp)
     block_size: int = 1  # parallel drafters: positions one forward fills (eagle1/eagle3 ignore it)
     mask_token_id: int = -1  # parallel drafters: the token id fed at block positions with no known token
+    markov_rank: int = 0  # DSpark: rank R of its previous-token logit bias W2 (R -> Vd) . W1 (V -> R); 0 = 256
     target_name: str = ""
     target_fingerprint: str = ""
     eaglekit_version: str = field(default_factory=_version)
@@ -77,6 +79,10 @@ class HeadConfig:
         if self.kind == EAGLE1:
             self.draft_vocab_size = self.target_vocab_size
             self.aux_layer_ids = []
+        self.markov_rank = int(self.markov_rank) or (DEFAULT_MARKOV_RANK if self.kind == DSPARK else 0)
+        if self.markov_rank < 0 or (self.markov_rank and self.kind != DSPARK):
+            raise ValueError(f"HeadConfig.markov_rank is DSpark's (a rank >= 1, 0 = {DEFAULT_MARKOV_RANK}); got "
+                             f"{self.markov_rank} for a {self.kind} head")
 
     @classmethod
     def from_target(cls, target, kind: str = EAGLE3, num_layers: int = 1, draft_vocab_size: int | None = None,

@@ -123,17 +123,18 @@ class DFlashHead(ParallelHead):
     display_name, vllm_method, sglang_algorithm, speculators_model = "DFlash", "dflash", "DFLASH", None
 
     def __init__(self, config: HeadConfig):
-        if config.kind != DFLASH:
-            raise ValueError(f"DFlashHead needs kind='dflash', got {config.kind!r}")
+        if config.kind != type(self).kind:
+            raise ValueError(f"{type(self).__name__} needs kind={type(self).kind!r}, got {config.kind!r}")
         config.validate()
         if config.fc_norm or config.norm_output or config.norm_before_fc:  # not read by the DFlash layers nor by the engines' loaders
-            raise ValueError("DFlashHead: fc_norm / norm_output / norm_before_fc are not DFlash options; leave them off")
+            raise ValueError(f"{type(self).__name__}: fc_norm / norm_output / norm_before_fc are not DFlash options; "
+                             "leave them off")
         if config.block_size < 2:
-            raise ValueError(f"HeadConfig.block_size must be >= 2 for a dflash head (the last token and at "
+            raise ValueError(f"HeadConfig.block_size must be >= 2 for a {config.kind} head (the last token and at "
                              f"least one mask slot), got {config.block_size}")
         if not 0 <= config.mask_token_id < config.target_vocab_size:
             raise ValueError(f"HeadConfig.mask_token_id must be a target token id (0..{config.target_vocab_size - 1}) "
-                             f"for a dflash head, got {config.mask_token_id}")
+                             f"for a {config.kind} head, got {config.mask_token_id}")
         super().__init__(config)
         H = config.hidden_size
         self.fc = nn.Linear(len(config.aux_layer_ids) * H, H, bias=False)
@@ -215,7 +216,21 @@ class DFlashHead(ParallelHead):
             cache.update(i, k, v)
         ctx_kv = list(zip(cache.keys, cache.values))
         hidden = self.blocks(ids[:, -1:].to(self.device), pos[:, -1:], ctx_kv)
-        return self.logits(hidden[:, 0, 1:])
+        return self.block_draft_logits(hidden[:, 0, 1:], ids[:, -1].to(self.device))
+
+    def block_draft_logits(self, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, D, Vd] of one block's slots 1..D (``hidden`` [B, D, H]) after the known token
+        ``last`` [B]: DFlash's slots are independent (DSpark chains a bias through them)."""
+        return self.logits(hidden)
+
+    def block_train_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Training logits [B, N, D, Vd] of the blocks' slots (``hidden`` [B, N, D, H]); ``prev`` [B, N, D]
+        holds the true token before each slot's (DSpark conditions on it; DFlash does not)."""
+        return self.logits(hidden)
+
+    def block_extra_loss(self, hidden, prev, logits, teacher_k, weight, row_w, loss) -> torch.Tensor | float:
+        """A kind's own term beside the per-depth distillation (DSpark: its confidence head); DFlash: none."""
+        return 0.0
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:
@@ -280,10 +295,12 @@ class DFlashHead(ParallelHead):
         visible = torch.arange(S, device=dev)[None, None, :] <= anchors[:, :, None]  # [B, N, S]
         ctx_mask = visible[:, :, None, :].expand(B, N, bs, S).reshape(B, 1, N * bs, S)
         first = ids.gather(1, (anchors + 1).clamp(max=S - 1))
-        logits = self.logits(self.blocks(first, anchors, ctx_kv, ctx_mask)[:, :, 1:])  # [B, N, D, Vd]
-
+        hidden = self.blocks(first, anchors, ctx_kv, ctx_mask)[:, :, 1:]  # [B, N, D, H]
         depth = torch.arange(1, D + 1, device=dev)
         tok = anchors[:, :, None] + 1 + depth  # the predicted token's position, t+1+k
+        prev = ids.gather(1, (tok - 1).clamp(max=S - 1).view(B, -1)).view(B, N, D)  # the true token before it
+        logits = self.block_train_logits(hidden, prev)  # [B, N, D, Vd]
+
         inside = tok < S
         valid = keep[:, :, None] & inside & loss_mask.gather(1, tok.clamp(max=S - 1).view(B, -1)).view(B, N, D).bool()
         at = (tok - 1).clamp(max=S - 1)  # the teacher's position, t+k
@@ -300,12 +317,13 @@ class DFlashHead(ParallelHead):
             else (last, teacher.draft_weight)
         teacher_k = source.gather(1, at.view(B, -1, 1).expand(-1, -1, source.shape[-1])).view(B, N, D, -1)
         per_depth = [position_loss(logits[:, :, k], teacher_k[:, :, k], weight, row_w[:, :, k], loss) for k in range(D)]
+        extra = self.block_extra_loss(hidden, prev, logits, teacher_k, weight, row_w, loss)
         stats = self._stats(logits, want, valid, per_depth)
         for k in range(D + 1, steps + 1):  # depths past the block: misses, so every kind reports `steps` depths
             past = keep & (anchors + 1 + k < S) & loss_mask.gather(1, (anchors + 1 + k).clamp(max=S - 1)).bool()
             stats.loss.append(0.0), stats.correct.append(0), stats.chain.append(0)
             stats.total.append(int(past.sum()))
-        return sum(per_depth), stats
+        return sum(per_depth) + extra, stats
 
     @staticmethod
     def _stats(logits, want, valid, per_depth):

@@ -4,10 +4,12 @@ from __future__ import annotations
 from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import KINDS, HeadConfig
 from eaglekit.heads.dflash import DFlashHead
+from eaglekit.heads.dspark import DSparkHead
 from eaglekit.heads.eagle1 import Eagle1Head
 from eaglekit.heads.eagle3 import Eagle3Head, PEagleHead
 
-HEADS: dict[str, type[DraftHead]] = {cls.kind: cls for cls in (Eagle1Head, Eagle3Head, PEagleHead, DFlashHead)}
+HEADS: dict[str, type[DraftHead]] = {cls.kind: cls for cls in (Eagle1Head, Eagle3Head, PEagleHead, DFlashHead,
+                                                        DSparkHead)}
 assert tuple(HEADS) == KINDS, "every kind of HeadConfig has one head class"
 
 

@@ -168,7 +168,7 @@ def build_train_head(cfg: TrainConfig, target: Target, sources: Sources) -> Draf
                                     draft_vocab_size=vocab[0].numel() if vocab is not None else None,
                                     aux_layer_ids=list(sources.layer_ids) or None, block_size=h.block_size or None,
                                     fc_norm=h.fc_norm, norm_output=h.norm_output,
-                                    norm_before_fc=h.norm_before_fc)
+                                    norm_before_fc=h.norm_before_fc, markov_rank=h.markov_rank)
     head = build_head(config, target, dtype=torch.float32)
     if vocab is not None:
         head.set_draft_vocab(*vocab)

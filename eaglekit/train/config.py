@@ -52,6 +52,7 @@ class HeadSpec:
     norm_output: bool = False  # EAGLE 3.1: each draft step reads the previous step's post-norm hidden state
     norm_before_fc: bool = False  # one RMSNorm over the concatenated taps before fc (what llama.cpp serves)
     block_size: NonNegInt = 0  # parallel drafters (peagle, dflash): positions one forward fills; 0 = the kind's default
+    markov_rank: NonNegInt = 0  # DSpark: rank of its previous-token logit bias; 0 = 256 (speculators' default)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class LossConfig:
     anchors: PosInt = 512  # DFlash: anchor blocks drawn per sequence at most (all candidates when fewer)
     block_gamma: NonNegFloat = 0  # DFlash: block depth k weighs exp(-(k-1)/block_gamma); 0 = the paper's for the block
     block_weights_normalized: bool = False  # DFlash: those weights divided by their sum (SpecForge's CE / sum w)
+    confidence_weight: NonNegFloat = 1.0  # DSpark: weight of its confidence head's BCE (speculators' alpha)
     cod_ratio: Fraction = 0.0  # P-EAGLE: > 0 = COD sampling, depth k+1 trains max(cod_ratio**k, cod_floor) of
     cod_floor: Fraction = 0.2  # the anchors (nested), each kept position weight 1; 0 = all anchors, step_decay**k
     chunk_tokens: PosInt = 512  # teacher / CE computed over this many positions at a time
@@ -141,10 +143,15 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
         except ValueError as e:
             raise ConfigError(f"{where}: head.fc_norm / head.norm_output / head.norm_before_fc with "
                               f"head.kind={h.kind!r}: {e}") from None
-    for key, value, kind in (("loss.cod_ratio", cfg.loss.cod_ratio, "peagle"),
-                             ("loss.block_weights_normalized", cfg.loss.block_weights_normalized, "dflash")):
-        if value and h.kind != kind:  # no silent no-op: the key belongs to one kind's objective
-            raise ConfigError(f"{where}: {key}={value} is a {kind} option, but head.kind={h.kind!r}")
+    loss = cfg.loss
+    for key, value, active, kinds in (("loss.cod_ratio", loss.cod_ratio, loss.cod_ratio, ("peagle",)),
+                                      ("loss.block_weights_normalized", loss.block_weights_normalized,
+                                       loss.block_weights_normalized, ("dflash", "dspark")),
+                                      ("loss.confidence_weight", loss.confidence_weight, loss.confidence_weight != 1.0,
+                                       ("dspark",)),
+                                      ("head.markov_rank", h.markov_rank, h.markov_rank, ("dspark",))):
+        if active and h.kind not in kinds:  # no silent no-op: the key belongs to one kind's objective
+            raise ConfigError(f"{where}: {key}={value} is a {' / '.join(kinds)} option, but head.kind={h.kind!r}")
     if cfg.loss.lk_acceptance != "sampled" and cfg.loss.objective == "kl":
         raise ConfigError(f"{where}: loss.lk_acceptance={cfg.loss.lk_acceptance!r} applies to the LK objectives; "
                           "set loss.objective to lk, lk_alpha or lk_tv (or leave lk_acceptance 'sampled')")

@@ -17,7 +17,7 @@ from eaglekit.heads import HeadCache, HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
-KINDS = ["peagle", "dflash"]  # every parallel head kind (heads.base.ParallelHead subclasses)
+KINDS = ["peagle", "dflash", "dspark"]  # every parallel head kind (heads.base.ParallelHead subclasses)
 PROMPTS = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35]]
 CHAIN, TREE = {"depth": 4, "top_k": 1, "total_tokens": 4}, {"depth": 3, "top_k": 3, "total_tokens": 9}
 
@@ -30,6 +30,9 @@ def parallel_head(target, kind, block=4, draft_vocab=48, layers=2, seed=0):
     head = build_head(cfg, target)
     if draft_vocab < target.vocab_size:
         random_draft_vocab(head, draft_vocab)
+    if kind == "dspark":  # a fresh DSpark's bias is zero: give it one, so its chain shapes the drafts
+        with torch.no_grad():
+            head.markov_w2.weight.normal_(0, 1.0)
     return head
 
 

@@ -147,8 +147,10 @@ def test_dflash_trained_a_few_steps_beats_untrained_on_held_out_tau(tmp_path):
     assert trained["eval_acc_0"] > untrained["eval_acc_0"]
 
 
-def test_dflash_trains_offline_on_an_eagle3_capture(tmp_path):
-    """DFlash reads the same default taps as EAGLE-3, so one capture (made for eagle3) trains either kind."""
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_dflash_trains_offline_on_an_eagle3_capture(tmp_path, kind):
+    """DFlash (and DSpark, its backbone) read the same default taps as EAGLE-3, so one capture (made for
+    eagle3) trains either kind through the trainer, and the saved head loads back as its kind."""
     from eaglekit.data_prep import capture_features, read_conversations, tokenize_conversations
     from eaglekit.target import load_target
     from eaglekit.train.config import load_train_config
@@ -161,12 +163,14 @@ def test_dflash_trains_offline_on_an_eagle3_capture(tmp_path):
     capture_features(tiny, samples, tmp_path / "feats", kind="eagle3", progress=False)
     final = train(load_train_config(None, [
         f"target={tmp_path / 'tiny'}", f"data.features_dir={tmp_path / 'feats'}", "data.eval_samples=3",
-        "head.kind=dflash", "head.block_size=3", "head.draft_vocab_size=64", "loss.ttt_steps=2", "data.batch_size=3",
+        f"head.kind={kind}", "head.block_size=3", "head.draft_vocab_size=64", "loss.ttt_steps=2", "data.batch_size=3",
+        *(["head.markov_rank=8", "loss.confidence_weight=0.5"] if kind == "dspark" else []),
         "optim.max_steps=3", "progress=false", "trackers=[]", "eval_interval=0", "save_interval=0",
         f"output_dir={tmp_path / 'out'}"]))
     assert final["step"] == 3 and {"eval_acc_0", "eval_acc_1", "eval_tau_sim"} <= set(final)
     head = load_head(tmp_path / "out" / "final", tiny)
-    assert head.config.kind == "dflash" and head.config.block_size == 3 and head.taps == tuple(tiny.default_taps)
+    assert head.config.kind == kind and head.config.block_size == 3 and head.taps == tuple(tiny.default_taps)
+    assert head.config.markov_rank == (8 if kind == "dspark" else 0)
 
 
 def test_dflash_shipped_config_loads():
