@@ -64,6 +64,11 @@ ARMS = {
     "lk_no_eagle31": ["loss.objective=lk", *NO_EAGLE31],
     "norm_before_fc": [*NO_EAGLE31, "head.norm_before_fc=true"],  # what llama.cpp serves, vs per-tap fc_norm
     "fp8": [],  # the recipe, trained on fp8-stored features (--arm-features fp8=DIR)
+    # the parallel drafters on the same capture, a block of ttt + 1 (--set head.block_size=N to change it):
+    # DSpark against its own backbone with --reference dflash (compare tau_chain: per-depth accuracy is
+    # teacher-forced, and DSpark's bias reads the true previous token)
+    "dflash": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2"],
+    "dspark": [*NO_EAGLE31, "head.kind=dspark", "head.num_layers=2", "head.markov_rank=64"],
 }
 # the default --arms: the recipe (EAGLE 3.1 on since the LK / EAGLE 3.1 grid), LK on it, and the recipe without
 # EAGLE 3.1 (EAGLE-3 as before, to re-check the adoption on new data); `topk`, `layer`: earlier ideas
@@ -145,7 +150,7 @@ def per_sample(head_dir: Path, a, arm: str) -> list[dict]:
         for i in range(len(parts.sources.eval)):
             items = fetch_with_top(parts.sources.eval, [i], parts.teacher, cfg.loss.chunk_tokens, dev)
             _, st = model(**tensors_to(collate(items, parts.head.reads), dev), steps=a.ttt, train=False)
-            rows.append({"correct": st.correct, "total": st.total})
+            rows.append({"correct": st.correct, "total": st.total, "chain": st.chain})
         return rows
     finally:
         parts.lock.release()
@@ -193,22 +198,39 @@ def tau_sim(rows: list[dict], idx: list[int]) -> float:
                 for k in range(K)])
 
 
-def compare(scores: dict, n_boot: int = 10000, seed: int = 0) -> dict:
-    """Each arm vs base: τ_sim (mean over seeds), the difference and its paired-bootstrap 95% CI."""
-    n = len(next(iter(scores["base"].values())))
+def tau_chain(rows: list[dict], idx: list[int]) -> float:
+    """1 + sum over depths of the share of positions whose depths 1..k were all right: what a chain accepts
+    (for a parallel head the fair one, its per-depth accuracy being teacher-forced)."""
+    K = len(rows[0]["total"])
+    return 1 + sum(sum(rows[i]["chain"][k] for i in idx) / max(1, sum(rows[i]["total"][k] for i in idx))
+                   for k in range(K))
+
+
+def compare(scores: dict, ref: str = "base", n_boot: int = 10000, seed: int = 0) -> dict:
+    """Each arm vs ``ref``: τ_sim and τ_chain (means over seeds), the differences and their paired-bootstrap
+    95% CIs (held-out samples resampled, the same draw for both arms)."""
+    n = len(next(iter(scores[ref].values())))
     every = list(range(n))
+    metrics = {"tau_sim": tau_sim, "tau_chain": tau_chain}
 
-    def arm_tau(arm, idx):
-        return sum(tau_sim(rows, idx) for rows in scores[arm].values()) / len(scores[arm])
+    def arm_value(metric, arm, idx):
+        return sum(metrics[metric](rows, idx) for rows in scores[arm].values()) / len(scores[arm])
 
-    base = arm_tau("base", every)
-    out = {"base": {"tau_sim": base, "per_seed": {s: tau_sim(r, every) for s, r in scores["base"].items()}}}
+    has_chain = all("chain" in runs[s][0] for runs in scores.values() for s in runs)
+    out = {}
     for arm, runs in scores.items():
-        if arm == "base":
-            continue
-        d, lo, hi = paired_bootstrap(lambda idx, arm=arm: arm_tau(arm, idx) - arm_tau("base", idx), n, n_boot, seed)
-        out[arm] = {"tau_sim": base + d, "diff": d, "ci95": [lo, hi], "gain_pct_of_tau_minus_1": 100 * d / (base - 1),
-                    "per_seed": {s: tau_sim(r, every) for s, r in runs.items()}}
+        out[arm] = {}
+        for metric in metrics if has_chain else ["tau_sim"]:
+            value = arm_value(metric, arm, every)
+            out[arm][metric] = value
+            out[arm][f"{metric}_per_seed"] = {s: metrics[metric](r, every) for s, r in runs.items()}
+            if arm == ref:
+                continue
+            d, lo, hi = paired_bootstrap(lambda idx, m=metric, arm=arm: arm_value(m, arm, idx) - arm_value(m, ref, idx),
+                                         n, n_boot, seed)
+            base = arm_value(metric, ref, every)
+            out[arm][f"{metric}_diff"], out[arm][f"{metric}_ci95"] = d, [lo, hi]
+            out[arm][f"{metric}_gain_pct_of_tau_minus_1"] = 100 * d / (base - 1)
     return out
 
 
@@ -230,12 +252,14 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1, help="training runs at once")
     ap.add_argument("--decode-questions", type=int, default=8, help="MT-bench questions each head decodes (0: none)")
     ap.add_argument("--decode-tokens", type=int, default=128, help="new tokens per decoded question")
+    ap.add_argument("--reference", default="base", choices=list(ARMS),
+                    help="the arm every other is compared with (added to --arms if missing)")
     ap.add_argument("--train-only", action="store_true",
                     help="train the listed arms and seeds only (no base added, no scoring): to split a grid over "
                          "cores or machines; a later run without it reuses the finished heads and scores them")
     a = ap.parse_args()
-    if "base" not in a.arms and not a.train_only:
-        a.arms.insert(0, "base")
+    if a.reference not in a.arms and not a.train_only:
+        a.arms.insert(0, a.reference)
     steps, epochs = steps_for(a)
     runs = [(arm, seed) for seed in a.seeds for arm in a.arms]
     with ThreadPoolExecutor(a.parallel) as pool:  # a.threads each: small matmuls scale poorly past 1-2 cores
@@ -249,8 +273,8 @@ def main() -> None:
             write_json(cached, per_sample(head, a, arm))  # atomic: a killed scoring leaves no half file to reuse
         scores.setdefault(arm, {})[seed] = json.loads(cached.read_text())
     seen = {f"{arm}-s{seed}": training_record(head.parent) for (arm, seed), head in heads.items()}
-    report = {"runs": seen, "steps": steps, "epochs": epochs, "ttt": a.ttt, "seeds": a.seeds, "held_out": len(scores["base"][a.seeds[0]]),
-              "arms": compare(scores)}
+    report = {"runs": seen, "steps": steps, "epochs": epochs, "ttt": a.ttt, "seeds": a.seeds, "held_out": len(scores[a.reference][a.seeds[0]]),
+              "reference": a.reference, "arms": compare(scores, a.reference)}
     if a.decode_questions:
         for arm, d in decode_all(heads, a).items():
             report["arms"][arm]["decode_tau"], report["arms"][arm]["decode_tau_per_seed"] = d["tau"], d["per_seed"]
