@@ -159,9 +159,16 @@ python -m sglang.launch_server --model {base} --speculative-algorithm {cls.sglan
     if layout == "sglang":
         return sglang
     if layout == "speculators":
-        return vllm + f"""
+        served = vllm + f"""
 The config names the verifier (`{base}`), so `vllm serve {repo_id}` also works.
+""" if getattr(cls, "vllm_serves", True) else f"""### llama.cpp
 
+```bash
+eaglekit export --head {repo_id} --out dspark-gguf --to llama.cpp
+llama-server -m TARGET.gguf -md dspark-gguf/head-f16.gguf --spec-type draft-dspark
+```
+"""
+        return served + f"""
 ### speculators
 
 ```python

@@ -29,7 +29,9 @@ from eaglekit.heads.objectives import teacher_probs
 
 class DSparkHead(DFlashHead):
     kind = DSPARK
-    display_name, vllm_method, sglang_algorithm, speculators_model = "DSpark", None, None, "dspark"
+    display_name, vllm_method, sglang_algorithm = "DSpark", None, None
+    speculators_model = ("speculators.models.dspark", "DSparkDraftModel")
+    vllm_serves = False  # vLLM 0.32.0 has no DSpark proposer: the model card points at llama.cpp instead
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
