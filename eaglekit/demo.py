@@ -55,7 +55,8 @@ def add_arguments(p):
     p.add_argument("--epochs", type=int, default=6, help="training epochs over the regenerated data")
     p.add_argument("--questions", type=int, default=8,
                    help="MT-bench first turns to decode, one per category in turn (8 categories)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=80,
+                   help="new tokens per question and method (80 keeps a fresh clone's run within 15 minutes on 2 cores)")
     p.add_argument("--repeats", type=int, default=3,
                    help="decode each question's methods this many times (balanced order; medians of paired ratios)")
     p.add_argument("--tree", default="auto", help="'auto' or depth,top_k,total_tokens")
