@@ -45,6 +45,20 @@ def position_weights(depths: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(depths, dtype=torch.float32) / gamma)
 
 
+@torch.no_grad()
+def dpace_weights(logits, teacher_k, weight, live, alpha: float, chunk: int = 512) -> torch.Tensor:
+    """D-PACE's per-depth weights [B, N, D] (speculators' ``dpace_loss_decay``): with c_k = exp(-CE_k) the
+    depth's confidence (CE against the teacher) smoothed to s_k = (1 - alpha) c_k + alpha (1 where the depth
+    is not trained), w_k = sum_{j >= k} prod_{i <= j} s_i over the trained depths — the expected accepted
+    length that depth k's acceptance carries, so a depth counts by what its prefix is likely to reach
+    instead of a fixed exp(-(k-1)/gamma). Detached: the weights steer the gradient, they get none."""
+    p = teacher_k.float() if weight is None else teacher_probs(teacher_k, weight, chunk)
+    ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)
+    s = torch.where(live > 0, (1 - alpha) * torch.exp(-ce) + alpha, torch.ones_like(ce))
+    prefix = torch.cumprod(s, -1) * live
+    return torch.flip(torch.cumsum(torch.flip(prefix, [-1]), -1), [-1]) * live
+
+
 def block_attention(q, k, v, ctx_k, ctx_v, ctx_mask, block: int) -> torch.Tensor:
     """Attention of N blocks of ``block`` queries: each sees the context keys its ``ctx_mask`` allows and
     its own block's keys (bidirectionally), never another block's.
@@ -308,14 +322,19 @@ class DFlashHead(ParallelHead):
         if top is None:
             top = teacher.targets(last, loss.chunk_tokens)
         want = top.gather(1, at.view(B, -1)).view(B, N, D)
-        weights = position_weights(D, decay_gamma(bs, getattr(loss, "block_gamma", 0.0))).to(dev)
-        if getattr(loss, "block_weights_normalized", False):  # SpecForge: the weighted CE over the weights' sum
-            weights = weights / weights.sum()
-        row_w = (valid & (want >= 0)).float() * weights * scale[:, None, None]
+        live = (valid & (want >= 0)).float()
         cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
         source, weight = (teacher_probs(last, teacher.draft_weight, loss.chunk_tokens), None) if cached \
             else (last, teacher.draft_weight)
         teacher_k = source.gather(1, at.view(B, -1, 1).expand(-1, -1, source.shape[-1])).view(B, N, D, -1)
+        if getattr(loss, "block_weighting", "decay") == "dpace":
+            weights = dpace_weights(logits, teacher_k, weight, live, float(getattr(loss, "dpace_alpha", 0.5)),
+                                    loss.chunk_tokens)
+        else:
+            weights = position_weights(D, decay_gamma(bs, getattr(loss, "block_gamma", 0.0))).to(dev)
+        if getattr(loss, "block_weights_normalized", False):  # SpecForge: the weighted CE over the weights' sum
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)
+        row_w = live * weights * scale[:, None, None]
         per_depth = [position_loss(logits[:, :, k], teacher_k[:, :, k], weight, row_w[:, :, k], loss) for k in range(D)]
         extra = self.block_extra_loss(hidden, prev, logits, teacher_k, weight, row_w, loss)
         stats = self._stats(logits, want, valid, per_depth)

@@ -90,6 +90,9 @@ class LossConfig:
     block_gamma: NonNegFloat = 0  # DFlash: block depth k weighs exp(-(k-1)/block_gamma); 0 = the paper's for the block
     block_weights_normalized: bool = False  # DFlash: those weights divided by their sum (SpecForge's CE / sum w)
     confidence_weight: NonNegFloat = 1.0  # DSpark: weight of its confidence head's BCE (speculators' alpha)
+    block_weighting: Literal["decay", "dpace"] = "decay"  # DFlash/DSpark depth weights: exp(-(k-1)/gamma), or
+    # D-PACE's (speculators' per_position_loss_weight=dpace): the detached expected accepted length from depth k
+    dpace_alpha: Fraction = 0.5  # D-PACE: confidence smoothing s = (1 - alpha) exp(-CE) + alpha
     cod_ratio: Fraction = 0.0  # P-EAGLE: > 0 = COD sampling, depth k+1 trains max(cod_ratio**k, cod_floor) of
     cod_floor: Fraction = 0.2  # the anchors (nested), each kept position weight 1; 0 = all anchors, step_decay**k
     chunk_tokens: PosInt = 512  # teacher / CE computed over this many positions at a time
@@ -149,6 +152,8 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
                                        loss.block_weights_normalized, ("dflash", "dspark")),
                                       ("loss.confidence_weight", loss.confidence_weight, loss.confidence_weight != 1.0,
                                        ("dspark",)),
+                                      ("loss.block_weighting", loss.block_weighting, loss.block_weighting != "decay",
+                                       ("dflash", "dspark")),
                                       ("head.markov_rank", h.markov_rank, h.markov_rank, ("dspark",))):
         if active and h.kind not in kinds:  # no silent no-op: the key belongs to one kind's objective
             raise ConfigError(f"{where}: {key}={value} is a {' / '.join(kinds)} option, but head.kind={h.kind!r}")

@@ -1,6 +1,7 @@
 """DFlash's block objective (``DFlashHead.training_loss``) against a naive anchor-by-anchor reference (value,
 gradient, per-depth stats), its anchor sampling (reproducible, per sequence, moving between epochs), and a
 few trainer steps on a tiny target raising held-out τ_sim over the same head untrained."""
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -192,3 +193,31 @@ def test_dflash_normalised_position_weights_divide_by_their_sum(target):
     settings.block_weights_normalized = True
     normed, _ = head.training_loss(teacher, batch, settings, steps=3, train=False)
     torch.testing.assert_close(normed * position_weights(head.draft_depths, 2.0).sum(), plain)
+
+
+def test_dflash_dpace_weights_are_the_expected_length_each_depth_carries(target):
+    """D-PACE: s_k = (1 - a) exp(-CE_k) + a on trained depths (1 elsewhere), w_k = sum_{j>=k} prod_{i<=j} s_i
+    over trained depths — checked element by element; training with it changes the loss, stays finite."""
+    from eaglekit.heads.dflash import dpace_weights
+
+    torch.manual_seed(0)
+    logits, p = torch.randn(2, 3, 4, 9), torch.softmax(torch.randn(2, 3, 4, 9), -1)
+    live = (torch.rand(2, 3, 4) > 0.3).float()
+    w = dpace_weights(logits, p, None, live, 0.4)
+    ce = -(p * torch.log_softmax(logits, -1)).sum(-1)
+    for b in range(2):
+        for n in range(3):
+            s = [(0.6 * math.exp(-float(ce[b, n, k])) + 0.4) if live[b, n, k] else 1.0 for k in range(4)]
+            pre = [math.prod(s[:j + 1]) * float(live[b, n, j]) for j in range(4)]
+            want = [sum(pre[k:]) * float(live[b, n, k]) for k in range(4)]
+            torch.testing.assert_close(w[b, n], torch.tensor(want), rtol=1e-5, atol=1e-6)
+    head = _head(target)
+    teacher = Teacher.build(target.lm_head.weight, head.t2d)
+    batch = _batch(target)
+    decay, _ = head.training_loss(teacher, batch, _loss(gamma=2.0), steps=3, train=False)
+    settings = _loss(gamma=2.0)
+    settings.block_weighting, settings.dpace_alpha = "dpace", 0.5
+    dpace, _ = head.training_loss(teacher, batch, settings, steps=3, train=False)
+    assert torch.isfinite(dpace) and abs(float(dpace.detach()) - float(decay.detach())) > 1e-3
+    grads = torch.autograd.grad(dpace, head.fc.weight)
+    assert torch.isfinite(grads[0]).all() and grads[0].abs().max() > 0
