@@ -69,6 +69,7 @@ ARMS = {
     # teacher-forced, and DSpark's bias reads the true previous token)
     "dflash": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2"],
     "dspark": [*NO_EAGLE31, "head.kind=dspark", "head.num_layers=2", "head.markov_rank=64"],
+    "dflash_dpace": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2", "loss.block_weighting=dpace"],
 }
 # the default --arms: the recipe (EAGLE 3.1 on since the LK / EAGLE 3.1 grid), LK on it, and the recipe without
 # EAGLE 3.1 (EAGLE-3 as before, to re-check the adoption on new data); `topk`, `layer`: earlier ideas
