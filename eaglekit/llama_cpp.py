@@ -83,8 +83,10 @@ def build(jobs: int | None = None, log=sys.stderr) -> Path:
           file=log, flush=True)
     with tempfile.TemporaryDirectory(prefix="eaglekit-llama-cpp-") as work:
         work = Path(work)
-        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-              "--no-build-isolation", f"llama-cpp-python=={VERSION}", "-d", str(work)], "pip download", log)
+        # the sdist, never a wheel; pip reads its metadata in an isolated build environment (scikit-build-core
+        # from the registry, as a wheel: --no-build-isolation would need it installed beside eaglekit)
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
+              f"llama-cpp-python=={VERSION}", "-d", str(work)], "pip download", log)
         sdist = work / f"llama_cpp_python-{VERSION}.tar.gz"
         if assets.sha256_of(sdist) != SDIST_SHA256:
             raise LlamaCppError(f"{sdist}: sha256 is not the pinned {SDIST_SHA256}")
