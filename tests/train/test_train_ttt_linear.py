@@ -83,7 +83,10 @@ def test_ttt_attention_equals_the_masked_softmax_value_and_gradient(monkeypatch,
         grads.append(torch.autograd.grad((out * w).sum(), [q, *ks, *vs]))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     for name, a, b in zip(["q"] + [f"k{j}" for j in range(steps + 1)] + [f"v{j}" for j in range(steps + 1)], *grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"grad {n}: {m}")
+        if dtype == "fp64":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"grad {n}: {m}")
+        else:  # an fp32 entry that cancels to near 0 keeps its terms' rounding: 2.8e-6 on an AVX2-only CPU
+            close_to_scale(a, b, f"grad {name}")
 
 
 def test_the_cpu_flash_path_runs_on_this_torch():
