@@ -163,13 +163,33 @@ def check_prepare(out: Path, overrides_file: str) -> None:
     dump(out, "prepare", run_prepare(load_config(PrepareConfig, None, overrides)))
 
 
+def release_targets() -> None:
+    """Drop the split targets the earlier checks shared (a check that loads its own target follows): the
+    launch's processes then hold one split model each, not two, and the machine's memory is not reclaimed
+    page by page while the next one loads (a float64 Qwen split after an fp32 one: ~9 -> ~6 GB per process)."""
+    import gc
+
+    _TARGETS.clear()
+    gc.collect()
+
+
 def check_train(out: Path, overrides_file: str) -> None:
     from eaglekit.train.config import load_train_config
     from eaglekit.train.trainer import train
 
+    release_targets()  # training loads the target its config names
     overrides = json.loads(Path(overrides_file).read_text()) + [f"target.tp_size={TP}"]
     metrics = train(load_train_config(None, overrides))
     dump(out, "train", {"processes": metrics.get("processes"), "distributed_type": metrics.get("distributed_type")})
+
+
+def resident_gb() -> float:
+    """This process's resident memory now (VmRSS), in GB."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return float("nan")
+    kb = next((int(x.split()[1]) for x in status.read_text().splitlines() if x.startswith("VmRSS:")), 0)
+    return kb / 2**20
 
 
 def main() -> None:
@@ -193,7 +213,8 @@ def main() -> None:
             check_train(out, args.pop(0))
         else:
             raise SystemExit(f"unknown check {check!r}")
-        print(f"[tp_checks rank {rank()}] {check}: {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"[tp_checks rank {rank()}] {check}: {time.perf_counter() - start:.1f} s, {resident_gb():.1f} GB resident",
+              flush=True)
         if dist.is_initialized():  # a training run ends its process group (accelerate's end_training): last
             dist.barrier()
     if dist.is_initialized():

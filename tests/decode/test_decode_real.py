@@ -10,7 +10,8 @@ divergent position, the target's top-2 logit gap (fresh full forward over the co
 
 Sizes are set by the test budget: SmolLM2 5 prompts x 24 tokens (EAGLE-3 head on all, EAGLE-1 on 3;
 prompt lookup alone and on a head's tree: 4 x 40),
-Qwen 0.5B 5 prompts x 12 tokens (HF, head, self-draft chain and tree). The decode logic itself
+Qwen 0.5B 5 prompts x 8 tokens (HF, head, self-draft chain and tree; each self-draft decoding ends
+on a step cut short by max_new_tokens: 1 + 4 + 3). The decode logic itself
 (rejections, trees, EOS, caches) is covered on tiny models in test_decode_greedy_exact; these check the real
 architectures and their fp32 numerics. Run `pytest --durations=0` for the current cost."""
 import os
@@ -36,7 +37,7 @@ def mt_bench_prompts(target, n=N_PROMPTS):
 
 
 # the longest reference any real test takes per target: each prompt's is computed once, shorter ones sliced
-REF_TOKENS = {"smollm2-135m-instruct": 40, "qwen2.5-coder-0.5b-instruct": 12}
+REF_TOKENS = {"smollm2-135m-instruct": 40, "qwen2.5-coder-0.5b-instruct": 8}
 
 
 def hf_greedy(target, ids, n):
@@ -109,7 +110,7 @@ def test_decode_real_greedy_smollm2_prompt_lookup(smollm2):
 
 
 def test_decode_real_greedy_qwen05_head_and_self_draft(qwen05):
-    t, n, gamma = qwen05, 12, 3
+    t, n, gamma = qwen05, 8, 3
     head = random_head(t, "eagle3")
     tree = TreeSpec(depth=2, top_k=2, total_tokens=3)
     self_tree = decode.ModelTreeDrafter(t, t, TreeSpec(depth=3, top_k=2, total_tokens=6))
