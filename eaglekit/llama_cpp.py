@@ -157,6 +157,40 @@ def refusal(cfg) -> str | None:
     return "llama.cpp cannot serve this head as trained: " + "; ".join(why) + f". Train a servable head with {SERVABLE}"
 
 
+# llama.cpp's EAGLE-3 and DSpark drafts read the target's layer inputs, which only some target graphs of the
+# pinned source record (src/models/*.cpp setting res->t_layer_inp). For any other, llama-server aborts on its
+# first batch ("layer input tensor is null"): Qwen2 / Qwen2.5's graph, for one. GGUF general.architecture ->
+# the transformers model_types converted to it, among those checked in the pinned source.
+TAPPED_ARCHS = {"llama": ("llama", "mistral"), "qwen3": ("qwen3",), "qwen3moe": ("qwen3_moe",),
+                "gpt-oss": ("gpt_oss",), "qwen35": (), "qwen35moe": (), "gemma4": ()}
+
+
+def _untapped(arch: str, what: str) -> str:
+    tapped = ", ".join(t for ts in TAPPED_ARCHS.values() for t in ts)
+    return (f"llama.cpp {VERSION} cannot draft for {what}: its EAGLE-3 / DSpark drafts read the target's layer "
+            f"inputs, which its {arch} graph does not record (llama-server aborts: 'layer input tensor is null'); "
+            f"it can for targets of model type {tapped}")
+
+
+def target_refusal(target_dir) -> str | None:
+    """Why llama-server cannot draft with a head for the transformers target in ``target_dir`` (None: it can)."""
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    model_type = cfg.get("model_type", "?")
+    if any(model_type in types for types in TAPPED_ARCHS.values()):
+        return None
+    return _untapped(model_type, f"a {model_type} target ({target_dir})")
+
+
+def check_draft_target(model) -> None:
+    """Refuse the target GGUF ``model`` if llama-server cannot draft for it with a head (its architecture)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(model)).fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode()
+    if arch not in TAPPED_ARCHS:
+        raise LlamaCppError(_untapped(arch, f"the {arch} target {model}"))
+
+
 def export_gguf(layout_dir, out_dir, target_dir, outtype: str = "f16", overwrite: bool = False,
                 root: Path | None = None) -> Path:
     """Convert an EAGLE-3 head written in the vLLM layout (``layout_dir``: its taps, ``d2t``) into the GGUF
@@ -323,6 +357,8 @@ class Server(ServerProcess):
     def __init__(self, model, draft=None, spec_type: str | None = None, n_max: int | None = None,
                  p_min: float | None = None, threads: int | None = None, ctx: int = 4096, extra=(),
                  root: Path | None = None, timeout: float = 180.0):
+        if draft is not None and spec_type in ("draft-eagle3", "draft-dspark"):  # refused before any process
+            check_draft_target(model)
         self.root = root or require()
         self.port = free_port()
         cmd = [str(self.root / "bin" / "llama-server"), "-m", str(model), "--host", "127.0.0.1",

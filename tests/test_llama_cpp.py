@@ -55,6 +55,29 @@ def test_llama_cpp_serves_plain_and_norm_before_fc_heads(target, tmp_path):
     assert not (tmp_path / "out" / "head-q4_0.gguf").exists()
 
 
+def test_llama_cpp_refuses_a_target_whose_graph_records_no_layer_inputs(target, tmp_path):
+    """The pinned llama.cpp's Qwen2 graph records no layer inputs, so llama-server aborts on the first batch
+    of an EAGLE-3 or DSpark draft for a Qwen2 / Qwen2.5 target: refused at export (the target's folder) and
+    before a server starts (the target GGUF's architecture), naming what it can serve."""
+    import gguf
+
+    head = build_head(HeadConfig.from_target(target, kind="eagle3"), target)
+    qwen = save_tiny(tmp_path / "qwen2", arch="qwen2")
+    with pytest.raises(ExportError, match="qwen2 target .*layer input tensor is null.*llama, mistral, qwen3"):
+        export_head(head, tmp_path / "out", "llama.cpp", target_dir=qwen, gguf_type="f16")
+    assert not (tmp_path / "out").exists()
+    assert llama_cpp.target_refusal(save_tiny(tmp_path / "llama")) is None
+    for arch in ("qwen2", "llama"):  # a GGUF holding only its metadata is enough to read the architecture
+        w = gguf.GGUFWriter(str(tmp_path / f"{arch}.gguf"), arch)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+    with pytest.raises(llama_cpp.LlamaCppError, match="the qwen2 target"):
+        llama_cpp.Server(tmp_path / "qwen2.gguf", draft=tmp_path / "head.gguf", spec_type="draft-dspark", root=tmp_path)
+    llama_cpp.Server(tmp_path / "llama.gguf", draft=tmp_path / "head.gguf", spec_type="draft-eagle3", root=tmp_path)
+    llama_cpp.Server(tmp_path / "qwen2.gguf", draft=tmp_path / "d.gguf", spec_type="draft-simple", root=tmp_path)
+
+
 def test_llama_cpp_build_cache_is_stamped_with_this_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
     root = llama_cpp.install_dir()

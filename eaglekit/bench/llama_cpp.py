@@ -184,6 +184,8 @@ def run_engine_bench(cfg) -> dict:
     root = llama_cpp.require()
     threads = cfg.threads or None
     model = _gguf(cfg.target_gguf or cfg.target)
+    if cfg.head or cfg.head_gguf:  # before any model is loaded or server started
+        llama_cpp.check_draft_target(model)
     # the head's replay needs the target; without a head its tokenizer's chat template is enough
     target = load_target(cfg.target) if cfg.head else _TokenizerOnly(cfg.target)
     out_dir = Path(cfg.out)

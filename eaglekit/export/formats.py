@@ -181,6 +181,8 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
         if (why := llama_cpp.refusal(head.config)) is not None:  # before the target's folder is even looked up
             raise ExportError(why)
         target_dir = target_dir or resolve(head.config.target_name)[0]
+        if (Path(target_dir) / "config.json").is_file() and (why := llama_cpp.target_refusal(target_dir)):
+            raise ExportError(why)
         with tempfile.TemporaryDirectory(prefix="eaglekit-gguf-") as work:  # the layout its converter reads
             if head.config.kind == DSPARK:  # speculators' dspark folder (it names the target as its verifier)
                 layout = export_head(head, Path(work) / "dspark", "speculators", verifier=str(target_dir))
