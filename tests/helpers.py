@@ -122,6 +122,11 @@ def hf_greedy(target, ids: list[int], n: int) -> torch.Tensor:
                                  pad_token_id=0)
 
 
+# Threads of a real server process in a test: each pytest-xdist worker has one core of the 2, and a server's
+# second thread only spin-waits against the other worker's test (a 40-token llama-server answer took ~15 s so).
+SERVER_THREADS = 1
+
+
 def fit_head(target, conversations: list[dict], out: Path, *overrides: str) -> Path:
     """Train a head on ``conversations`` ([{"id", "messages"}]) against the session's ``target`` (60 optimizer
     steps for 5 conversations, ~20 s on SmolLM2): memorised, so it is accepted deep on those prompts. Every

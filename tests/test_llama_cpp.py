@@ -7,7 +7,7 @@ The slow test builds the pinned llama.cpp the first time (~10-12 min on 2 cores,
 ~/.cache/eaglekit/llama.cpp-0.3.36; `bash scripts/llama_cpp.sh` does it ahead), then takes ~1 min."""
 import pytest
 import torch
-from helpers import fit_head, save_tiny, tiny_target
+from helpers import SERVER_THREADS, fit_head, save_tiny, tiny_target
 
 from eaglekit import assets, llama_cpp
 from eaglekit.bench.llama_cpp import head_drafts, replay
@@ -109,7 +109,7 @@ def served(smollm2):
     model = assets.asset_file("smollm2-135m-instruct")  # the embedded Q4_1 file the PyTorch path dequantises
     questions = [q["turns"][0] for q in assets.load_mt_bench()[:4]]
     prompts = [smollm2.chat_ids(q)[0].tolist() for q in questions]
-    with llama_cpp.Server(model, root=root, threads=2) as plain:
+    with llama_cpp.Server(model, root=root, threads=SERVER_THREADS) as plain:
         refs = [plain.complete(ids, 40).tokens for ids in prompts]
     assert all(len(r) >= 8 for r in refs)
     convs = [{"id": str(i), "messages": [{"role": "user", "content": q},
@@ -136,7 +136,8 @@ def test_llama_cpp_real_server_drafts_with_an_exported_head(smollm2, served, tmp
         gguf = export_head(head, tmp_path / name, "llama.cpp", gguf_type="f16")
         assert gguf.name == "head-f16.gguf" and gguf.stat().st_size > 0
         assert not [p for p in gguf.parent.iterdir() if p.name.endswith(".tmp")]
-        with llama_cpp.Server(model, draft=gguf, spec_type="draft-eagle3", n_max=3, root=root, threads=2) as s:
+        with llama_cpp.Server(model, draft=gguf, spec_type="draft-eagle3", n_max=3, root=root,
+                              threads=SERVER_THREADS) as s:
             outs = [s.complete(ids, n) for ids in prompts]
         for i, (ref, out) in enumerate(zip(refs, outs)):
             assert out.tokens == ref, f"{name} head, prompt {i}: output differs from plain llama-server"
@@ -168,7 +169,8 @@ def test_llama_cpp_real_server_drafts_with_an_exported_dspark_head(smollm2, serv
     head = load_head(fitted, smollm2)
     assert head.config.kind == "dspark" and float(head.markov_w2.weight.abs().max()) > 0  # the bias trained
     gguf = export_head(head, tmp_path / "gguf", "llama.cpp", gguf_type="f16")
-    with llama_cpp.Server(model, draft=gguf, spec_type="draft-dspark", n_max=3, root=root, threads=2) as s:
+    with llama_cpp.Server(model, draft=gguf, spec_type="draft-dspark", n_max=3, root=root,
+                          threads=SERVER_THREADS) as s:
         outs = [s.complete(ids, 40) for ids in prompts]
     for i, (ref, out) in enumerate(zip(refs, outs)):
         assert out.tokens == ref, f"dspark head, prompt {i}: output differs from plain llama-server"

