@@ -152,6 +152,22 @@ def fit_head(target, conversations: list[dict], out: Path, *overrides: str) -> P
     return out / "run" / "final"
 
 
+def padded_feature_batch(target, lengths=(14, 9), seed=3) -> dict:
+    """A training batch of right-padded random rows of ``lengths`` with the target's features, the first 3
+    tokens of each row unsupervised (a prompt)."""
+    import torch
+
+    torch.manual_seed(seed)
+    S = max(lengths)
+    ids = torch.zeros(len(lengths), S, dtype=torch.long)
+    mask = torch.zeros(len(lengths), S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = torch.randint(0, target.vocab_size, (n,))
+        mask[b, 3:n] = 1
+    out = target.features(ids, attention_mask=(torch.arange(S)[None] < torch.tensor(lengths)[:, None]).long())
+    return {"input_ids": ids, "loss_mask": mask, "last": out.last, "taps": out.taps}
+
+
 def scramble_head(head, vocab_size: int, draft_vocab: int):
     """Random norm weights (a skipped or swapped norm then changes the output) and, below the full vocabulary,
     a spread-out draft vocabulary (every (V // Vd)-th id from 1): what export checks run on. Returns the head."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dflash_reference import naive_block_logits
-from helpers import tiny_target
+from helpers import padded_feature_batch, tiny_target
 
 from eaglekit.export import load_head
 from eaglekit.heads import HeadConfig, build_head
@@ -104,18 +104,6 @@ def test_dspark_fresh_head_drafts_as_its_dflash_backbone(target):
     torch.testing.assert_close(a, b)
 
 
-def _batch(target, lengths=(13, 9), seed=3):
-    torch.manual_seed(seed)
-    S = max(lengths)
-    ids = torch.zeros(len(lengths), S, dtype=torch.long)
-    mask = torch.zeros(len(lengths), S, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, :n] = torch.randint(0, V, (n,))
-        mask[b, 3:n] = 1
-    out = target.features(ids, attention_mask=(torch.arange(S)[None] < torch.tensor(lengths)[:, None]).long())
-    return {"input_ids": ids, "loss_mask": mask, "last": out.last, "taps": out.taps}
-
-
 def naive_dspark_loss(head, teacher, batch, anchors, keep, scale, gamma, alpha):
     """The objective anchor by anchor, depth by depth: teacher-forced bias (the true previous token), soft CE
     weighted exp(-(k-1)/gamma) x scale, plus alpha x the same weight x BCE(confidence, sum min(q, p))."""
@@ -148,7 +136,7 @@ def naive_dspark_loss(head, teacher, batch, anchors, keep, scale, gamma, alpha):
 def test_dspark_objective_matches_naive_reference_value_and_gradient(target, cache_mb):
     head = dspark(target, block=4)
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
-    batch = _batch(target)
+    batch = padded_feature_batch(target, lengths=(13, 9))
     settings = SimpleNamespace(anchors=6, block_gamma=2.0, chunk_tokens=7, cache_teacher_mb=cache_mb, topk=0,
                                topk_weight=0.0, objective="kl", confidence_weight=0.7)
     loss, _ = head.training_loss(teacher, batch, settings, steps=3, train=False)

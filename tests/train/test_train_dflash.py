@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from dflash_reference import naive_block_loss
-from helpers import save_tiny, tiny_conversations, tiny_target
+from helpers import padded_feature_batch, save_tiny, tiny_conversations, tiny_target
 
 from eaglekit.export import load_head
 from eaglekit.heads import HeadConfig, build_head
@@ -34,19 +34,6 @@ def _head(target, block=4, layers=2, seed=0):
     return head
 
 
-def _batch(target, lengths=(14, 9), seed=3):
-    """Right-padded rows of different lengths, the first 3 tokens of each unsupervised (a prompt)."""
-    torch.manual_seed(seed)
-    S = max(lengths)
-    ids = torch.zeros(len(lengths), S, dtype=torch.long)
-    mask = torch.zeros(len(lengths), S, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, :n] = torch.randint(0, V, (n,))
-        mask[b, 3:n] = 1
-    out = target.features(ids, attention_mask=(torch.arange(S)[None] < torch.tensor(lengths)[:, None]).long())
-    return {"input_ids": ids, "loss_mask": mask, "last": out.last, "taps": out.taps}
-
-
 def _loss(anchors=512, gamma=0.0, cache_mb=64.0):
     return SimpleNamespace(anchors=anchors, block_gamma=gamma, chunk_tokens=7, cache_teacher_mb=cache_mb,
                            topk=0, topk_weight=0.0, objective="kl")
@@ -61,7 +48,7 @@ def test_dflash_position_weights_are_the_papers_decay():
 def test_dflash_objective_matches_naive_reference_value_gradient_and_stats(target, cache_mb):
     head = _head(target)
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
-    batch = _batch(target)
+    batch = padded_feature_batch(target)
     settings = _loss(anchors=7, gamma=2.0, cache_mb=cache_mb)  # row 0 has 11 candidates: 7 drawn, scaled 11/7
     loss, stats = head.training_loss(teacher, batch, settings, steps=3, train=False)
     anchors, keep, scale = head.sample_anchors(batch, 7, train=False)
@@ -84,7 +71,7 @@ def test_dflash_objective_takes_every_candidate_and_normalises_per_anchor(target
     trainer's supervised count is the mean block loss per anchor; depths past the block are misses."""
     head = _head(target, block=3)
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
-    batch = _batch(target)
+    batch = padded_feature_batch(target)
     anchors, keep, scale = head.sample_anchors(batch, 512, train=True)
     assert int(keep.sum()) == supervised_count(batch["loss_mask"]) and scale.tolist() == [1.0, 1.0]
     loss, stats = head.training_loss(teacher, batch, _loss(), steps=4)
@@ -99,7 +86,7 @@ def test_dflash_loss_of_a_batch_is_the_sum_of_its_rows(target):
     is the sum over any split of it: gradient accumulation and DDP take the step one big batch takes."""
     head = _head(target)
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
-    whole = _batch(target, lengths=(14, 9, 30, 12), seed=6)
+    whole = padded_feature_batch(target, lengths=(14, 9, 30, 12), seed=6)
     settings = _loss(anchors=8)
     total, stats = head.training_loss(teacher, whole, settings, steps=3, train=False)
     parts = []
@@ -113,7 +100,7 @@ def test_dflash_loss_of_a_batch_is_the_sum_of_its_rows(target):
 
 
 def test_dflash_anchor_sampling_is_reproducible_and_moves_between_epochs(target):
-    batch = _batch(target, lengths=(30, 30), seed=4)
+    batch = padded_feature_batch(target, lengths=(30, 30), seed=4)
     a, b = _head(target), _head(target)
     first = a.sample_anchors(batch, 6, train=True)[0]
     assert torch.equal(first, b.sample_anchors(batch, 6, train=True)[0])  # a fresh head draws the same
@@ -187,7 +174,7 @@ def test_dflash_shipped_config_loads():
 def test_dflash_normalised_position_weights_divide_by_their_sum(target):
     head = _head(target)
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
-    batch = _batch(target)
+    batch = padded_feature_batch(target)
     plain, _ = head.training_loss(teacher, batch, _loss(gamma=2.0), steps=3, train=False)
     settings = _loss(gamma=2.0)
     settings.block_weights_normalized = True
@@ -213,7 +200,7 @@ def test_dflash_dpace_weights_are_the_expected_length_each_depth_carries(target)
             torch.testing.assert_close(w[b, n], torch.tensor(want), rtol=1e-5, atol=1e-6)
     head = _head(target)
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
-    batch = _batch(target)
+    batch = padded_feature_batch(target)
     decay, _ = head.training_loss(teacher, batch, _loss(gamma=2.0), steps=3, train=False)
     settings = _loss(gamma=2.0)
     settings.block_weighting, settings.dpace_alpha = "dpace", 0.5
