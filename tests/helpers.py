@@ -168,15 +168,32 @@ def padded_feature_batch(target, lengths=(14, 9), seed=3) -> dict:
     return {"input_ids": ids, "loss_mask": mask, "last": out.last, "taps": out.taps}
 
 
-def scramble_head(head, vocab_size: int, draft_vocab: int):
-    """Random norm weights (a skipped or swapped norm then changes the output) and, below the full vocabulary,
-    a spread-out draft vocabulary (every (V // Vd)-th id from 1): what export checks run on. Returns the head."""
+def randomize_norms(head):
+    """Norm weights drawn from U(0.5, 1.5) in place (a skipped or swapped norm then changes the output)."""
     import torch
 
     with torch.no_grad():
         for n, p in head.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
+    return head
+
+
+def fused_features(target, head, S=12, seed=5):
+    """(ids [1, S] drawn at random, the head's fused context feature of the target over them)."""
+    import torch
+
+    torch.manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (1, S))
+    return ids, head.fuse_output(target.forward(ids, layer_ids=head.taps))
+
+
+def scramble_head(head, vocab_size: int, draft_vocab: int):
+    """Random norm weights (a skipped or swapped norm then changes the output) and, below the full vocabulary,
+    a spread-out draft vocabulary (every (V // Vd)-th id from 1): what export checks run on. Returns the head."""
+    import torch
+
+    randomize_norms(head)
     if draft_vocab < vocab_size:
         keep = torch.arange(draft_vocab) * (vocab_size // draft_vocab) + 1
         t2d = torch.zeros(vocab_size, dtype=torch.bool)

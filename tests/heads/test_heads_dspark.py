@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dflash_reference import naive_block_logits
-from helpers import padded_feature_batch, tiny_target
+from helpers import fused_features, padded_feature_batch, randomize_norms, tiny_target
 
 from eaglekit.export import load_head
 from eaglekit.heads import HeadConfig, build_head
@@ -34,19 +34,11 @@ def dspark(target, block=5, rank=8, seed=0, fresh=False):
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[keep] = True
     head.set_draft_vocab(keep - torch.arange(VD), t2d)
-    if not fresh:
-        with torch.no_grad():  # a bias as large as the logits, and random norms, so each part shows
+    if not fresh:  # a bias as large as the logits, and random norms, so each part shows
+        with torch.no_grad():
             head.markov_w2.weight.normal_(0, 0.5)
-            for n, p in head.named_parameters():
-                if "norm" in n:
-                    p.uniform_(0.5, 1.5)
+        randomize_norms(head)
     return head
-
-
-def features(target, head, S=12, seed=5):
-    torch.manual_seed(seed)
-    ids = torch.randint(0, V, (1, S))
-    return ids, head.fuse_output(target.forward(ids, layer_ids=head.taps))
 
 
 def naive_chain(head, g, ids, t):
@@ -74,7 +66,7 @@ def test_dspark_config_and_interface(target):
 
 def test_dspark_draft_is_the_chain_and_appends_context_like_dflash(target):
     head = dspark(target)
-    ids, g = features(target, head)
+    ids, g = fused_features(target, head)
     cache = head.new_cache()
     head.draft(cache, ids[:, 1:5], g[:, :4], torch.arange(4)[None])
     pieces = head.draft(cache, ids[:, 5:10], g[:, 4:9], torch.arange(4, 9)[None])
@@ -98,7 +90,7 @@ def test_dspark_fresh_head_drafts_as_its_dflash_backbone(target):
                                               draft_vocab_size=VD), target)
     flash.load_state_dict({k: v for k, v in head.state_dict().items()
                            if not k.startswith(("markov", "confidence"))})
-    ids, g = features(target, head)
+    ids, g = fused_features(target, head)
     a = head.draft(head.new_cache(), ids[:, 1:10], g[:, :9], torch.arange(9)[None])
     b = flash.draft(flash.new_cache(), ids[:, 1:10], g[:, :9], torch.arange(9)[None])
     torch.testing.assert_close(a, b)
@@ -161,6 +153,6 @@ def test_dspark_save_load(target, tmp_path):
     head.save_pretrained(tmp_path / "h")
     back = load_head(tmp_path / "h", target)
     assert type(back) is DSparkHead and back.config.to_dict() == head.config.to_dict()
-    ids, g = features(target, head)
+    ids, g = fused_features(target, head)
     torch.testing.assert_close(back.draft(back.new_cache(), ids[:, 1:8], g[:, :7], torch.arange(7)[None]),
                                head.draft(head.new_cache(), ids[:, 1:8], g[:, :7], torch.arange(7)[None]))

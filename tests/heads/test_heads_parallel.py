@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import tiny_target
+from helpers import fused_features, randomize_norms, tiny_target
 
 from eaglekit.export import load_head
 from eaglekit.heads import HeadCache, HeadConfig, build_head
@@ -179,18 +179,7 @@ def dflash(target, block=5, layers=2, draft_vocab=48, seed=0):
     cfg = HeadConfig.from_target(target, kind="dflash", num_layers=layers, block_size=block,
                                  draft_vocab_size=draft_vocab)
     torch.manual_seed(seed)
-    head = build_head(cfg, target)
-    with torch.no_grad():  # random norms: a skipped or misplaced norm changes the output
-        for n, p in head.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-    return head
-
-
-def _dflash_features(target, head, S=12, seed=5):
-    torch.manual_seed(seed)
-    ids = torch.randint(0, target.vocab_size, (1, S))
-    return ids, head.fuse_output(target.forward(ids, layer_ids=head.taps))
+    return randomize_norms(build_head(cfg, target))  # a skipped or misplaced norm changes the output
 
 
 def test_dflash_config_build_and_interface(target):
@@ -210,7 +199,7 @@ def test_dflash_config_build_and_interface(target):
         build_head(HeadConfig.from_target(target, kind="dflash", block_size=1), target)
     with pytest.raises(ValueError, match="mask_token_id must be a target token id"):
         build_head(HeadConfig.from_target(target, kind="dflash", mask_token_id=64), target)
-    ids, g = _dflash_features(target, head)
+    ids, g = fused_features(target, head)
     with pytest.raises(ValueError, match="g must be"):
         head.draft(head.new_cache(), ids[:, 1:4], g[:, :2], torch.arange(3)[None])
 
@@ -221,7 +210,7 @@ def test_dflash_draft_appends_context_and_equals_a_from_scratch_forward(target):
     from dflash_reference import naive_block_logits
 
     head = dflash(target, block=5)
-    ids, g = _dflash_features(target, head)
+    ids, g = fused_features(target, head)
     cache = head.new_cache()
     head.draft(cache, ids[:, 1:5], g[:, :4], torch.arange(4)[None])
     assert cache.length == 4
@@ -238,7 +227,7 @@ def test_dflash_draft_appends_context_and_equals_a_from_scratch_forward(target):
     again = head.draft(cache, ids[:, 7:10], g[:, 6:9], torch.arange(6, 9)[None])
     torch.testing.assert_close(again, whole, rtol=1e-5, atol=1e-5)
     # a batch of 2 rows drafts each row as alone
-    ids2, g2 = _dflash_features(target, head, seed=9)
+    ids2, g2 = fused_features(target, head, seed=9)
     both = head.draft(head.new_cache(), torch.cat([ids, ids2])[:, 1:10], torch.cat([g, g2])[:, :9],
                       torch.arange(9)[None])
     torch.testing.assert_close(both[:1], whole, rtol=1e-5, atol=1e-5)
@@ -259,7 +248,7 @@ def test_dflash_draft_vocab_maps_to_target_ids(target):
     t2d = torch.zeros(64, dtype=torch.bool)
     t2d[keep] = True
     head.set_draft_vocab(keep - torch.arange(40), t2d)
-    ids, g = _dflash_features(target, head)
+    ids, g = fused_features(target, head)
     logits = head.draft(head.new_cache(), ids[:, 1:8], g[:, :7], torch.arange(7)[None])
     with torch.no_grad():  # the shared lm_head rows of the draft ids, not the first 40 target rows
         hidden = naive_block_logits(head, g, ids, t=6)
@@ -278,7 +267,7 @@ def test_dflash_save_load_and_fingerprint(target, tmp_path):
     assert type(back) is type(head) and back.config.to_dict() == head.config.to_dict()
     for (n, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
         torch.testing.assert_close(a, b, msg=n)
-    ids, g = _dflash_features(target, head)
+    ids, g = fused_features(target, head)
     torch.testing.assert_close(back.draft(back.new_cache(), ids[:, 1:6], g[:, :5], torch.arange(5)[None]),
                                head.draft(head.new_cache(), ids[:, 1:6], g[:, :5], torch.arange(5)[None]))
     other = tiny_target("llama", layers=5, vocab_size=64)
