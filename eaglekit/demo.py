@@ -57,8 +57,9 @@ def add_arguments(p):
                    help="MT-bench first turns to decode, one per category in turn (8 categories)")
     p.add_argument("--max-new-tokens", type=int, default=80,
                    help="new tokens per question and method (80 keeps a fresh clone's run within 15 minutes on 2 cores)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="decode each question's methods this many times (balanced order; medians of paired ratios)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="decode each question's methods this many times (balanced order; medians of paired "
+                        "ratios; every repeat's output is checked against plain)")
     p.add_argument("--tree", default="auto", help="'auto' or depth,top_k,total_tokens")
     p.add_argument("--prompt-lookup", default="2,5,10",
                    help="also decode with a prompt-lookup branch on the head's tree: N tokens, or one length per "
@@ -86,7 +87,7 @@ def prepare(run_dir: Path, n: int, regen_tokens: int, draft_vocab: int, threads:
     _run([sys.executable, "-m", "eaglekit.cli", "prepare", "--config", str(ROOT / "configs/prepare-smollm2.yaml"),
           f"output_dir={data}", f"num_conversations={n}", "max_turns=1", "capture=false",
           f"draft_vocab_size={draft_vocab}", "regenerate.enabled=true", f"regenerate.max_new_tokens={regen_tokens}",
-          "regenerate.max_prompt_tokens=384", "regenerate.batch_size=16"], threads)
+          "regenerate.max_prompt_tokens=384", "regenerate.batch_size=32", "regenerate.sort_window=4"], threads)
     return data
 
 

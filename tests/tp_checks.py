@@ -87,7 +87,8 @@ def check_decode(out: Path, name: str, prompt: str) -> None:
                          "tokens": got.sequences[0].tolist(), "tau": float(got.stats.tau)})
 
 
-REGEN_GREEDY = {"enabled": True, "max_new_tokens": 8, "batch_size": 2, "max_prompt_tokens": 256, "seed": 0}
+REGEN_GREEDY = {"enabled": True, "max_new_tokens": 8, "batch_size": 2, "sort_window": 1, "max_prompt_tokens": 256,
+                "seed": 0}
 
 
 def check_regenerate(out: Path, name: str, conversations_file: str) -> None:

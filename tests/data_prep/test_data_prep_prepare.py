@@ -90,13 +90,20 @@ def _greedy(target, messages, max_new_tokens):
     return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
-def test_regeneration_rewrites_answers_and_resumes(tmp_path):
+def test_regeneration_rewrites_answers_and_resumes(tmp_path, monkeypatch):
     from helpers import tiny_target
+
+    from eaglekit.data_prep import regenerate as regen
 
     target = tiny_target()
     convs = read_conversations(write_convs(tmp_path / "c.jsonl", 7))
-    cfg = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=3)
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=2, sort_window=2)  # windows of 4, 3
+    batches, batch_fn = [], regen.regenerate_batch
+    monkeypatch.setattr(regen, "regenerate_batch", lambda t, cs, c, seed: batches.append([x["id"] for x in cs])
+                        or batch_fn(t, cs, c, seed))
     full = regenerate(target, convs, tmp_path / "full.jsonl", cfg, progress=False)
+    # each window's conversations go shortest first prompt first ("hello " * (i % 3 + 1)); stable on ties
+    assert batches == [["c0", "c3"], ["c1", "c2"], ["c6", "c4"], ["c5"]]
     got = [json.loads(line) for line in full.read_text().splitlines()]
     assert [g["id"] for g in got] == [c["id"] for c in convs]
     for g, c in zip(got, convs):  # user turns kept, assistant turns replaced by the target's own answers
@@ -110,24 +117,28 @@ def test_regeneration_rewrites_answers_and_resumes(tmp_path):
     assert got[0]["messages"][3]["content"] == _greedy(
         target, [c0[0], {"role": "assistant", "content": first}, c0[2]], 6
     )
-    # a run killed mid-write: one whole batch, part of the next, a torn line → resumes to the same file
+    # sorting moves no answer: unsorted batches write the same file
+    assert regenerate(target, convs, tmp_path / "unsorted.jsonl", RegenerateConfig(
+        enabled=True, max_new_tokens=6, batch_size=2, sort_window=1), progress=False).read_bytes() == full.read_bytes()
+    # a run killed mid-write: one whole window, part of the next, a torn line → resumes from the second window
     lines = full.read_bytes().split(b"\n")
     part = tmp_path / "part.jsonl"
-    part.write_bytes(b"\n".join(lines[:4]) + b"\n" + lines[4][:10])
+    part.write_bytes(b"\n".join(lines[:5]) + b"\n" + lines[5][:10])
+    batches.clear()
     regenerate(target, convs, part, cfg, progress=False)
-    assert part.read_bytes() == full.read_bytes()
-    regenerate(target, convs, part, cfg, progress=False)  # a finished file (7 = 3 + 3 + 1) is left as it is
-    assert part.read_bytes() == full.read_bytes()
+    assert part.read_bytes() == full.read_bytes() and batches == [["c6", "c4"], ["c5"]]
+    regenerate(target, convs, part, cfg, progress=False)  # a finished file (7 = 4 + 3) is left as it is
+    assert part.read_bytes() == full.read_bytes() and len(batches) == 2
     with pytest.raises(ValueError, match="other conversations"):
         regenerate(target, convs[1:], part, cfg, progress=False)
-    # two ranks (every other batch each, then a merge) write exactly the one-process file
+    # two ranks (every other window each, then a merge) write exactly the one-process file
     two = tmp_path / "two.jsonl"
     regenerate(target, convs, two, cfg, progress=False, rank=1, world_size=2, wait=False)
     assert not two.exists() and (tmp_path / "two.part1-of-2.jsonl").exists()
     regenerate(target, convs, two, cfg, progress=False, rank=0, world_size=2)
     assert two.read_bytes() == full.read_bytes() and not list(tmp_path.glob("two.part*"))
     # temperature > 0 samples (differs from greedy) and is reproducible from the seed
-    hot = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=3, temperature=1.0, seed=1)
+    hot = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=2, sort_window=2, temperature=1.0, seed=1)
     a = regenerate(target, convs, tmp_path / "hot-a.jsonl", hot, progress=False).read_text()
     b = regenerate(target, convs, tmp_path / "hot-b.jsonl", hot, progress=False).read_text()
     assert a == b and a != full.read_text()
