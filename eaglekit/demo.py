@@ -55,8 +55,9 @@ def add_arguments(p):
     p.add_argument("--epochs", type=int, default=6, help="training epochs over the regenerated data")
     p.add_argument("--questions", type=int, default=8,
                    help="MT-bench first turns to decode, one per category in turn (8 categories)")
-    p.add_argument("--max-new-tokens", type=int, default=80,
-                   help="new tokens per question and method (80 keeps a fresh clone's run within 15 minutes on 2 cores)")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="new tokens per question and method (64 keeps a fresh clone's run, setup included, within "
+                        "15 minutes on a 2-core AVX2-only CPU)")
     p.add_argument("--repeats", type=int, default=2,
                    help="decode each question's methods this many times (balanced order; medians of paired "
                         "ratios; every repeat's output is checked against plain)")
