@@ -148,6 +148,9 @@ def refusal(cfg) -> str | None:
         why.append("head.fc_norm=true (llama.cpp has one norm over all taps, norm_before_fc, not one per tap)")
     if cfg.norm_output:
         why.append("head.norm_output=true (llama.cpp feeds the pre-norm hidden state to the next draft step)")
+    if cfg.train_embedding:
+        why.append("head.train_embedding=true (eaglekit has not checked llama.cpp's converter with a draft's own "
+                   "embedding)")
     if cfg.num_layers != 1:
         why.append(f"head.num_layers={cfg.num_layers} (llama.cpp's EAGLE-3 has one decoder layer)")
     if len(cfg.aux_layer_ids) != 3 or len(set(cfg.aux_layer_ids)) != 3:

@@ -91,7 +91,7 @@ def layout_state(head, layout: str, dtype=None, order=None) -> dict[str, torch.T
         if head.config.norm_before_fc:  # so does each tap's slice of the one norm over all of them
             w = state["input_norm.weight"]
             state["input_norm.weight"] = torch.cat([w[i * H:(i + 1) * H] for i in order])
-    if layout in ("speculators", "eagle1"):
+    if layout in ("speculators", "eagle1") and not head.config.train_embedding:  # else the head's own is in state
         state["embed_tokens.weight"] = head.target_module("embed_tokens").weight
     if "mask_hidden" in state:  # P-EAGLE: speculators' [1, 1, taps * H]
         state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
@@ -156,6 +156,8 @@ def export_config(cfg: HeadConfig, layout: str, dtype: str, verifier: str | None
                 "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
             },
             "transformer_layer_config": _llama_fields(cfg, dtype),
+            # written out: speculators' P-EAGLE defaults to a trained embedding, its EAGLE-3 to the target's
+            "embed_requires_grad": cfg.train_embedding,
             **eagle3_fields(cfg), "torch_dtype": dtype,
         }
     _write_taps(config, cfg, layout)
@@ -225,7 +227,8 @@ def load_export(path, target, dtype=None, device=None):
     layout, cfg = validate_export(path, target=target, optional=("embed_tokens.weight",))
     check_target(cfg, target, where=str(path))
     state = {rename(k, layout, False): v for k, v in read_weights(path / WEIGHTS).items()}
-    state.pop("embed_tokens.weight", None)  # speculators / eagle1 (and some trainers) save the target's embedding
+    if not cfg.train_embedding:  # speculators / eagle1 (and some trainers) save the target's embedding
+        state.pop("embed_tokens.weight", None)
     if "mask_hidden" in state:  # P-EAGLE: speculators' [1, 1, taps * H] -> the head's [taps * H]
         state["mask_hidden"] = state["mask_hidden"].reshape(-1)
     if cfg.kind == DFLASH:  # vLLM's layout carries the shared lm_head rows: checked, not loaded

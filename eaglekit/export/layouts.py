@@ -102,7 +102,10 @@ def expected_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int],
         keys["input_norm.weight"] = [len(cfg.aux_layer_ids) * H]
     for i, prefix in enumerate(names):
         keys.update(_layer_keys(cfg, prefix, first_eagle3=i == 0, input_norm=True))
-    if layout == "speculators":
+    need(not cfg.train_embedding or layout != "sglang", "the sglang layout cannot hold a head with its own "
+         "trained embedding (eaglekit has not checked SGLang's loader for it): export it with --to vllm or "
+         "--to speculators")
+    if layout == "speculators" or cfg.train_embedding:  # vLLM reads a draft's own embedding when present
         keys["embed_tokens.weight"] = [V, H]
     if cfg.kind == PEAGLE:  # speculators' shape; vLLM loads it with view(1, -1)
         keys["mask_hidden"] = [1, 1, len(cfg.aux_layer_ids) * H]
@@ -215,6 +218,8 @@ def head_config_of(config: dict, layout: str, target=None, where: str = "config.
         norm_before_residual=bool(config.get("norm_before_residual", False)),
         **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS},
         **(peagle_fields_of(config) if kind == PEAGLE else {}),
+        # speculators' own default where the field is absent: P-EAGLE trains the embedding, EAGLE-3 does not
+        train_embedding=layout == "speculators" and bool(config.get("embed_requires_grad", kind == PEAGLE)),
         target_name=config.get("speculators_config", {}).get("verifier", {}).get("name_or_path", ""))
 
 

@@ -22,7 +22,8 @@ class DraftHead(nn.Module):
     """Base of Eagle1Head / Eagle3Head.
 
     The target's ``embed_tokens`` (and EAGLE-1's ``lm_head``) are *borrowed*: kept outside the module
-    tree, so they are neither trained, saved, nor moved by ``head.to``; ``bind`` sets them again.
+    tree, so they are neither trained, saved, nor moved by ``head.to``; ``bind`` sets them again. With
+    ``config.train_embedding`` the head owns ``embed_tokens``, a copy of the target's made by ``build_head``.
 
     What differs between the kinds is answered by the head class, never by ``if kind == ...`` elsewhere:
     ``tap_layers`` (which target layers it reads), ``reads`` (which target feature ``fuse`` takes:
@@ -40,6 +41,8 @@ class DraftHead(nn.Module):
         self.config = config
         self.rotary = Rotary(config)
         self.__dict__["_borrowed"] = {}
+        if config.train_embedding:  # filled with the target's rows by build_head; saved, exported, trained
+            self.embed_tokens = nn.Embedding(config.target_vocab_size, config.hidden_size)
 
     # ---- borrowed target modules -------------------------------------------------------------
     def bind(self, target) -> DraftHead:
@@ -56,7 +59,7 @@ class DraftHead(nn.Module):
         return self._borrowed[name]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        emb = self.target_module("embed_tokens")
+        emb = self._modules.get("embed_tokens") or self.target_module("embed_tokens")
         return emb(input_ids.to(emb.weight.device)).to(self.device, self.dtype)
 
     @property

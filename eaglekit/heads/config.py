@@ -56,6 +56,9 @@ class HeadConfig:
     norm_before_fc: bool = False  # one RMSNorm over the concatenated taps before fc (`norm_before_fc`, llama.cpp)
     block_size: int = 1  # parallel drafters: positions one forward fills (eagle1/eagle3 ignore it)
     mask_token_id: int = -1  # parallel drafters: the token id fed at block positions with no known token
+    # the head trains its own copy of the target's embedding (speculators' embed_requires_grad; P-EAGLE's
+    # reference recipe); off, it reads the target's frozen one and saves none
+    train_embedding: bool = False
     markov_rank: int = 0  # DSpark: rank R of its previous-token logit bias W2 (R -> Vd) . W1 (V -> R); 0 = 256
     target_name: str = ""
     target_fingerprint: str = ""
@@ -79,6 +82,9 @@ class HeadConfig:
         if self.kind == EAGLE1:
             self.draft_vocab_size = self.target_vocab_size
             self.aux_layer_ids = []
+        if self.train_embedding and self.kind not in (EAGLE3, PEAGLE):
+            raise ValueError(f"HeadConfig.train_embedding is an EAGLE-3 / P-EAGLE option (their exports carry an "
+                             f"embedding); a {self.kind} head reads the target's")
         self.markov_rank = int(self.markov_rank) or (DEFAULT_MARKOV_RANK if self.kind == DSPARK else 0)
         if self.markov_rank < 0 or (self.markov_rank and self.kind != DSPARK):
             raise ValueError(f"HeadConfig.markov_rank is DSpark's (a rank >= 1, 0 = {DEFAULT_MARKOV_RANK}); got "

@@ -1,6 +1,8 @@
 """One registry of head classes, by kind, and what is asked of a kind before a head exists."""
 from __future__ import annotations
 
+import torch
+
 from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import KINDS, HeadConfig
 from eaglekit.heads.dflash import DFlashHead
@@ -29,4 +31,8 @@ def build_head(config: HeadConfig, target, dtype=None, device=None) -> DraftHead
     """A fresh head for ``config``, on the target's device/dtype unless given, bound to ``target``."""
     head = head_class(config.kind)(config)
     head.to(device=device or target.device, dtype=dtype or target.dtype)
-    return head.bind(target)
+    head.bind(target)
+    if config.train_embedding:  # the trained copy starts as the target's own embedding
+        with torch.no_grad():
+            head.embed_tokens.weight.copy_(target.embed_tokens.weight)
+    return head

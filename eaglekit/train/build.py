@@ -168,7 +168,8 @@ def build_train_head(cfg: TrainConfig, target: Target, sources: Sources) -> Draf
                                     draft_vocab_size=vocab[0].numel() if vocab is not None else None,
                                     aux_layer_ids=list(sources.layer_ids) or None, block_size=h.block_size or None,
                                     fc_norm=h.fc_norm, norm_output=h.norm_output,
-                                    norm_before_fc=h.norm_before_fc, markov_rank=h.markov_rank)
+                                    norm_before_fc=h.norm_before_fc, markov_rank=h.markov_rank,
+                                    train_embedding=h.train_embedding)
     head = build_head(config, target, dtype=torch.float32)
     if vocab is not None:
         head.set_draft_vocab(*vocab)
@@ -188,9 +189,11 @@ def _start_head(path: str, target: Target, cfg: TrainConfig, sources: Sources) -
     head = load_head(path, target, dtype=torch.float32, device="cpu")
     c, h = head.config, cfg.head
     theirs = {"kind": c.kind, "num_layers": c.num_layers, "aux_layer_ids": list(c.aux_layer_ids or []),
-              "fc_norm": c.fc_norm, "norm_output": c.norm_output, "norm_before_fc": c.norm_before_fc}
+              "fc_norm": c.fc_norm, "norm_output": c.norm_output, "norm_before_fc": c.norm_before_fc,
+              "train_embedding": c.train_embedding}
     ours = {"kind": h.kind, "num_layers": h.num_layers, "aux_layer_ids": list(sources.layer_ids),
-            "fc_norm": h.fc_norm, "norm_output": h.norm_output, "norm_before_fc": h.norm_before_fc}
+            "fc_norm": h.fc_norm, "norm_output": h.norm_output, "norm_before_fc": h.norm_before_fc,
+            "train_embedding": h.train_embedding}
     if theirs != ours:
         raise ValueError(f"head.init_from={path}: the saved head has {theirs}, this run wants {ours}")
     return head

@@ -53,6 +53,9 @@ class HeadSpec:
     norm_before_fc: bool = False  # one RMSNorm over the concatenated taps before fc (what llama.cpp serves)
     block_size: NonNegInt = 0  # parallel drafters (peagle, dflash): positions one forward fills; 0 = the kind's default
     markov_rank: NonNegInt = 0  # DSpark: rank of its previous-token logit bias; 0 = 256 (speculators' default)
+    # EAGLE-3 / P-EAGLE: train the head's own copy of the target's embedding (P-EAGLE's reference recipe,
+    # speculators' embed_requires_grad); V x H more weights to train, save and export
+    train_embedding: bool = False
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The parallel drafters (heads.base.ParallelHead): P-EAGLE (and DFlash, in its own functions) built
 from a target, saved and loaded, drafting a block in one forward, and their training objectives checked
 against naive references (value and gradient) on tiny random targets."""
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -173,6 +174,63 @@ def test_peagle_cod_trains_a_nested_share_of_anchors_per_depth(target):
     torch.testing.assert_close(scored, plain)
 
 
+def test_peagle_trains_saves_exports_and_decodes_its_own_embedding(target, tmp_path):
+    """head.train_embedding (P-EAGLE's reference recipe, speculators' embed_requires_grad): the head starts
+    from a copy of the target's embedding, trains that copy (never the target's), saves and exports it
+    (speculators: embed_requires_grad written out, loaded back), drafts with it, and decodes exactly."""
+    from helpers import hf_greedy
+
+    from eaglekit import decode, llama_cpp
+    from eaglekit.export.formats import ExportError, export_head
+    from eaglekit.heads import save_head
+    from eaglekit.heads.objectives import Teacher
+
+    with pytest.raises(ValueError, match="train_embedding is an EAGLE-3 / P-EAGLE option"):
+        HeadConfig.from_target(target, kind="dflash", train_embedding=True)
+    cfg = HeadConfig.from_target(target, kind="peagle", num_layers=2, block_size=3, draft_vocab_size=48,
+                                 aux_layer_ids=[0, 1, 3], train_embedding=True)
+    torch.manual_seed(0)
+    head = build_head(cfg, target)
+    own, theirs = head.embed_tokens.weight, target.embed_tokens.weight
+    assert torch.equal(own, theirs) and own.data_ptr() != theirs.data_ptr()
+    loss, _ = head.training_loss(Teacher.build(target.lm_head.weight, head.t2d), _batch(target, head),
+                                 _loss_settings(), steps=3)
+    loss.backward()
+    assert own.grad is not None and own.grad.abs().sum() > 0 and theirs.grad is None
+    with torch.no_grad():  # a trained embedding: no longer the target's
+        own.add_(torch.randn_like(own))
+    ids = torch.randint(0, 64, (1, 7))
+    g = head.fuse_output(target.forward(ids[:, :-1], layer_ids=head.taps))
+    with torch.no_grad():
+        block = head.draft(head.new_cache(), ids[:, 1:], g, torch.arange(6)[None])
+        frozen = peagle(target, block=3, draft_vocab=48, taps=[0, 1, 3])  # the same weights reading the target's embedding
+        frozen.load_state_dict({k: v for k, v in head.state_dict().items() if k != "embed_tokens.weight"})
+        assert not torch.allclose(block, frozen.draft(frozen.new_cache(), ids[:, 1:], g, torch.arange(6)[None]))
+    for p in ([2, 8, 9, 10], [2, 30, 31, 32, 33]):  # the target verifies: still its own greedy tokens
+        out = decode.generate(target, head, torch.tensor([p]), 12, tree={"depth": 3, "top_k": 2, "total_tokens": 5},
+                              eos_token_id=False)
+        assert torch.equal(out.sequences, hf_greedy(target, p, 12)), p
+    back = load_head(save_head(head, tmp_path / "saved"), target)
+    assert back.config.train_embedding and torch.equal(back.embed_tokens.weight, own)
+    out = export_head(head, tmp_path / "spec", "speculators", verifier="org/tiny")
+    assert json.loads((out / "config.json").read_text())["embed_requires_grad"] is True
+    from safetensors.torch import load_file
+    torch.testing.assert_close(load_file(str(out / "model.safetensors"))["embed_tokens.weight"], own.detach())
+    again = load_head(out, target)
+    assert again.config.train_embedding and torch.equal(again.embed_tokens.weight, own)
+    eagle3 = build_head(HeadConfig.from_target(target, kind="eagle3", aux_layer_ids=[0, 1, 3], train_embedding=True),
+                        target)
+    vllm = load_file(str(export_head(eagle3, tmp_path / "vllm", "vllm") / "model.safetensors"))
+    assert torch.equal(vllm["embed_tokens.weight"], eagle3.embed_tokens.weight)  # vLLM reads a draft's own
+    with pytest.raises(ExportError, match="sglang layout cannot hold a head with its own trained embedding"):
+        export_head(eagle3, tmp_path / "sglang", "sglang")
+    assert "head.train_embedding=true" in llama_cpp.refusal(dataclasses.replace(
+        eagle3.config, fc_norm=False, norm_output=False, norm_before_fc=True))
+    # a frozen P-EAGLE says so: speculators' own P-EAGLE default is a trained embedding
+    plain = export_head(peagle(target, block=3, taps=[0, 1, 3]), tmp_path / "plain", "speculators", verifier="org/tiny")
+    assert json.loads((plain / "config.json").read_text())["embed_requires_grad"] is False
+
+
 # ---- DFlash ------------------------------------------------------------------------------------------
 
 def dflash(target, block=5, layers=2, draft_vocab=48, seed=0):
@@ -337,10 +395,12 @@ def test_peagle_speculators_export_as_vllm_and_speculators_read_it(target, tmp_p
         load_head(out, target)
 
 
-def test_peagle_export_loads_in_speculators_and_computes_our_logits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("train_embedding", [False, True])
+def test_peagle_export_loads_in_speculators_and_computes_our_logits(tmp_path, monkeypatch, train_embedding):
     """A real consumer: speculators 0.9's own PEagleDraftModel loads our speculators export and, at every
     anchor and depth of a sequence, computes the logits our head does (its mask token, mask_hidden, fc,
-    layers, block attention and positions; COD sampling replaced by every anchor at every depth)."""
+    layers, block attention and positions; COD sampling replaced by every anchor at every depth) — also
+    with the head's own trained embedding (head.train_embedding)."""
     import sys
 
     from helpers import save_tiny
@@ -357,7 +417,12 @@ def test_peagle_export_loads_in_speculators_and_computes_our_logits(tmp_path, mo
         pytest.fail(f"speculators is not importable ({e}); run scripts/setup.sh (speculators extra)")
     tdir = save_tiny(tmp_path / "tiny", layers=6, hidden=32, vocab_size=64)
     tiny = load_target(tdir)
-    head = peagle(tiny, block=3, draft_vocab=16, taps=[4, 1, 2])
+    torch.manual_seed(0)
+    head = build_head(HeadConfig.from_target(tiny, kind="peagle", num_layers=2, block_size=3, draft_vocab_size=16,
+                                             aux_layer_ids=[4, 1, 2], train_embedding=train_embedding), tiny)
+    if train_embedding:  # trained: no longer the target's embedding
+        with torch.no_grad():
+            head.embed_tokens.weight.add_(torch.randn_like(head.embed_tokens.weight))
     keep = torch.arange(16) * 4 + 2
     t2d = torch.zeros(64, dtype=torch.bool)
     t2d[keep] = True

@@ -65,3 +65,11 @@ def test_peagle_trains_offline_on_an_eagle3_capture(tmp_path):
     assert final["step"] == 3 and {"eval_acc_0", "eval_acc_1", "eval_acc_2", "eval_tau_sim"} <= set(final)
     head = load_head(tmp_path / "out" / "final", tiny)
     assert head.config.kind == "peagle" and head.config.block_size == 3 and head.taps == tuple(tiny.default_taps)
+    # head.train_embedding: offline too (the target's embedding read alone), the head's copy trained and saved
+    train(load_train_config(None, _overrides(tmp_path, "emb", f"data.features_dir={tmp_path / 'feats'}",
+                                             "optim.max_steps=3", "data.eval_samples=3", "head.train_embedding=true",
+                                             "optim.lr=5e-3")))
+    own = load_head(tmp_path / "emb" / "final", tiny)
+    moved = (own.embed_tokens.weight - tiny.embed_tokens.weight).abs().max()
+    assert own.config.train_embedding and moved > 1e-3, moved
+    assert "embed_tokens" not in head._modules  # off: it reads the target's, saves none
