@@ -18,6 +18,8 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
 - ``no_eagle31``: the recipe without EAGLE 3.1's head options (plain EAGLE-3);
   ``lk_no_eagle31``: that with ``lk``;
 - ``norm_before_fc``: one RMSNorm over the concatenated taps, without EAGLE 3.1 (the head llama.cpp serves);
+- ``dflash``, ``dspark``, ``dflash_dpace``, ``peagle``, ``peagle_embed``: the parallel drafters on the same
+  capture (compare each against its own backbone with ``--reference``);
 - ``fp8``: ``base`` trained on the same capture stored in fp8 (``--arm-features fp8=DIR``, a directory
   ``eaglekit.data_prep.capture.convert_features`` wrote); every arm is scored on ``--features``.
 
@@ -70,6 +72,9 @@ ARMS = {
     "dflash": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2"],
     "dspark": [*NO_EAGLE31, "head.kind=dspark", "head.num_layers=2", "head.markov_rank=64"],
     "dflash_dpace": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2", "loss.block_weighting=dpace"],
+    # P-EAGLE with its embedding frozen (the target's) or trained (head.train_embedding; --reference peagle)
+    "peagle": [*NO_EAGLE31, "head.kind=peagle", "head.num_layers=2"],
+    "peagle_embed": [*NO_EAGLE31, "head.kind=peagle", "head.num_layers=2", "head.train_embedding=true"],
 }
 # the default --arms: the recipe (EAGLE 3.1 on since the LK / EAGLE 3.1 grid), LK on it, and the recipe without
 # EAGLE 3.1 (EAGLE-3 as before, to re-check the adoption on new data); `topk`, `layer`: earlier ideas

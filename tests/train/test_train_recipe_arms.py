@@ -24,10 +24,11 @@ def test_train_recipe_arm_is_a_valid_config(arm):
     assert (cfg.data.features_dir == "features-fp8") == (arm == "fp8")
     want_lk = arm.startswith("lk")
     assert (cfg.loss.objective != "kl") == want_lk
-    parallel = arm.startswith(("dflash", "dspark"))
+    parallel = arm.startswith(("dflash", "dspark", "peagle"))
     eagle31 = "no_eagle31" not in arm and arm != "norm_before_fc" and not parallel
     assert cfg.head.kind == (arm.split("_")[0] if parallel else "eagle3")
     assert (cfg.loss.block_weighting == "dpace") == arm.endswith("dpace")
+    assert cfg.head.train_embedding == arm.endswith("_embed")
     assert cfg.head.fc_norm == cfg.head.norm_output == eagle31
     assert cfg.head.norm_before_fc == (arm == "norm_before_fc")
     assert (cfg.loss.lk_acceptance == "greedy") == (arm == "lk_greedy")
