@@ -3,14 +3,14 @@ renamed onto its final name only when complete, so a crash never leaves a half f
 (``publish_dir`` does the same for a folder written whole under a temporary name)."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-
-from safetensors.torch import save_file
 
 
 def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
@@ -44,6 +44,8 @@ def write_json(path: str | Path, data, indent: int = 2) -> Path:
 
 def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> Path:
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    from safetensors.torch import save_file  # here: the engines' installers import this module without torch
+
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata or {"format": "pt"}))
 
 
@@ -64,3 +66,14 @@ def publish_dir(tmp: str | Path, final: str | Path) -> Path:
     os.replace(tmp, final)
     fsync_dir(final.parent)
     return final
+
+
+@contextlib.contextmanager
+def held(lock_path: str | Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``lock_path`` for the block: a second process making the same thing waits for
+    the first to finish instead of making it again beside it (the lock goes with the process if it dies)."""
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        yield

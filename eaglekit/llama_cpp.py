@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglekit import assets
-from eaglekit.fileio import publish_dir
+from eaglekit.fileio import held, publish_dir
 
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp we build
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -71,9 +71,16 @@ def installed() -> Path | None:
 
 
 def build(jobs: int | None = None, log=sys.stderr) -> Path:
-    """Build llama-server and llama-quantize from the pinned sdist into the cache, once; return the folder."""
+    """Build llama-server and llama-quantize from the pinned sdist into the cache, once; return the folder.
+    A build already under way in another process (``bash scripts/test.sh`` starts one beside its setup) is
+    waited for, not repeated."""
     if (root := installed()) is not None:
         return root
+    with held(install_dir().parent / f".{install_dir().name}.lock"):
+        return installed() or _build(jobs, log)
+
+
+def _build(jobs: int | None, log) -> Path:
     for tool in ("cmake", "gcc", "g++"):
         if shutil.which(tool) is None:
             raise LlamaCppError(f"building llama.cpp needs '{tool}' on PATH")

