@@ -18,8 +18,8 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
 - ``no_eagle31``: the recipe without EAGLE 3.1's head options (plain EAGLE-3);
   ``lk_no_eagle31``: that with ``lk``;
 - ``norm_before_fc``: one RMSNorm over the concatenated taps, without EAGLE 3.1 (the head llama.cpp serves);
-- ``dflash``, ``dspark``, ``dflash_dpace``, ``peagle``, ``peagle_embed``: the parallel drafters on the same
-  capture (compare each against its own backbone with ``--reference``);
+- ``dflash``, ``dspark``, ``dflash_dpace``, ``dflash_mask``, ``peagle``, ``peagle_embed``: the parallel
+  drafters on the same capture (compare each against its own backbone with ``--reference``);
 - ``fp8``: ``base`` trained on the same capture stored in fp8 (``--arm-features fp8=DIR``, a directory
   ``eaglekit.data_prep.capture.convert_features`` wrote); every arm is scored on ``--features``.
 
@@ -72,6 +72,7 @@ ARMS = {
     "dflash": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2"],
     "dspark": [*NO_EAGLE31, "head.kind=dspark", "head.num_layers=2", "head.markov_rank=64"],
     "dflash_dpace": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2", "loss.block_weighting=dpace"],
+    "dflash_mask": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2", "head.mask_embedding=true"],
     # P-EAGLE with its embedding frozen (the target's) or trained (head.train_embedding; --reference peagle)
     "peagle": [*NO_EAGLE31, "head.kind=peagle", "head.num_layers=2"],
     "peagle_embed": [*NO_EAGLE31, "head.kind=peagle", "head.num_layers=2", "head.train_embedding=true"],

@@ -14,13 +14,18 @@ of layer k) is written as k - 1.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from eaglekit.export.engines import TAP_KEY, ExportError, get_path, need
+from eaglekit.fileio import atomic_write
 from eaglekit.heads.config import DFLASH, HeadConfig, target_rope
 
 DFLASH_ARCH = "DFlashDraftModel"
+# a trained mask vector (head.mask_embedding) beside the weights: {"mask_token_id": id, "embedding": [H]}, which
+# vLLM's DFlash loader puts in place of the embedding row of mask_token_id (qwen3_dflash.py:_read_mask_embedding)
+MASK_FILE = "mask_embedding.pt"
 DFLASH_LAYOUTS = ("sglang", "vllm")
 TARGET_LAYERS = "dflash_config.target_layer_ids"
 
@@ -130,6 +135,9 @@ def refuse_dflash(cfg: HeadConfig, layout: str) -> None:
          "(the embedding output) has no id")
     need(taps == sorted(set(taps)), f"aux_layer_ids {taps}: the DFlash engines capture each layer once, in layer "
          "order; train with strictly increasing taps")
+    need(not cfg.mask_embedding or layout == "vllm", f"head.mask_embedding: {DFLASH_ENGINES[layout].version} fills "
+         f"mask slots from the embedding row of mask_token_id and reads no trained mask vector; export with --to vllm "
+         f"(it reads {MASK_FILE})")
     if not DFLASH_ENGINES[layout].own_lm_head:
         need(cfg.draft_vocab_size == cfg.target_vocab_size, f"draft_vocab_size {cfg.draft_vocab_size}: "
              f"{DFLASH_ENGINES[layout].version} drafts over the target's whole lm_head "
@@ -161,12 +169,35 @@ def dflash_state(head) -> dict[str, torch.Tensor]:
     """The head's tensors under the layout's names (eaglekit's own), plus the lm_head a draft vocabulary
     needs in vLLM: the target's rows, which the head shares frozen."""
     state = dict(head.state_dict())
+    state.pop("mask_embedding", None)  # not a weight of the engines' model files: MASK_FILE (write_mask_file)
     if head.config.draft_vocab_size == head.config.target_vocab_size:
         need(not bool(state["d2t"].any()), "a full-vocabulary head must map draft id i to target id i (d2t = 0)")
         state.pop("d2t"), state.pop("t2d")
     else:
         state["lm_head.weight"] = head.draft_lm_head()
     return state
+
+
+def write_mask_file(head, out: Path, dtype=None) -> None:
+    """``out/MASK_FILE`` for a head with a trained mask vector (vLLM's format), in the export's dtype."""
+    vec = head.mask_embedding.detach().cpu()
+    vec = vec.to(dtype) if dtype is not None else vec
+    atomic_write(out / MASK_FILE, lambda tmp: torch.save({"mask_token_id": head.config.mask_token_id,
+                                                          "embedding": vec.clone()}, tmp))
+
+
+def read_mask_file(path: Path, cfg: HeadConfig) -> torch.Tensor:
+    """The trained mask vector [H] of the export folder ``path``, checked against the head's config."""
+    f = path / MASK_FILE
+    need(f.is_file(), f"{f} is missing: the head was trained with head.mask_embedding")
+    state = torch.load(f, map_location="cpu", weights_only=True)
+    if isinstance(state, dict):
+        need(state.get("mask_token_id", cfg.mask_token_id) == cfg.mask_token_id, f"{f}: mask_token_id "
+             f"{state.get('mask_token_id')} but the config's is {cfg.mask_token_id}")
+        state = state.get("embedding")
+    need(torch.is_tensor(state) and state.numel() == cfg.hidden_size, f"{f}: expected a mask embedding of "
+         f"{cfg.hidden_size} values, got {getattr(state, 'shape', type(state).__name__)}")
+    return state.reshape(-1)
 
 
 def dflash_config(cfg: HeadConfig, dtype: str) -> dict:

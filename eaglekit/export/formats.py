@@ -16,10 +16,13 @@ import torch
 
 from eaglekit.export.dflash_layout import (
     DFLASH_ENGINES,
+    MASK_FILE,
     dflash_config,
     dflash_state,
+    read_mask_file,
     refuse_dflash,
     shared_lm_head,
+    write_mask_file,
 )
 from eaglekit.export.dspark_layout import DSPARK_ARCH, export_dspark, load_dspark
 from eaglekit.export.engines import (
@@ -216,6 +219,10 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
     config = export_config(written, layout, dtype_name, verifier, verifier_architectures, speculative_tokens)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / WEIGHTS, state)
+    if head.config.kind == DFLASH and head.config.mask_embedding:
+        write_mask_file(head, out, dtype)
+    else:  # an earlier export's trained mask vector would be read as this head's
+        (out / MASK_FILE).unlink(missing_ok=True)
     write_json(out / CONFIG, config)
     validate_export(out, layout)
     return out
@@ -233,6 +240,9 @@ def load_export(path, target, dtype=None, device=None):
         state["mask_hidden"] = state["mask_hidden"].reshape(-1)
     if cfg.kind == DFLASH:  # vLLM's layout carries the shared lm_head rows: checked, not loaded
         shared_lm_head(state, cfg, target, path / WEIGHTS)
+        if cfg.mask_embedding or (path / MASK_FILE).is_file():  # a trained mask vector beside the weights
+            cfg.mask_embedding = True
+            state["mask_embedding"] = read_mask_file(path, cfg)
     if cfg.kind in (*TAPPED, DFLASH) and ("d2t" in state) != ("t2d" in state):
         raise ExportError(f"{path / WEIGHTS}: holds only one of d2t / t2d")
     if cfg.kind in (*TAPPED, DFLASH) and "d2t" not in state:  # a full-vocabulary head: identity maps

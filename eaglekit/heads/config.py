@@ -59,6 +59,10 @@ class HeadConfig:
     # the head trains its own copy of the target's embedding (speculators' embed_requires_grad; P-EAGLE's
     # reference recipe); off, it reads the target's frozen one and saves none
     train_embedding: bool = False
+    # DFlash: mask slots read a trained vector of the head's own (``mask_embedding``, started from the
+    # embedding row of mask_token_id) instead of that frozen row: the published recipe's answer for a vocabulary
+    # with no spare, untrained row to reserve (vLLM reads it from the export's mask_embedding.pt)
+    mask_embedding: bool = False
     markov_rank: int = 0  # DSpark: rank R of its previous-token logit bias W2 (R -> Vd) . W1 (V -> R); 0 = 256
     target_name: str = ""
     target_fingerprint: str = ""
@@ -85,6 +89,9 @@ class HeadConfig:
         if self.train_embedding and self.kind not in (EAGLE3, PEAGLE):
             raise ValueError(f"HeadConfig.train_embedding is an EAGLE-3 / P-EAGLE option (their exports carry an "
                              f"embedding); a {self.kind} head reads the target's")
+        if self.mask_embedding and self.kind != DFLASH:
+            raise ValueError(f"HeadConfig.mask_embedding is a DFlash option (vLLM's DFlash loader reads it; its DSpark "
+                             f"and the other kinds fill mask slots from the vocabulary); a {self.kind} head has none")
         self.markov_rank = int(self.markov_rank) or (DEFAULT_MARKOV_RANK if self.kind == DSPARK else 0)
         if self.markov_rank < 0 or (self.markov_rank and self.kind != DSPARK):
             raise ValueError(f"HeadConfig.markov_rank is DSpark's (a rank >= 1, 0 = {DEFAULT_MARKOV_RANK}); got "

@@ -8,7 +8,7 @@ What makes it DFlash, all here (docs/design.md, "DFlash"):
   the head's cache keeps. Only exact, target-fed context is ever cached.
 - Block: ``block_size`` slots at positions t+1 .. t+block_size after the last context element t. Slot 0
   holds the known token x_{t+1} (its target feature is not known yet), the others the target's embedding of
-  ``mask_token_id``. Attention inside the block is bidirectional; each slot also sees all the context up to
+  ``mask_token_id`` (or, with ``mask_embedding``, a trained vector of the head's own). Attention inside the block is bidirectional; each slot also sees all the context up to
   t. The output at slot j (j >= 1) predicts the token AT its own position, x_{t+1+j}: one forward drafts
   ``block_size - 1`` tokens (``draft_depths``).
 - Layers: Qwen3-style pre-norm decoder layers (per-head ``q_norm`` / ``k_norm``, SwiGLU MLP), the layout
@@ -155,6 +155,8 @@ class DFlashHead(ParallelHead):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps)
+        if config.mask_embedding:  # build_head starts it from the target's row of mask_token_id
+            self.mask_embedding = nn.Parameter(torch.zeros(H))
         # until set_draft_vocab: the draft vocab is the first Vd target ids (zero offsets)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
@@ -214,6 +216,9 @@ class DFlashHead(ParallelHead):
         ids = torch.full((B, N, bs), self.config.mask_token_id, dtype=torch.long, device=first.device)
         ids[:, :, 0] = first
         x = self.embed(ids.view(B, N * bs))
+        if self.config.mask_embedding:  # slots 1.. of every block read the head's own trained vector
+            slot = (torch.arange(N * bs, device=x.device) % bs > 0)[None, :, None]
+            x = torch.where(slot, self.mask_embedding.to(x.dtype), x)
         pos = (start[:, :, None] + 1 + torch.arange(bs, device=start.device)).view(B, N * bs)
         cos, sin = self.rotary(pos.to(self.device), self.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):

@@ -35,4 +35,7 @@ def build_head(config: HeadConfig, target, dtype=None, device=None) -> DraftHead
     if config.train_embedding:  # the trained copy starts as the target's own embedding
         with torch.no_grad():
             head.embed_tokens.weight.copy_(target.embed_tokens.weight)
+    if config.mask_embedding:  # the learned mask vector starts as the row it replaces
+        with torch.no_grad():
+            head.mask_embedding.copy_(target.embed_tokens.weight[config.mask_token_id])
     return head

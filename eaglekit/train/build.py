@@ -169,7 +169,7 @@ def build_train_head(cfg: TrainConfig, target: Target, sources: Sources) -> Draf
                                     aux_layer_ids=list(sources.layer_ids) or None, block_size=h.block_size or None,
                                     fc_norm=h.fc_norm, norm_output=h.norm_output,
                                     norm_before_fc=h.norm_before_fc, markov_rank=h.markov_rank,
-                                    train_embedding=h.train_embedding)
+                                    train_embedding=h.train_embedding, mask_embedding=h.mask_embedding)
     head = build_head(config, target, dtype=torch.float32)
     if vocab is not None:
         head.set_draft_vocab(*vocab)
@@ -190,10 +190,10 @@ def _start_head(path: str, target: Target, cfg: TrainConfig, sources: Sources) -
     c, h = head.config, cfg.head
     theirs = {"kind": c.kind, "num_layers": c.num_layers, "aux_layer_ids": list(c.aux_layer_ids or []),
               "fc_norm": c.fc_norm, "norm_output": c.norm_output, "norm_before_fc": c.norm_before_fc,
-              "train_embedding": c.train_embedding}
+              "train_embedding": c.train_embedding, "mask_embedding": c.mask_embedding}
     ours = {"kind": h.kind, "num_layers": h.num_layers, "aux_layer_ids": list(sources.layer_ids),
             "fc_norm": h.fc_norm, "norm_output": h.norm_output, "norm_before_fc": h.norm_before_fc,
-            "train_embedding": h.train_embedding}
+            "train_embedding": h.train_embedding, "mask_embedding": h.mask_embedding}
     if theirs != ours:
         raise ValueError(f"head.init_from={path}: the saved head has {theirs}, this run wants {ours}")
     return head

@@ -56,6 +56,9 @@ class HeadSpec:
     # EAGLE-3 / P-EAGLE: train the head's own copy of the target's embedding (P-EAGLE's reference recipe,
     # speculators' embed_requires_grad); V x H more weights to train, save and export
     train_embedding: bool = False
+    # DFlash: mask slots read a trained vector instead of the frozen embedding row of the mask token (the
+    # published recipe where the vocabulary has no spare row; exported for vLLM as mask_embedding.pt)
+    mask_embedding: bool = False
 
 
 @dataclass

@@ -3,7 +3,8 @@
 ``engine_draft`` plays an engine from the exported files alone: the taps from where the engine reads them
 (``target_layer_ids`` count layer outputs: HF ``hidden_states[id + 1]``), ``fc`` / ``hidden_norm`` /
 ``layers.N.*`` / ``norm`` from the file under the names its loader maps, the mask slots filled with the
-target's embedding of the config's ``mask_token_id``, the block size where the engine takes it, plain
+target's embedding of the config's ``mask_token_id`` (vLLM: the vector of ``mask_embedding.pt`` when the
+folder has one), the block size where the engine takes it, plain
 bidirectional attention over [context; block], and the lm_head the engine uses (the target's, or the file's
 rows + ``d2t`` in vLLM). Its draft must equal eaglekit's own head.
 """
@@ -71,6 +72,10 @@ def engine_draft(out_dir, engine_name, target, ids):
     ctx = _rms(feats[0, :S - 1] @ w["fc.weight"].T, w["hidden_norm.weight"], eps)  # features of 0..S-2
     emb = target.embed_tokens.weight
     x = emb[torch.tensor([int(ids[0, -1])] + [mask_id] * (block - 1))]
+    if engine_name == "vllm" and (out_dir / "mask_embedding.pt").is_file():  # vLLM's trained mask vector
+        mask = torch.load(out_dir / "mask_embedding.pt", weights_only=True)
+        assert mask["mask_token_id"] == mask_id
+        x[1:] = mask["embedding"].float()
     pc, pb = torch.arange(S - 1), S - 1 + torch.arange(block)
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}.self_attn."
@@ -119,6 +124,34 @@ def test_dflash_export_is_read_by_the_engine_as_the_head_drafts(target, tmp_path
     assert torch.equal(theirs.argmax(-1), mine.argmax(-1))
     back = load_head(out, target)  # and it loads back into the same head
     torch.testing.assert_close(eaglekit_draft(back, target, ids), mine)
+
+
+def test_dflash_trained_mask_vector_is_exported_for_vllm_alone(target, tmp_path):
+    """head.mask_embedding: vLLM reads the vector from mask_embedding.pt and drafts as the head does; SGLang,
+    which fills mask slots from the vocabulary, is refused; an export without it removes a stale file."""
+    torch.manual_seed(1)
+    head = build_head(HeadConfig.from_target(target, kind="dflash", num_layers=2, block_size=4,
+                                             mask_embedding=True), target)
+    torch.testing.assert_close(head.mask_embedding.detach(), target.embed_tokens.weight[head.config.mask_token_id])
+    head = scramble_head(head, V, V)
+    with torch.no_grad():
+        head.mask_embedding.normal_()  # unlike any row: a draft from the vocabulary row would differ
+    out = export_head(head, tmp_path / "vllm", "vllm")
+    ids = torch.randint(0, V, (1, 11))
+    mine = eaglekit_draft(head, target, ids)
+    torch.testing.assert_close(engine_draft(out, "vllm", target, ids), mine, rtol=1e-4, atol=1e-4)
+    (out / "mask_embedding.pt").rename(tmp_path / "away.pt")
+    assert not torch.allclose(engine_draft(out, "vllm", target, ids), mine, atol=1e-3)  # the file matters
+    (tmp_path / "away.pt").rename(out / "mask_embedding.pt")
+    back = load_head(out, target)
+    assert back.config.mask_embedding and torch.equal(back.mask_embedding, head.mask_embedding)
+    torch.testing.assert_close(eaglekit_draft(back, target, ids), mine)
+    with pytest.raises(ExportError, match="head.mask_embedding: SGLang .* --to vllm"):
+        export_head(head, tmp_path / "sglang", "sglang")
+    export_head(make(target), out, "vllm", overwrite=True)
+    assert not (out / "mask_embedding.pt").exists() and not load_head(out, target).config.mask_embedding
+    with pytest.raises(ValueError, match="mask_embedding is a DFlash option"):
+        HeadConfig.from_target(target, kind="dspark", mask_embedding=True)
 
 
 def test_dflash_export_refuses_what_an_engine_cannot_hold(target, tmp_path):

@@ -99,6 +99,26 @@ def test_dflash_loss_of_a_batch_is_the_sum_of_its_rows(target):
     assert stats.chain == [a + b for a, b in zip(parts[0][1].chain, parts[1][1].chain)]
 
 
+def test_dflash_mask_embedding_starts_as_the_mask_row_and_is_trained(target):
+    """head.mask_embedding: while the vector equals the embedding row of mask_token_id the head's loss is the
+    plain head's; the vector gets a gradient (it is every mask slot's input), and moved, the loss moves."""
+    plain = _head(target)
+    torch.manual_seed(0)
+    masked = build_head(HeadConfig.from_target(target, kind="dflash", num_layers=2, block_size=4,
+                                               draft_vocab_size=VD, mask_embedding=True), target)
+    masked.load_state_dict({**plain.state_dict(), "mask_embedding": masked.mask_embedding.detach().clone()})
+    teacher = Teacher.build(target.lm_head.weight, plain.t2d)
+    batch = padded_feature_batch(target)
+    want, _ = plain.training_loss(teacher, batch, _loss(anchors=7), steps=3, train=False)
+    got, _ = masked.training_loss(teacher, batch, _loss(anchors=7), steps=3, train=False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    (grad,) = torch.autograd.grad(got, [masked.mask_embedding])
+    assert grad.abs().max() > 0
+    with torch.no_grad():  # a short step down its gradient (the tiny target's mask row, its pad row, is 0)
+        masked.mask_embedding.sub_(0.01 * grad / grad.norm())
+        assert float(masked.training_loss(teacher, batch, _loss(anchors=7), steps=3, train=False)[0]) < float(got)
+
+
 def test_dflash_anchor_sampling_is_reproducible_and_moves_between_epochs(target):
     batch = padded_feature_batch(target, lengths=(30, 30), seed=4)
     a, b = _head(target), _head(target)
@@ -135,7 +155,7 @@ def test_dflash_trained_a_few_steps_beats_untrained_on_held_out_tau(tmp_path):
     assert trained["eval_acc_0"] > untrained["eval_acc_0"]
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash-mask"])
 def test_dflash_trains_offline_on_an_eagle3_capture(tmp_path, kind):
     """DFlash (and DSpark, its backbone) read the same default taps as EAGLE-3, so one capture (made for
     eagle3) trains either kind through the trainer, and the saved head loads back as its kind."""
@@ -151,14 +171,18 @@ def test_dflash_trains_offline_on_an_eagle3_capture(tmp_path, kind):
     capture_features(tiny, samples, tmp_path / "feats", kind="eagle3", progress=False)
     final = train(load_train_config(None, [
         f"target={tmp_path / 'tiny'}", f"data.features_dir={tmp_path / 'feats'}", "data.eval_samples=3",
-        f"head.kind={kind}", "head.block_size=3", "head.draft_vocab_size=64", "loss.ttt_steps=2", "data.batch_size=3",
-        *(["head.markov_rank=8", "loss.confidence_weight=0.5"] if kind == "dspark" else []),
+        f"head.kind={kind.removesuffix('-mask')}", "head.block_size=3", "head.draft_vocab_size=64", "loss.ttt_steps=2",
+        "data.batch_size=3", *(["head.markov_rank=8", "loss.confidence_weight=0.5"] if kind == "dspark" else []),
+        *(["head.mask_embedding=true", "optim.lr=1e-2"] if kind.endswith("-mask") else []),
         "optim.max_steps=3", "progress=false", "trackers=[]", "eval_interval=0", "save_interval=0",
         f"output_dir={tmp_path / 'out'}"]))
     assert final["step"] == 3 and {"eval_acc_0", "eval_acc_1", "eval_tau_sim"} <= set(final)
     head = load_head(tmp_path / "out" / "final", tiny)
-    assert head.config.kind == kind and head.config.block_size == 3 and head.taps == tuple(tiny.default_taps)
-    assert head.config.markov_rank == (8 if kind == "dspark" else 0)
+    assert head.config.kind == kind.removesuffix("-mask") and head.config.block_size == 3
+    assert head.taps == tuple(tiny.default_taps) and head.config.markov_rank == (8 if kind == "dspark" else 0)
+    assert head.config.mask_embedding == kind.endswith("-mask")
+    if head.config.mask_embedding:  # trained away from the row it started as, and saved
+        assert not torch.allclose(head.mask_embedding, tiny.embed_tokens.weight[head.config.mask_token_id])
 
 
 def test_dflash_shipped_config_loads():
