@@ -3,7 +3,7 @@ that train a servable head), the build cache's stamp, and — slow, real — a h
 ``export_head(..., "llama.cpp")`` drafting in a real llama-server on the embedded Q4_1 SmolLM2 file: greedy
 output identical to plain llama-server, drafts accepted for a trained head and not for a random one.
 
-The slow test builds the pinned llama.cpp the first time (~10-12 min on 2 cores, cached in
+The slow test builds the pinned llama.cpp the first time (~4-6 min on 2 cores, cached in
 ~/.cache/eaglekit/llama.cpp-0.3.36; `bash scripts/llama_cpp.sh` does it ahead), then takes ~1 min."""
 import pytest
 import torch
@@ -96,6 +96,35 @@ def test_llama_cpp_build_cache_is_stamped_with_this_cpu(tmp_path, monkeypatch):
         llama_cpp.require(build_if_missing=False)
 
 
+def test_llama_cpp_build_waits_for_a_build_under_way_instead_of_building_twice(tmp_path, monkeypatch):
+    """scripts/test.sh starts the build beside setup; a test needing it meanwhile waits on the build's lock,
+    then finds the finished build (fileio.held: a flock, so a build that died frees it)."""
+    import threading
+    import time
+
+    from eaglekit.fileio import held
+
+    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
+    root = llama_cpp.install_dir()
+    built = []
+    monkeypatch.setattr(llama_cpp, "_build", lambda jobs, log: built.append(1) or root)
+    found = []
+    with held(tmp_path / f".{root.name}.lock"):  # the other process's build, under way
+        waiting = threading.Thread(target=lambda: found.append(llama_cpp.build()))
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive() and not found
+        (root / "bin").mkdir(parents=True)  # it finishes
+        for b in llama_cpp.BINARIES:
+            (root / "bin" / b).write_text("#!/bin/sh\n")
+            (root / "bin" / b).chmod(0o755)
+        (root / ".built").write_text(llama_cpp._stamp() + "\n")
+    waiting.join(10)
+    assert found == [root] and not built  # found, not built again
+    (root / ".built").unlink()
+    assert llama_cpp.build() == root and built == [1]  # with no build under way and none there, it builds
+
+
 def test_llama_cpp_completion_counts_steps_as_eaglekit_does():
     c = llama_cpp.Completion(tokens=list(range(17)), timings={"draft_n": 24, "draft_n_accepted": 8})
     assert c.steps == 8 and c.tau == 2.0  # 16 tokens after the prefill's, 8 of them accepted drafts
@@ -119,7 +148,7 @@ def served(smollm2):
 
 
 @pytest.mark.real
-@pytest.mark.slow  # ~1 min with a built llama.cpp (~12 min more the first time: it is built)
+@pytest.mark.slow  # ~1 min with a built llama.cpp (a few minutes more the first time: it is built)
 def test_llama_cpp_real_server_drafts_with_an_exported_head(smollm2, served, tmp_path):
     root, model, prompts, refs, convs = served
     n = 40
