@@ -77,3 +77,12 @@ def held(lock_path: str | Path) -> Iterator[None]:
     with open(lock_path, "a") as fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         yield
+
+
+def made_once(folder: Path, find: Callable[[], Path | None], make: Callable[[], Path]) -> Path:
+    """``find()`` if the thing installed in ``folder`` is already there, else ``make()`` it under an exclusive
+    lock beside the folder (``held``): a process arriving while another makes it waits, then finds it."""
+    if (found := find()) is not None:
+        return found
+    with held(folder.parent / f".{folder.name}.lock"):
+        return find() or make()

