@@ -242,8 +242,9 @@ class PEagleHead(ParallelHead):
 
         ``loss.cod_ratio`` > 0 trains with P-EAGLE's COD sampling instead: depth k+1 keeps a nested share
         max(cod_ratio**k, cod_floor) of the anchors (``cod_draws``; every anchor at depth 1), each kept position
-        weighing 1 — the depths' relative weights are then their shares. Evaluation (``train=False``) scores
-        every anchor. The network still runs every anchor at every depth here: the sampling, not its saving."""
+        weighing 1 — the depths' relative weights are then their shares — and depths >= 2 run only the anchors
+        some row keeps there (``cod_order``): the work COD saves. Training stats count the kept anchors.
+        Evaluation (``train=False``) runs and scores every anchor."""
         ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
         chunk, decay = loss.chunk_tokens, loss.step_decay
         cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
@@ -253,19 +254,29 @@ class PEagleHead(ParallelHead):
         if top is None:
             top = teacher.targets(last, chunk)
         total, stats = torch.zeros((), device=ids.device), StepStats()
-        all_right = torch.ones_like(ids, dtype=torch.bool)
+        depths = min(steps, self.draft_depths)
         cod = getattr(loss, "cod_ratio", 0.0) if train else 0.0
+        shares = [max(cod ** k, loss.cod_floor) for k in range(depths)] if cod > 0 else None
         draw = self.cod_draws(batch, train) if cod > 0 else None
-        for k, logits in self.block_unroll(ids, self.training_features(batch), min(steps, self.draft_depths)):
-            valid = shift_left(loss_mask, 2 + k).bool()
-            want = shift_left(top, 1 + k, fill=-1)
-            row_w = (valid & (want >= 0)).float()
-            row_w = row_w * (decay ** k) if draw is None else row_w * (draw < max(cod ** k, loss.cod_floor))
-            term = position_loss(logits, shift_left(source, 1 + k), weight, row_w, loss)
+        order, counts = self.cod_order(draw, loss_mask, shares) if cod > 0 else (None, None)
+        all_right = None
+        for k, logits in self.block_unroll(ids, self.training_features(batch), depths, order, counts):
+            rows = None if order is None or k == 0 else order[:, :counts[k]]  # the anchors depth k+1 ran
+
+            def at(x, rows=rows):  # x [B, S, ...] at those anchors
+                return x if rows is None else x.gather(1, rows.view(*rows.shape, *[1] * (x.dim() - 2))
+                                                       .expand(*rows.shape, *x.shape[2:]))
+            valid, want = at(shift_left(loss_mask, 2 + k).bool()), at(shift_left(top, 1 + k, fill=-1))
+            if draw is not None:
+                valid = valid & (at(draw) < shares[k])
+            row_w = (valid & (want >= 0)).float() * (decay ** k if draw is None else 1.0)
+            term = position_loss(logits, at(shift_left(source, 1 + k)), weight, row_w, loss)
             total = total + term
             with torch.no_grad():
                 right = logits.argmax(-1) == want
-                all_right &= right
+                # a chain: every earlier depth of the same anchor right (depth k's anchors: a prefix of k-1's)
+                all_right = right if all_right is None else right & (
+                    all_right if rows is None else all_right.gather(1, rows) if k == 1 else all_right[:, :rows.shape[1]])
                 stats.loss.append(float(term))
                 stats.correct.append(int((right & valid).sum()))
                 stats.total.append(int(valid.sum()))
@@ -285,16 +296,32 @@ class PEagleHead(ParallelHead):
                 for b in range(ids.shape[0])]
         return torch.stack(rows).to(ids.device)
 
-    def block_unroll(self, input_ids: torch.Tensor, g: torch.Tensor, depths: int):
+    def cod_order(self, draw: torch.Tensor, loss_mask: torch.Tensor, shares: list[float]):
+        """(order [B, S], counts): each row's anchors by ``draw``, ascending, those no depth >= 2 supervises
+        last; depth k+1 >= 2 runs each row's first counts[k] (the most any row keeps at that share). The
+        anchors kept at a depth are the prefix kept at the shallower ones, so one order serves every depth."""
+        later = torch.zeros_like(loss_mask, dtype=torch.bool)
+        for k in range(1, len(shares)):
+            later |= shift_left(loss_mask, 2 + k).bool()
+        key = draw.masked_fill(~later, 2.0)  # draws are < 1: never kept
+        counts = [draw.shape[1]] + [max(1, int((key < share).sum(1).max())) for share in shares[1:]]
+        return key.sort(dim=1, stable=True).indices, counts
+
+    def block_unroll(self, input_ids: torch.Tensor, g: torch.Tensor, depths: int, order=None, counts=None):
         """Yield ``(k, logits)`` for depths k+1 = 1..``depths`` of every anchor of a (right-padded) batch:
         k = 0 is the causal pass over the real elements; k >= 1 are the anchors' mask elements at positions
         t+k, under ``ttt_mask(S, k)``'s pattern (real elements <= t, the anchor's own mask elements), which
-        a TTTCache computes without the mask, in memory linear in S."""
+        a TTTCache computes without the mask, in memory linear in S. With ``order``/``counts``
+        (``cod_order``) depth k >= 1 runs only the anchors ``order[:, :counts[k]]``, its logits in that order."""
         B, S = input_ids.shape
         cache = TTTCache()
         pos0 = torch.arange(S, device=input_ids.device).expand(B, S)
         m_ids, m_g = self.mask_elements(B, S)
         for k in range(depths):
-            tok, feat = (shift_left(input_ids, 1), g) if k == 0 else (m_ids, m_g)
-            _, logits = self.step(tok, feat, pos0 + k, cache=cache)
+            tok, feat, pos = (shift_left(input_ids, 1), g, pos0) if k == 0 else (m_ids, m_g, pos0 + k)
+            if k > 0 and order is not None:
+                n = counts[k]
+                cache.rows = order[:, :n].to(input_ids.device)
+                tok, feat, pos = m_ids[:, :n], m_g[:, :n], cache.rows + k
+            _, logits = self.step(tok, feat, pos, cache=cache)
             yield k, logits

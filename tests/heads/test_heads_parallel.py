@@ -151,26 +151,44 @@ def test_peagle_objective_matches_naive_reference_value_and_gradient(target):
     assert len(more.total) == 5 and more.correct[3:] == [0, 0] and more.total[3] > 0
 
 
-def test_peagle_cod_trains_a_nested_share_of_anchors_per_depth(target):
+@pytest.mark.parametrize("cpu_flash", [True, False], ids=["cpu-flash", "chunked"])
+def test_peagle_cod_trains_and_runs_only_a_nested_share_of_anchors_per_depth(target, monkeypatch, cpu_flash):
+    """COD: depth k+1 trains the anchors whose draw is below max(r^k, floor), nested, and runs only as many
+    anchors as a row keeps: value and gradients equal the naive per-anchor loss, on both attention paths."""
+    from eaglekit.heads import ttt_attention
     from eaglekit.heads.objectives import Teacher
 
-    head = peagle(target, block=3, draft_vocab=40)
+    monkeypatch.setattr(ttt_attention, "USE_CPU_FLASH", cpu_flash)
+    monkeypatch.setattr(ttt_attention, "CHUNK_ELEMENTS", 300)  # several row chunks in the chunked path
+    head = peagle(target, block=4, draft_vocab=40)
     teacher = Teacher.build(target.lm_head.weight, head.t2d)
-    batch = _batch(target, head)
+    batch = _batch(target, head, S=16)
+    batch["loss_mask"][1, :6] = 0  # a prompt: its anchors supervise nothing past depth 1, so never run there
     r, floor = 0.5, 0.3
     draws = head.cod_draws(batch, train=False)  # the seed the first training call uses
     assert torch.equal(draws, head.cod_draws(batch, train=False))
     cod = _loss_settings(cod_ratio=r, cod_floor=floor)
-    loss, _ = head.training_loss(teacher, batch, cod, steps=3)
-    want = _naive_peagle_loss(head, teacher, batch, 3, 0.7,
+    ran = []
+    hook = head.lm_head.register_forward_hook(lambda m, i, o: ran.append(i[0].shape[1]))
+    loss, stats = head.training_loss(teacher, batch, cod, steps=4)
+    hook.remove()
+    params = [head.mask_hidden, head.fc.weight, head.layers[1].mlp.up_proj.weight]
+    grads = torch.autograd.grad(loss, params)
+    want = _naive_peagle_loss(head, teacher, batch, 4, 0.7,
                               weight=lambda b, t, k: float(draws[b, t] < max(r ** k, floor)))
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
-    kept = [(draws < max(r ** k, floor)).sum().item() for k in range(3)]
-    assert kept[0] == draws.numel() and kept[0] > kept[1] >= kept[2]  # depth 1 all, then fewer, nested
-    again, _ = head.training_loss(teacher, batch, cod, steps=3)  # the next epoch draws other anchors
+    for a, b in zip(grads, torch.autograd.grad(want, params)):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    kept = [(draws < max(r ** k, floor)).sum().item() for k in range(4)]
+    assert kept[0] == draws.numel() and kept[0] > kept[1] >= kept[2] >= kept[3]  # depth 1 all, then fewer, nested
+    # depth 1 runs every anchor, deeper ones at most the most any row keeps (not all 16); stats count the kept
+    assert ran[0] == 16 > ran[1] and ran[1:] == sorted(ran[1:], reverse=True) and sum(ran) < 0.8 * 16 * 4
+    assert stats.total[0] == int(batch["loss_mask"][:, 2:].sum()) and stats.total[1] < stats.total[0]
+    assert all(c <= t for c, t in zip(stats.chain, stats.correct))
+    again, _ = head.training_loss(teacher, batch, cod, steps=4)  # the next epoch draws other anchors
     assert not torch.allclose(again, loss)
-    plain, _ = head.training_loss(teacher, batch, _loss_settings(), steps=3, train=False)
-    scored, _ = head.training_loss(teacher, batch, cod, steps=3, train=False)  # evaluation: every anchor
+    plain, _ = head.training_loss(teacher, batch, _loss_settings(), steps=4, train=False)
+    scored, _ = head.training_loss(teacher, batch, cod, steps=4, train=False)  # evaluation: every anchor
     torch.testing.assert_close(scored, plain)
 
 
