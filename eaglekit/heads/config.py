@@ -122,7 +122,7 @@ class HeadConfig:
             "target_name": getattr(target, "name", ""), "target_fingerprint": target.fingerprint()}
         if kind in DEFAULT_BLOCK:  # a parallel drafter: its block and the token its unknown slots take
             cfg["block_size"] = block_size or DEFAULT_BLOCK[kind]
-            cfg["mask_token_id"] = default_mask_token(target)
+            cfg["mask_token_id"] = default_mask_token(target, kind)
         cfg.update(overrides)
         return cls(**cfg)
 
@@ -159,10 +159,18 @@ class HeadConfig:
             rope_parameters=self.rope_parameters(), tie_word_embeddings=False, **extra)
 
 
-def default_mask_token(target) -> int:
-    """The token a parallel drafter feeds where it knows none: the tokenizer's pad token, else its EOS (an
-    embedding the target has trained; engines read the id from the export's ``mask_token_id``)."""
+def default_mask_token(target, kind: str = PEAGLE) -> int:
+    """The token a parallel drafter feeds where it knows none (engines read it from the export's
+    ``mask_token_id``). DFlash / DSpark: the first embedding row past every id the tokenizer has, where the
+    checkpoint pads its vocabulary (Qwen's 151,936 rows for 151,665 tokens): the published recipe's reserved
+    row, which no text ever fed. Otherwise, and for P-EAGLE (whose slots read a trained ``mask_hidden``
+    beside it): the tokenizer's pad token, else its EOS — an embedding the target has trained; a DFlash
+    head can learn its own instead (``mask_embedding``)."""
     tok = getattr(target, "tokenizer", None)
+    if kind in (DFLASH, DSPARK) and tok is not None:
+        spare = max(tok.get_vocab().values(), default=target.vocab_size) + 1
+        if spare < target.vocab_size:
+            return spare
     for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
         tid = getattr(tok, name, None)
         if isinstance(tid, int) and 0 <= tid < target.vocab_size:
