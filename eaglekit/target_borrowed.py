@@ -71,3 +71,47 @@ def load_without_decoder(path: str, config, dtype: torch.dtype, device, attn_imp
                            "its decoder: load it whole (training: data.load_target_decoder=true)")
         setattr(m, attr, real[id(p)])
     return model
+
+
+class RowSubset(nn.Module):
+    """Some rows of a frozen [V, H] table (an embedding or an lm_head), looked up by target token id: what
+    offline training keeps of the target once every item's teacher argmax is known (``Target.keep_rows``):
+    the embedding rows of the tokens its capture holds, the lm_head rows of the draft vocabulary. A row it
+    does not hold is an error, never a wrong row; it has no ``weight``, so code that reads the whole table
+    fails instead of reading a short one."""
+
+    def __init__(self, table: torch.Tensor, ids, what: str):
+        super().__init__()
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten().unique().cpu()  # sorted, distinct
+        if ids.numel() and (ids[0] < 0 or ids[-1] >= table.shape[0]):
+            raise ValueError(f"{what}: row ids must lie in 0..{table.shape[0] - 1}")
+        index = torch.full((table.shape[0],), -1, dtype=torch.long)
+        index[ids] = torch.arange(ids.numel())
+        self.register_buffer("rows", table.detach()[ids.to(table.device)].clone(), persistent=False)
+        self.register_buffer("index", index.to(table.device), persistent=False)
+        self.what = what
+
+    def __getattr__(self, name: str):
+        if name == "weight":  # (a property raising AttributeError would fall through to nn.Module's message)
+            raise AttributeError(f"{self.what} holds {self.rows.shape[0]} rows of the target's table, not all of "
+                                 "it (offline training keeps only the rows it reads: data.keep_target_rows)")
+        return super().__getattr__(name)
+
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        at = self.index[ids.to(self.index.device)]
+        if bool((at < 0).any()):
+            missing = ids.to(at.device)[at < 0].unique()[:5].tolist()
+            raise KeyError(f"{self.what}: token ids {missing} are not among the rows kept (the capture's tokens "
+                           "and the draft vocabulary); set data.keep_target_rows=false to keep the whole table")
+        return at
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # as an embedding: rows by token id
+        return self.rows[self.positions(ids)]
+
+
+def table_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an embedding / lm_head table, whole (``weight``) or a ``RowSubset``."""
+    if isinstance(module, RowSubset):
+        return module(ids)
+    w = module.weight.detach()
+    return w[ids.to(w.device)]

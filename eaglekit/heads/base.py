@@ -16,6 +16,7 @@ from torch import nn
 from eaglekit.heads.config import HeadConfig, check_target
 from eaglekit.heads.layers import HeadCache, Rotary
 from eaglekit.heads.objectives import ttt_loss
+from eaglekit.target_borrowed import RowSubset
 
 
 class DraftHead(nn.Module):
@@ -60,7 +61,8 @@ class DraftHead(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self._modules.get("embed_tokens") or self.target_module("embed_tokens")
-        return emb(input_ids.to(emb.weight.device)).to(self.device, self.dtype)
+        table = emb.rows if isinstance(emb, RowSubset) else emb.weight
+        return emb(input_ids.to(table.device)).to(self.device, self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:

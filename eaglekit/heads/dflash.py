@@ -28,6 +28,7 @@ from eaglekit.heads.base import ParallelHead
 from eaglekit.heads.config import DFLASH, HeadConfig
 from eaglekit.heads.layers import MLP, HeadCache, RMSNorm, apply_rope, shift_left
 from eaglekit.heads.objectives import StepStats, position_loss, teacher_probs
+from eaglekit.target_borrowed import RowSubset, table_rows
 
 PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # the paper's suggested decay per block size (SpecForge's help text)
 DEFAULT_ANCHORS = 512  # anchor blocks per sequence at most (SpecForge's default num_anchors)
@@ -188,12 +189,13 @@ class DFlashHead(ParallelHead):
         """The target's lm_head rows of the draft vocabulary [Vd, H], in the head's dtype: frozen, and cached
         until the maps, the head's device/dtype or the target's weight change (``load_state_dict`` writes
         d2t in place, which bumps its version)."""
-        full = self.target_module("lm_head").weight.detach()
+        lm_head = self.target_module("lm_head")
+        full = lm_head.rows if isinstance(lm_head, RowSubset) else lm_head.weight.detach()
         key = (self.device, self.dtype, self.d2t._version, full.data_ptr(), full._version)
         cached = self._borrowed.get("draft_lm_head")
         if cached is None or cached[0] != key:
-            ids = (torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t).to(full.device)
-            cached = (key, full[ids].to(self.device, self.dtype))
+            ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+            cached = (key, table_rows(lm_head, ids).to(self.device, self.dtype))
             self._borrowed["draft_lm_head"] = cached
         return cached[1]
 

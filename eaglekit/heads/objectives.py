@@ -217,7 +217,7 @@ def teacher_probs(last: torch.Tensor, weight: torch.Tensor, chunk: int = 512) ->
 @dataclass
 class Teacher:
     """The frozen pieces of the target the loss reads: full lm_head (argmax) and its draft-vocab rows."""
-    lm_head_weight: torch.Tensor  # [V, H]
+    lm_head_weight: torch.Tensor | None  # [V, H]; None once every item's argmax is known (build.keep_target_rows)
     draft_weight: torch.Tensor  # [Vd, H] = lm_head_weight[t2d]
     t2d: torch.Tensor | None  # bool [V]; None = the draft vocab is the whole target vocab (EAGLE-1)
     target_to_draft: torch.Tensor | None  # long [V]: draft id or -1
@@ -235,6 +235,9 @@ class Teacher:
     @torch.no_grad()
     def targets(self, last: torch.Tensor, chunk: int) -> torch.Tensor:
         """Teacher argmax as a draft id per position, -1 where it falls outside the draft vocab."""
+        if self.lm_head_weight is None:
+            raise RuntimeError("the teacher's full lm_head was released once every item's argmax was known, "
+                               "but an item came without it (data.keep_target_rows=false keeps the whole table)")
         top = teacher_argmax(last, self.lm_head_weight, chunk)
         return top if self.target_to_draft is None else self.target_to_draft[top]
 

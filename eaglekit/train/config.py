@@ -37,6 +37,8 @@ class DataConfig:
     draft_vocab: str | None = None  # d2t/t2d file; default: features_dir/draft_vocab.safetensors or built
     load_target_decoder: bool | None = None  # None: only where it runs (online features, head.init_layer_from_target,
     # an adapter, target.tp_size > 1); offline, the target's embedding, final norm and lm_head are read alone
+    keep_target_rows: bool = True  # offline without the decoder: compute every item's teacher argmax once,
+    # then keep only the embedding rows of the capture's tokens and the draft vocabulary's lm_head rows
 
 
 @dataclass

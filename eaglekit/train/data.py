@@ -174,6 +174,23 @@ class CachedItems:
         return [self._items[i] for i in indices]
 
 
+class KnownTops:
+    """``source`` with each item's teacher argmax (``top``, draft ids) added from RAM: computed once ahead,
+    when the lm_head that gives it is not kept (``build.keep_target_rows``)."""
+
+    def __init__(self, source, tops: dict[int, torch.Tensor]):
+        self.source, self.tops = source, tops
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.batch([i])[0]
+
+    def batch(self, indices) -> list[dict]:
+        return [{**it, "top": self.tops[i]} for i, it in zip(indices, fetch(self.source, indices))]
+
+
 def fetch(source, indices) -> list[dict]:
     """Items at ``indices``; a source with ``batch`` (OnlineFeatures) computes them in one padded forward."""
     if hasattr(source, "batch"):

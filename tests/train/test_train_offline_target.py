@@ -63,20 +63,41 @@ def _trainer(d, out, *extra):
         "progress=false", "trackers=[]", "eval_interval=0", "save_interval=0", f"output_dir={out}", *extra]))
 
 
-def test_offline_training_without_the_decoder_takes_the_same_steps(capture, tmp_path):
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_offline_training_without_the_decoder_takes_the_same_steps(capture, tmp_path, kind):
+    """Whole target, borrowed modules whole (data.keep_target_rows=false) and borrowed rows only (the default:
+    every item's teacher argmax computed ahead, then only the capture's embedding rows and the draft rows of
+    lm_head kept): the same losses and weights, step for step."""
+    from eaglekit.target_borrowed import RowSubset
+
     runs = {}
-    for name, extra in (("borrowed", []), ("whole", ["data.load_target_decoder=true"])):
-        trainer = _trainer(capture, tmp_path / name, *extra)
+    for name, extra in (("rows", []), ("borrowed", ["data.keep_target_rows=false"]),
+                        ("whole", ["data.load_target_decoder=true"])):
+        trainer = _trainer(capture, tmp_path / name, f"head.kind={kind}", *extra)
         try:
-            records = [trainer.train_step([[0, 1]]), trainer.train_step([[2, 3]])]
-            runs[name] = (trainer.target.has_decoder, records, {k: v.detach().clone() for k, v in
-                                                                trainer.head.state_dict().items()})
+            records = [trainer.train_step([[0, 1]]), trainer.train_step([[2, 3]]), trainer.evaluate()]
+            runs[name] = (trainer, records, {k: v.detach().clone() for k, v in trainer.head.state_dict().items()})
         finally:
             trainer.lock.release()
-    assert runs["borrowed"][0] is False and runs["whole"][0] is True
-    assert [r["loss"] for r in runs["borrowed"][1]] == [r["loss"] for r in runs["whole"][1]]
-    a, b = runs["borrowed"][2], runs["whole"][2]
+    assert runs["rows"][0].target.has_decoder is False and runs["whole"][0].target.has_decoder is True
+    losses = {name: [r.get("loss", r.get("eval_loss")) for r in run[1]] for name, run in runs.items()}
+    assert losses["rows"] == losses["borrowed"] == losses["whole"], losses
+    a, b = runs["rows"][2], runs["whole"][2]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # what the default kept: the capture's tokens (+ 0, the mask token) and the draft vocabulary's rows
+    trainer = runs["rows"][0]
+    emb, lm_head, whole = trainer.target.embed_tokens, trainer.target.lm_head, runs["whole"][0].target
+    assert isinstance(emb, RowSubset) and isinstance(lm_head, RowSubset) and trainer.teacher.lm_head_weight is None
+    source = trainer.src.train.source.source
+    seen = torch.cat([source[i]["input_ids"] for i in range(len(source))]).unique()
+    assert emb.rows.shape[0] < 64 and torch.equal(emb(seen), whole.embed_tokens.weight[seen])
+    draft = torch.arange(32) + trainer.head.d2t
+    assert lm_head.rows.shape[0] == 32 and torch.equal(lm_head(draft), whole.lm_head.weight[draft])
+    absent = min(set(range(64)) - set((emb.index >= 0).nonzero().flatten().tolist()))
+    with pytest.raises(KeyError, match=f"token ids \\[{absent}\\] are not among the rows kept"):
+        emb(torch.tensor([absent]))
+    with pytest.raises(AttributeError, match="not all of it"):
+        emb.weight  # noqa: B018  (reading the whole table fails, never reads a short one)
 
 
 def test_load_target_decoder_false_refused_where_the_decoder_runs(tmp_path):
