@@ -39,7 +39,8 @@ PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt", ".pth", ".bin")  # torch.save / pic
 # Fields that do not change what is trained: how the run is resumed, shown, logged and checkpointed, and
 # where it writes. Every other difference between the checkpoint's config and this run's is reported.
 RESUME_FREE_FIELDS = ("resume", "resume_allow_changes", "output_dir", "progress", "trackers", "log_interval",
-                      "save_interval", "keep_last", "eval_interval")
+                      "save_interval", "keep_last", "eval_interval",
+                      "data.load_target_decoder", "data.keep_target_rows")  # the same steps either way (tested)
 
 
 class CheckpointError(TrainError):
