@@ -20,6 +20,10 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
 - ``norm_before_fc``: one RMSNorm over the concatenated taps, without EAGLE 3.1 (the head llama.cpp serves);
 - ``dflash``, ``dspark``, ``dflash_dpace``, ``dflash_mask``, ``peagle``, ``peagle_embed``: the parallel
   drafters on the same capture (compare each against its own backbone with ``--reference``);
+  ``peagle_cod`` (COD sampling, r 0.8, floor 0.2), ``peagle_new`` (that with 4 layers), ``dflash_norm``
+  (normalised depth weights), ``dflash_new`` (5 layers, block 16, gamma 7, 512 anchors, normalised, learned
+  mask vector): the published recipes of configs/llama-3.1-8b-{peagle,dflash}.yaml on this capture's taps,
+  and their parts — compare them at equal time (``--minutes``): their point is work per token;
 - ``fp8``: ``base`` trained on the same capture stored in fp8 (``--arm-features fp8=DIR``, a directory
   ``eaglekit.data_prep.capture.convert_features`` wrote); every arm is scored on ``--features``.
 
@@ -31,6 +35,9 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
 
 Then each head decodes the first ``--decode-questions`` MT-bench questions greedily (a chain of ``--ttt``
 drafted tokens per verify step): τ per verify step, mean over the arm's seeds, beside τ_sim.
+
+``--minutes M`` gives every run M minutes of training instead of equal tokens (its cosine follows the time;
+run nothing else beside it: the runs share the machine).
 
 Finished runs (``<out>/<arm>-s<seed>/final``) are reused and a killed run resumes from its last checkpoint
 (one every ~10% of the run), so an interrupted experiment resumes.
@@ -76,6 +83,12 @@ ARMS = {
     # P-EAGLE with its embedding frozen (the target's) or trained (head.train_embedding; --reference peagle)
     "peagle": [*NO_EAGLE31, "head.kind=peagle", "head.num_layers=2"],
     "peagle_embed": [*NO_EAGLE31, "head.kind=peagle", "head.num_layers=2", "head.train_embedding=true"],
+    # the published recipes (configs/llama-3.1-8b-{peagle,dflash}.yaml) at this capture's taps, and their parts
+    "peagle_cod": [*NO_EAGLE31, "head.kind=peagle", "head.num_layers=2", "loss.cod_ratio=0.8", "loss.cod_floor=0.2"],
+    "peagle_new": [*NO_EAGLE31, "head.kind=peagle", "head.num_layers=4", "loss.cod_ratio=0.8", "loss.cod_floor=0.2"],
+    "dflash_norm": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2", "loss.block_weights_normalized=true"],
+    "dflash_new": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=5", "head.block_size=16", "loss.anchors=512",
+                   "loss.block_weights_normalized=true", "head.mask_embedding=true"],
 }
 # the default --arms: the recipe (EAGLE 3.1 on since the LK / EAGLE 3.1 grid), LK on it, and the recipe without
 # EAGLE 3.1 (EAGLE-3 as before, to re-check the adoption on new data); `topk`, `layer`: earlier ideas
@@ -103,6 +116,17 @@ def steps_for(a) -> tuple[int, int]:
     return steps, -(-steps * batch // len(lengths))
 
 
+def budget(a, steps: int, epochs: int) -> list[str]:
+    """Equal tokens (``steps`` for every arm), or under ``--minutes`` equal time: each run stops after that
+    many minutes of training, its cosine following the time spent (``optim.max_minutes``); ``steps`` (from
+    ``--tokens``, a guess of what the fastest arm reaches) then only sets the warm-up."""
+    if not a.minutes:
+        return [f"optim.max_steps={steps}", f"optim.warmup_steps={max(1, steps // 10)}", f"optim.epochs={epochs}",
+                f"save_interval={max(1, steps // 10)}"]
+    return [f"optim.max_minutes={a.minutes}", f"optim.max_steps={100 * steps}", f"optim.epochs={100 * epochs}",
+            f"optim.warmup_steps={max(1, steps // 10)}", f"save_interval={max(1, steps // 10)}"]
+
+
 def train(arm: str, seed: int, a, steps: int, epochs: int) -> Path:
     out = Path(a.out) / f"{arm}-s{seed}"
     if (out / "final").is_dir():
@@ -111,9 +135,8 @@ def train(arm: str, seed: int, a, steps: int, epochs: int) -> Path:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *device, "--num_processes", "1", "--num_machines",
            "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train_head.py"),
            "--config", str(CONFIG), *common(a), f"output_dir={out}", f"seed={seed}",
-           f"optim.max_steps={steps}", f"optim.warmup_steps={max(1, steps // 10)}", f"optim.epochs={epochs}", "eval_interval=0",
            # a checkpoint every ~10% of the run: a run killed midway resumes (resume=auto) instead of restarting
-           f"save_interval={max(1, steps // 10)}", "keep_last=1", *ARMS[arm], *arm_features(a, arm)]
+           *budget(a, steps, epochs), "eval_interval=0", "keep_last=1", *ARMS[arm], *arm_features(a, arm)]
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{arm}-s{seed}.log", "a") as log:  # appended: a resumed run keeps its first part
@@ -248,6 +271,9 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=list(GRID), choices=list(ARMS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--tokens", type=int, default=500_000, help="training tokens per run (at least)")
+    ap.add_argument("--minutes", type=float, default=0,
+                    help="equal time instead of equal tokens: minutes of training per run (run them with nothing "
+                         "else on the machine; --tokens then only sets the warm-up)")
     ap.add_argument("--ttt", type=int, default=3, help="TTT steps, trained and scored")
     ap.add_argument("--eval-samples", type=int, default=64, help="held-out samples (the last N)")
     ap.add_argument("--bf16", action="store_true", help="autocast (fast only with avx512_bf16/AMX or a GPU)")
@@ -280,7 +306,7 @@ def main() -> None:
             write_json(cached, per_sample(head, a, arm))  # atomic: a killed scoring leaves no half file to reuse
         scores.setdefault(arm, {})[seed] = json.loads(cached.read_text())
     seen = {f"{arm}-s{seed}": training_record(head.parent) for (arm, seed), head in heads.items()}
-    report = {"runs": seen, "steps": steps, "epochs": epochs, "ttt": a.ttt, "seeds": a.seeds, "held_out": len(scores[a.reference][a.seeds[0]]),
+    report = {"runs": seen, "minutes": a.minutes, "steps": steps, "epochs": epochs, "ttt": a.ttt, "seeds": a.seeds, "held_out": len(scores[a.reference][a.seeds[0]]),
               "reference": a.reference, "arms": compare(scores, a.reference)}
     if a.decode_questions:
         for arm, d in decode_all(heads, a).items():
