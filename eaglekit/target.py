@@ -114,23 +114,8 @@ class Target:
 
     @property
     def device(self) -> torch.device:
-        return self._input_device or self._table().device
-
-    def _table(self) -> torch.Tensor:
-        emb = self.embed_tokens
-        return emb.rows if isinstance(emb, RowSubset) else emb.weight
-
-    def keep_rows(self, embed_ids, lm_head_ids) -> None:
-        """Keep only rows ``embed_ids`` of the embedding and ``lm_head_ids`` of the lm_head, freeing the rest
-        (offline training without the decoder, once each item's teacher argmax is known: the whole lm_head
-        is never read again, and the embedding only at the capture's tokens). Heads look rows up by id."""
-        if self._twins:
-            raise RuntimeError(f"{self.name}: keep_rows on a split target or twice")
-        emb, out = self.model.get_input_embeddings(), self.model.get_output_embeddings()
-        self._twins = {"embed_tokens": RowSubset(emb.weight, embed_ids, f"{self.name}: embedding"),
-                       "lm_head": RowSubset(out.weight, lm_head_ids, f"{self.name}: lm_head")}
-        for m in (emb, out):  # shapes stay (configs read them), storage goes
-            m.weight = nn.Parameter(m.weight.detach().to("meta"), requires_grad=False)
+        emb = self.embed_tokens  # a RowSubset once offline training keeps only the rows it reads
+        return self._input_device or (emb.rows if isinstance(emb, RowSubset) else emb.weight).device
 
     def split(self, layout: tp.Layout) -> Target:
         """Mark this target as split over ``layout``'s TP group: heads then borrow full copies of its
@@ -143,7 +128,8 @@ class Target:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._table().dtype
+        emb = self.embed_tokens
+        return (emb.rows if isinstance(emb, RowSubset) else emb.weight).dtype
 
     def chat_ids(self, messages: list[dict] | str) -> torch.Tensor:
         """Token ids [1, T] of a chat (or one user turn) in the tokenizer's template, ready for a reply."""

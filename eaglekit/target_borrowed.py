@@ -109,9 +109,14 @@ class RowSubset(nn.Module):
         return self.rows[self.positions(ids)]
 
 
-def table_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of an embedding / lm_head table, whole (``weight``) or a ``RowSubset``."""
-    if isinstance(module, RowSubset):
-        return module(ids)
-    w = module.weight.detach()
-    return w[ids.to(w.device)]
+def keep_rows(target, embed_ids, lm_head_ids) -> None:
+    """Keep only rows ``embed_ids`` of ``target``'s embedding and ``lm_head_ids`` of its lm_head, freeing the
+    rest (offline training without the decoder, once each item's teacher argmax is known: the whole lm_head
+    is never read again, the embedding only at the capture's tokens). Heads look rows up by id."""
+    if target._twins:
+        raise RuntimeError(f"{target.name}: keep_rows on a split target or twice")
+    emb, out = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    target._twins = {"embed_tokens": RowSubset(emb.weight, embed_ids, f"{target.name}: embedding"),
+                     "lm_head": RowSubset(out.weight, lm_head_ids, f"{target.name}: lm_head")}
+    for m in (emb, out):  # shapes stay (configs read them), storage goes
+        m.weight = nn.Parameter(m.weight.detach().to("meta"), requires_grad=False)

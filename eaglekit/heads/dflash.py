@@ -28,7 +28,7 @@ from eaglekit.heads.base import ParallelHead
 from eaglekit.heads.config import DFLASH, HeadConfig
 from eaglekit.heads.layers import MLP, HeadCache, RMSNorm, apply_rope, shift_left
 from eaglekit.heads.objectives import StepStats, position_loss, teacher_probs
-from eaglekit.target_borrowed import RowSubset, table_rows
+from eaglekit.target_borrowed import RowSubset
 
 PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # the paper's suggested decay per block size (SpecForge's help text)
 DEFAULT_ANCHORS = 512  # anchor blocks per sequence at most (SpecForge's default num_anchors)
@@ -195,7 +195,8 @@ class DFlashHead(ParallelHead):
         cached = self._borrowed.get("draft_lm_head")
         if cached is None or cached[0] != key:
             ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-            cached = (key, table_rows(lm_head, ids).to(self.device, self.dtype))
+            rows = lm_head(ids) if isinstance(lm_head, RowSubset) else full[ids.to(full.device)]
+            cached = (key, rows.to(self.device, self.dtype))
             self._borrowed["draft_lm_head"] = cached
         return cached[1]
 

@@ -27,11 +27,14 @@ def tap_layers(kind: str, target, layer_ids=None) -> tuple[int, ...]:
     return head_class(kind).tap_layers(target, layer_ids)
 
 
-def build_head(config: HeadConfig, target, dtype=None, device=None) -> DraftHead:
-    """A fresh head for ``config``, on the target's device/dtype unless given, bound to ``target``."""
+def build_head(config: HeadConfig, target, dtype=None, device=None, from_target: bool = True) -> DraftHead:
+    """A fresh head for ``config``, on the target's device/dtype unless given, bound to ``target``;
+    ``from_target=False``: its own copies of target rows are left unset (a state dict follows)."""
     head = head_class(config.kind)(config)
     head.to(device=device or target.device, dtype=dtype or target.dtype)
     head.bind(target)
+    if not from_target:
+        return head
     if config.train_embedding:  # the trained copy starts as the target's own embedding
         with torch.no_grad():
             head.embed_tokens.weight.copy_(target.embed_tokens.weight)

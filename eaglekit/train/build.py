@@ -30,6 +30,7 @@ from eaglekit.export import load_head
 from eaglekit.heads import DraftHead, HeadConfig, build_head
 from eaglekit.heads.objectives import Teacher
 from eaglekit.target import Target, load_target_from
+from eaglekit.target_borrowed import keep_rows
 from eaglekit.train.config import TrainConfig
 from eaglekit.train.data import KnownTops, fetch
 from eaglekit.train.processes import OutputDirLock, TrainError, exit_with_launcher, reduce_sum
@@ -84,7 +85,7 @@ def keep_target_rows(target, sources: Sources, head, teacher: Teacher, chunk: in
             seen.update(torch.as_tensor(item["input_ids"]).unique().tolist())
     sources.train.source = sources.eval.source = KnownTops(source, tops)
     draft_rows = torch.arange(head.config.draft_vocab_size) + head.d2t.cpu()
-    target.keep_rows(torch.tensor(sorted(seen)), draft_rows)
+    keep_rows(target, torch.tensor(sorted(seen)), draft_rows)
     head.bind(target)  # the head borrows the kept rows now
     teacher.lm_head_weight = None
 

@@ -183,7 +183,7 @@ class Trainer:
         path = self.out / "final"
         state = refuse_non_finite_weights(self.acc, self._full_state(), self.state.step, str(path))
         if self.acc.is_main_process:
-            head = build_head(self.head.config, self.target, dtype=torch.float32)
+            head = build_head(self.head.config, self.target, dtype=torch.float32, from_target=False)
             head.load_state_dict({k.removeprefix("head."): v for k, v in state.items()})
             save_head(head, path)
             write_text(self.out / "metrics.json", json.dumps(metrics, indent=1))
