@@ -262,15 +262,12 @@ class PEagleHead(ParallelHead):
         all_right = None
         for k, logits in self.block_unroll(ids, self.training_features(batch), depths, order, counts):
             rows = None if order is None or k == 0 else order[:, :counts[k]]  # the anchors depth k+1 ran
-
-            def at(x, rows=rows):  # x [B, S, ...] at those anchors
-                return x if rows is None else x.gather(1, rows.view(*rows.shape, *[1] * (x.dim() - 2))
-                                                       .expand(*rows.shape, *x.shape[2:]))
-            valid, want = at(shift_left(loss_mask, 2 + k).bool()), at(shift_left(top, 1 + k, fill=-1))
+            valid = at_rows(shift_left(loss_mask, 2 + k).bool(), rows)
+            want = at_rows(shift_left(top, 1 + k, fill=-1), rows)
             if draw is not None:
-                valid = valid & (at(draw) < shares[k])
+                valid = valid & (at_rows(draw, rows) < shares[k])
             row_w = (valid & (want >= 0)).float() * (decay ** k if draw is None else 1.0)
-            term = position_loss(logits, at(shift_left(source, 1 + k)), weight, row_w, loss)
+            term = position_loss(logits, at_rows(shift_left(source, 1 + k), rows), weight, row_w, loss)
             total = total + term
             with torch.no_grad():
                 right = logits.argmax(-1) == want
@@ -325,3 +322,10 @@ class PEagleHead(ParallelHead):
                 tok, feat, pos = m_ids[:, :n], m_g[:, :n], cache.rows + k
             _, logits = self.step(tok, feat, pos, cache=cache)
             yield k, logits
+
+
+def at_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [B, S, ...] at the anchors ``rows`` [B, N] (every position for None)."""
+    if rows is None:
+        return x
+    return x.gather(1, rows.view(*rows.shape, *[1] * (x.dim() - 2)).expand(*rows.shape, *x.shape[2:]))
