@@ -88,6 +88,8 @@ def keep_target_rows(target, sources: Sources, head, teacher: Teacher, chunk: in
     keep_rows(target, torch.tensor(sorted(seen)), draft_rows)
     head.bind(target)  # the head borrows the kept rows now
     teacher.lm_head_weight = None
+    if torch.equal(teacher.draft_weight, target.lm_head.rows):  # the same rows, both in target-id order:
+        teacher.draft_weight = target.lm_head.rows  # held once
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:

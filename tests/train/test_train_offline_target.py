@@ -93,6 +93,7 @@ def test_offline_training_without_the_decoder_takes_the_same_steps(capture, tmp_
     assert emb.rows.shape[0] < 64 and torch.equal(emb(seen), whole.embed_tokens.weight[seen])
     draft = torch.arange(32) + trainer.head.d2t
     assert lm_head.rows.shape[0] == 32 and torch.equal(lm_head(draft), whole.lm_head.weight[draft])
+    assert trainer.teacher.draft_weight is lm_head.rows  # held once
     absent = min(set(range(64)) - set((emb.index >= 0).nonzero().flatten().tolist()))
     with pytest.raises(KeyError, match=f"token ids \\[{absent}\\] are not among the rows kept"):
         emb(torch.tensor([absent]))
