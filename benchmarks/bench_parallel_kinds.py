@@ -1,4 +1,4 @@
-"""EAGLE-3 vs P-EAGLE vs DFlash side by side (issue 26, item 5): same capture, same wall-clock budget.
+"""EAGLE-3 vs P-EAGLE vs DFlash vs DSpark side by side (issues 26 and 39): same capture, same wall-clock budget.
 
 Each kind trains one head on the same offline capture (an ``eaglekit prepare`` directory with the EAGLE-3
 taps, which all three kinds read) under the same ``optim.max_minutes`` (the cosine follows the time spent,
@@ -39,7 +39,7 @@ from eaglekit.train.metrics import tau_sim
 ROOT = Path(__file__).resolve().parents[1]
 # Each kind's own recipe (head shape, block, objective); the script only swaps in the data and the budget.
 CONFIGS = {"eagle3": "configs/smollm2-135m-eagle3.yaml", "peagle": "configs/smollm2-135m-peagle.yaml",
-           "dflash": "configs/smollm2-135m-dflash.yaml"}
+           "dflash": "configs/smollm2-135m-dflash.yaml", "dspark": "configs/smollm2-135m-dspark.yaml"}
 
 
 def kind_overrides(kind: str, a) -> list[str]:

@@ -27,7 +27,7 @@ from torch import nn
 from eaglekit.heads.base import ParallelHead
 from eaglekit.heads.config import DFLASH, HeadConfig
 from eaglekit.heads.layers import MLP, HeadCache, RMSNorm, apply_rope, shift_left
-from eaglekit.heads.objectives import StepStats, position_loss, teacher_probs
+from eaglekit.heads.objectives import StepStats, TeacherRows, position_loss, teacher_probs
 from eaglekit.target_borrowed import RowSubset
 
 PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # the paper's suggested decay per block size (SpecForge's help text)
@@ -53,6 +53,8 @@ def dpace_weights(logits, teacher_k, weight, live, alpha: float, chunk: int = 51
     is not trained), w_k = sum_{j >= k} prod_{i <= j} s_i over the trained depths — the expected accepted
     length that depth k's acceptance carries, so a depth counts by what its prefix is likely to reach
     instead of a fixed exp(-(k-1)/gamma). Detached: the weights steer the gradient, they get none."""
+    if isinstance(teacher_k, TeacherRows):  # the [B, N, D] rows themselves; no grad, transient
+        teacher_k = teacher_k.dense()
     p = teacher_k.float() if weight is None else teacher_probs(teacher_k, weight, chunk)
     ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)
     s = torch.where(live > 0, (1 - alpha) * torch.exp(-ce) + alpha, torch.ones_like(ce))
@@ -334,7 +336,7 @@ class DFlashHead(ParallelHead):
         cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
         source, weight = (teacher_probs(last, teacher.draft_weight, loss.chunk_tokens), None) if cached \
             else (last, teacher.draft_weight)
-        teacher_k = source.gather(1, at.view(B, -1, 1).expand(-1, -1, source.shape[-1])).view(B, N, D, -1)
+        teacher_k = TeacherRows.gathered(source, at)  # [B, N, D] rows of source: by index, never copied per depth
         if getattr(loss, "block_weighting", "decay") == "dpace":
             weights = dpace_weights(logits, teacher_k, weight, live, float(getattr(loss, "dpace_alpha", 0.5)),
                                     loss.chunk_tokens)

@@ -23,7 +23,7 @@ from torch import nn
 from eaglekit.heads.base import DraftHead, ParallelHead
 from eaglekit.heads.config import EAGLE3, PEAGLE, HeadConfig
 from eaglekit.heads.layers import MLP, Attention, DecoderLayer, HeadCache, RMSNorm, shift_left
-from eaglekit.heads.objectives import StepStats, position_loss, teacher_probs
+from eaglekit.heads.objectives import StepStats, TeacherRows, position_loss, teacher_probs
 from eaglekit.heads.ttt_attention import TTTCache
 
 
@@ -91,9 +91,10 @@ class Eagle3Head(DraftHead):
             taps = self.input_norm(taps)
         return self.fc(taps)
 
-    def step(self, input_ids, g, position_ids, cache: HeadCache | None = None, attn_mask=None):
+    def step(self, input_ids, g, position_ids, cache: HeadCache | None = None, attn_mask=None, project=True):
         """One head pass over S (feature, next token) pairs → (hidden [B,S,H], logits [B,S,Vd]); hidden is
-        the feature the next draft step reads: before the final norm, or after it under norm_output."""
+        the feature the next draft step reads: before the final norm, or after it under norm_output.
+        ``project=False`` returns the lm_head's input instead of the logits (``loss.recompute_logits``)."""
         self._check_step(input_ids, g, position_ids, cache, attn_mask)
         dtype = self.dtype
         cos, sin = self.rotary(position_ids.to(self.device), dtype)
@@ -102,7 +103,7 @@ class Eagle3Head(DraftHead):
         for layer in self.layers[1:]:
             x = layer(x, cos, sin, cache, mask)
         normed = self.norm(x)
-        return (normed if self.config.norm_output else x), self.lm_head(normed)
+        return (normed if self.config.norm_output else x), self.lm_head(normed) if project else normed
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:
@@ -267,7 +268,9 @@ class PEagleHead(ParallelHead):
             if draw is not None:
                 valid = valid & (at_rows(draw, rows) < shares[k])
             row_w = (valid & (want >= 0)).float() * (decay ** k if draw is None else 1.0)
-            term = position_loss(logits, at_rows(shift_left(source, 1 + k), rows), weight, row_w, loss)
+            teacher_k = TeacherRows.shifted(source, 1 + k)  # by index: no per-depth copy kept for backward
+            teacher_k = TeacherRows(teacher_k.source, at_rows(teacher_k.at, rows))
+            term = position_loss(logits, teacher_k, weight, row_w, loss)
             total = total + term
             with torch.no_grad():
                 right = logits.argmax(-1) == want

@@ -25,9 +25,10 @@ from torch import nn
 from eaglekit.heads.layers import shift_left
 from eaglekit.heads.ttt_attention import TTTCache
 
-__all__ = ["OBJECTIVES", "AcceptanceLoss", "SoftCrossEntropy", "StepStats", "TTTModel", "Teacher",
-           "acceptance_loss", "position_loss", "shift_left", "soft_cross_entropy", "supervised_count",
-           "teacher_argmax", "teacher_probs", "topk_cross_entropy", "ttt_loss", "ttt_unroll"]
+__all__ = ["OBJECTIVES", "AcceptanceLoss", "ProjectedSoftCrossEntropy", "SoftCrossEntropy", "StepStats", "TTTModel",
+           "Teacher", "TeacherRows", "acceptance_loss", "position_loss", "projected_soft_cross_entropy", "shift_left",
+           "soft_cross_entropy", "supervised_count", "teacher_argmax", "teacher_probs", "topk_cross_entropy",
+           "ttt_loss", "ttt_unroll"]
 
 # loss.objective: "kl" = the soft CE (today's recipe); the rest are the LK losses (Samarin et al. 2026,
 # arXiv 2602.23881) on the acceptance rate alpha = sum_i min(p_i, q_i); see AcceptanceLoss, docs/training.md
@@ -48,58 +49,162 @@ def teacher_argmax(last: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int 
 def _teacher_probs(hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     if weight is None:  # ``hidden`` already holds the teacher probabilities (small draft vocab, cached)
         return hidden.float()
-    return torch.softmax((hidden.to(weight.dtype) @ weight.T).float(), dim=-1)
+    return torch.softmax(hidden.to(weight.dtype) @ weight.T, dim=-1, dtype=torch.float32)  # no fp32 copy first
+
+
+@dataclass
+class TeacherRows:
+    """The teacher rows a loss reads, by index instead of by copy: student row n is scored against
+    ``source[at[n]]``. ``source`` [M, C] is the teacher's probabilities over the draft vocab or its hidden
+    state, shared by every TTT step and depth; ``at`` (long, the student's leading shape) says which row.
+    A shifted or gathered copy per step would be kept for backward by every step ([S, Vd] fp32 each: for
+    Qwen2.5-1.5B at Vd 32k and 512 tokens, 7 steps held 0.46 GB); the indices are 8 bytes a row."""
+    source: torch.Tensor
+    at: torch.Tensor
+
+    @classmethod
+    def shifted(cls, x: torch.Tensor, n: int) -> TeacherRows:
+        """``x`` [B, S, C] read ``n`` positions ahead (``shift_left(x, n)`` without the copy; rows past the end
+        read the last position: they carry weight 0)."""
+        B, S = x.shape[:2]
+        t = torch.arange(S, device=x.device).add(n).clamp_(max=S - 1)
+        return cls(x.reshape(B * S, -1), torch.arange(B, device=x.device)[:, None] * S + t)
+
+    @classmethod
+    def gathered(cls, x: torch.Tensor, pos: torch.Tensor) -> TeacherRows:
+        """``x`` [B, S, C] at positions ``pos`` [B, ...] of each row's own sequence."""
+        B, S = x.shape[:2]
+        return cls(x.reshape(B * S, -1), torch.arange(B, device=x.device).view(B, *[1] * (pos.dim() - 1)) * S + pos)
+
+    def __getitem__(self, index) -> TeacherRows:
+        return TeacherRows(self.source, self.at[index])
+
+    def dense(self) -> torch.Tensor:
+        """The rows themselves, [*at.shape, C] (a copy: for no-grad consumers that read every row)."""
+        return self.source[self.at.reshape(-1)].view(*self.at.shape, self.source.shape[-1])
+
+
+def _flat_teacher(student: torch.Tensor, teacher) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(student [N, Vd], teacher source [M, C], row index [N] or None = row n reads row n)."""
+    student = student.reshape(-1, student.shape[-1])
+    if isinstance(teacher, TeacherRows):
+        return student, teacher.source, teacher.at.reshape(-1)
+    return student, teacher.reshape(-1, teacher.shape[-1]), None
+
+
+def _rows(hidden: torch.Tensor, at: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
+    return hidden[idx] if at is None else hidden[at[idx]]
 
 
 class SoftCrossEntropy(torch.autograd.Function):
     """``sum_n w_n * CE(softmax(hidden_n @ W.T), log_softmax(student_n))`` with a chunked, recomputed teacher.
 
-    student [N, Vd] (grad flows), hidden [N, H] and weight [Vd, H] (frozen), row_weight [N] (0 = skipped).
-    Only rows with a nonzero weight are computed; the gradient is ``w_n (softmax(student_n) - p_n)``.
-    ``weight=None`` means ``hidden`` is the teacher's probabilities [N, Vd] already (see ``teacher_probs``).
+    student [N, Vd] (grad flows), hidden [M, H] and weight [Vd, H] (frozen), row_weight [N] (0 = skipped),
+    at [N] long: the teacher row of each student row (None: row n). Only rows with a nonzero weight are
+    computed; the gradient is ``w_n (softmax(student_n) - p_n)``. ``weight=None`` means ``hidden`` is the
+    teacher's probabilities [M, Vd] already (see ``teacher_probs``).
     """
 
     @staticmethod
-    def forward(ctx, student, hidden, weight, row_weight, chunk: int):
+    def forward(ctx, student, hidden, weight, row_weight, chunk: int, at=None):
         rows = row_weight.nonzero().squeeze(1)
         total = torch.zeros((), dtype=torch.float32, device=student.device)
         for s in range(0, rows.numel(), chunk):
             idx = rows[s:s + chunk]
-            p = _teacher_probs(hidden[idx], weight)
+            p = _teacher_probs(_rows(hidden, at, idx), weight)
             logq = torch.log_softmax(student[idx].float(), dim=-1)
             total -= (row_weight[idx, None].float() * p * logq).sum()
-        ctx.save_for_backward(student, hidden, weight, row_weight, rows)
+        ctx.save_for_backward(student, hidden, weight, row_weight, rows, at)
         ctx.chunk = chunk
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        student, hidden, weight, row_weight, rows = ctx.saved_tensors
+        student, hidden, weight, row_weight, rows, at = ctx.saved_tensors
         grad = torch.zeros_like(student)
         for s in range(0, rows.numel(), ctx.chunk):
             idx = rows[s:s + ctx.chunk]
-            p = _teacher_probs(hidden[idx], weight)
-            q = torch.softmax(student[idx].float(), dim=-1)
-            grad[idx] = ((q - p) * (row_weight[idx, None].float() * grad_out)).to(grad.dtype)
-        return grad, None, None, None, None
+            p = _teacher_probs(_rows(hidden, at, idx), weight)
+            q = torch.softmax(student[idx], dim=-1, dtype=torch.float32)  # in place below: [chunk, Vd] each
+            grad[idx] = q.sub_(p).mul_(row_weight[idx, None].float() * grad_out).to(grad.dtype)
+        return grad, None, None, None, None, None
 
 
 def soft_cross_entropy(student, hidden, weight, row_weight, chunk: int = 512) -> torch.Tensor:
-    """Weighted soft CE summed over rows; see ``SoftCrossEntropy``. Inputs may carry leading batch dims."""
-    return SoftCrossEntropy.apply(student.reshape(-1, student.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
-                                  weight, row_weight.reshape(-1), chunk)
+    """Weighted soft CE summed over rows; see ``SoftCrossEntropy``. Inputs may carry leading batch dims;
+    ``hidden`` may be a ``TeacherRows`` (the rows by index)."""
+    student, hidden, at = _flat_teacher(student, hidden)
+    return SoftCrossEntropy.apply(student, hidden, weight, row_weight.reshape(-1), chunk, at)
+
+
+class ProjectedSoftCrossEntropy(torch.autograd.Function):
+    """``SoftCrossEntropy`` of the logits ``normed @ lm_weight.T`` that never keeps those logits for backward.
+
+    A TTT unroll keeps one [N, Vd] fp32 logits tensor per step for the soft CE's backward (7 steps x 512
+    tokens x 32k draft tokens: 0.46 GB). Here forward computes the logits ``chunk`` rows at a time (their
+    argmax is returned for the stats) and backward recomputes the rows that carry weight: one more
+    ``lm_head`` product per step for ``[N, Vd]`` floats never held. The gradients are the unfused ones:
+    d normed = dz @ W and d W = dz.T @ normed with dz = w (softmax(z) - p). Other inputs as SoftCrossEntropy's.
+    """
+
+    @staticmethod
+    def forward(ctx, normed, lm_weight, hidden, weight, row_weight, chunk: int, at=None):
+        device = normed.device.type  # backward recomputes under the same autocast as this forward
+        ctx.autocast = device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        pred = torch.empty(normed.shape[0], dtype=torch.long, device=normed.device)
+        total = torch.zeros((), dtype=torch.float32, device=normed.device)
+        for s in range(0, normed.shape[0], chunk):
+            z = normed[s:s + chunk] @ lm_weight.T
+            pred[s:s + chunk] = z.argmax(-1)
+            w = row_weight[s:s + chunk]
+            live = w.nonzero().squeeze(1)
+            if live.numel():
+                p = _teacher_probs(_rows(hidden, at, live + s), weight)
+                total -= (w[live, None].float() * p * torch.log_softmax(z[live].float(), dim=-1)).sum()
+        ctx.save_for_backward(normed, lm_weight, hidden, weight, row_weight, at)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(pred)
+        return total, pred
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        normed, lm_weight, hidden, weight, row_weight, at = ctx.saved_tensors
+        rows = row_weight.nonzero().squeeze(1)
+        grad_in = torch.zeros_like(normed)
+        grad_w = torch.zeros_like(lm_weight) if ctx.needs_input_grad[1] else None
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            for s in range(0, rows.numel(), ctx.chunk):
+                idx = rows[s:s + ctx.chunk]
+                x = normed[idx]
+                z = x @ lm_weight.T
+                p = _teacher_probs(_rows(hidden, at, idx), weight)
+                dz = torch.softmax(z, dim=-1, dtype=torch.float32).sub_(p)
+                dz = dz.mul_(row_weight[idx, None].float() * grad_out).to(z.dtype)
+                grad_in[idx] = (dz @ lm_weight).to(grad_in.dtype)
+                if grad_w is not None:
+                    grad_w += (dz.T @ x).to(grad_w.dtype)
+        return grad_in, grad_w, None, None, None, None, None
+
+
+def projected_soft_cross_entropy(normed, lm_weight, teacher_k, weight, row_weight, chunk: int = 512):
+    """(weighted soft CE summed over rows, argmax of each row's logits) for logits ``normed @ lm_weight.T``;
+    see ``ProjectedSoftCrossEntropy``. ``normed`` [..., H]; ``teacher_k`` as ``soft_cross_entropy`` takes it."""
+    flat, hidden, at = _flat_teacher(normed, teacher_k)
+    loss, pred = ProjectedSoftCrossEntropy.apply(flat, lm_weight, hidden, weight, row_weight.reshape(-1), chunk, at)
+    return loss, pred.view(normed.shape[:-1])
 
 
 def topk_cross_entropy(student, hidden, weight, row_weight, k: int, chunk: int = 512) -> torch.Tensor:
     """HASS's harmonized objective distillation term: ``-sum_n w_n sum_{i in topK(p_n)} p_ni log q_ni``, the
     soft CE restricted to the teacher's K most likely draft tokens (same inputs as ``soft_cross_entropy``)."""
-    student, hidden = student.reshape(-1, student.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
+    student, hidden, at = _flat_teacher(student, hidden)
     row_weight = row_weight.reshape(-1)
     rows = row_weight.nonzero().squeeze(1)
     total = torch.zeros((), dtype=torch.float32, device=student.device)
     for s in range(0, rows.numel(), chunk):
         idx = rows[s:s + chunk]
-        top_p, top_i = _teacher_probs(hidden[idx], weight).topk(k, dim=-1)
+        top_p, top_i = _teacher_probs(_rows(hidden, at, idx), weight).topk(k, dim=-1)
         logq = torch.log_softmax(student[idx].float(), dim=-1).gather(1, top_i)
         total = total - (row_weight[idx, None].float() * top_p * logq).sum()
     return total
@@ -147,38 +252,40 @@ class AcceptanceLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, student, hidden, weight, row_weight, chunk: int, kind: str, eta: float, greedy: bool):
+    def forward(ctx, student, hidden, weight, row_weight, chunk: int, kind: str, eta: float, greedy: bool, at=None):
         rows = row_weight.nonzero().squeeze(1)
         total = torch.zeros((), dtype=torch.float32, device=student.device)
         for s in range(0, rows.numel(), chunk):
             idx = rows[s:s + chunk]
-            p = _chunk_teacher(hidden[idx], weight, greedy)
+            p = _chunk_teacher(_rows(hidden, at, idx), weight, greedy)
             value, _ = _acceptance_rows(student[idx].float(), p, kind, eta)
             total += (row_weight[idx].float() * value).sum()
-        ctx.save_for_backward(student, hidden, weight, row_weight, rows)
+        ctx.save_for_backward(student, hidden, weight, row_weight, rows, at)
         ctx.settings = chunk, kind, eta, greedy
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        student, hidden, weight, row_weight, rows = ctx.saved_tensors
+        student, hidden, weight, row_weight, rows, at = ctx.saved_tensors
         chunk, kind, eta, greedy = ctx.settings
         grad = torch.zeros_like(student)
         for s in range(0, rows.numel(), chunk):
             idx = rows[s:s + chunk]
-            p = _chunk_teacher(hidden[idx], weight, greedy)
+            p = _chunk_teacher(_rows(hidden, at, idx), weight, greedy)
             _, g = _acceptance_rows(student[idx].float(), p, kind, eta)
             grad[idx] = (g * (row_weight[idx, None].float() * grad_out)).to(grad.dtype)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def acceptance_loss(student, hidden, weight, row_weight, kind: str = "lk", eta: float = 3.0,
                     greedy: bool = False, chunk: int = 512) -> torch.Tensor:
-    """Weighted LK loss summed over rows; see ``AcceptanceLoss``. Inputs may carry leading batch dims."""
+    """Weighted LK loss summed over rows; see ``AcceptanceLoss``. Inputs may carry leading batch dims;
+    ``hidden`` may be a ``TeacherRows``."""
     if kind not in OBJECTIVES[1:]:
         raise ValueError(f"acceptance_loss: kind must be one of {OBJECTIVES[1:]}, got {kind!r}")
-    return AcceptanceLoss.apply(student.reshape(-1, student.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
-                                weight, row_weight.reshape(-1), chunk, kind, float(eta), bool(greedy))
+    student, hidden, at = _flat_teacher(student, hidden)
+    return AcceptanceLoss.apply(student, hidden, weight, row_weight.reshape(-1), chunk, kind, float(eta),
+                                bool(greedy), at)
 
 
 def position_loss(student, teacher_k, weight, row_weight, loss) -> torch.Tensor:
@@ -187,7 +294,8 @@ def position_loss(student, teacher_k, weight, row_weight, loss) -> torch.Tensor:
     loss on the acceptance rate (``lk``, ``lk_alpha``, ``lk_tv``; ``loss.lk_eta``, ``loss.lk_acceptance``)
     — plus HASS's top-K term when ``loss.topk`` and ``loss.topk_weight`` are set. ``teacher_k`` is the
     teacher's hidden state (``weight`` = the draft-vocab rows of lm_head) or its probabilities already
-    (``weight`` None), as ``soft_cross_entropy`` takes them."""
+    (``weight`` None), as ``soft_cross_entropy`` takes them: a tensor shaped like the student or a
+    ``TeacherRows``."""
     chunk = loss.chunk_tokens
     objective = getattr(loss, "objective", "kl")
     if objective == "kl":
@@ -256,8 +364,9 @@ def supervised_count(loss_mask: torch.Tensor) -> int:
     return int(shift_left(loss_mask, 2).sum())
 
 
-def ttt_unroll(head, input_ids: torch.Tensor, g: torch.Tensor, steps: int):
-    """Yield ``(k, hidden, logits)`` for TTT steps k = 0..steps-1 over a whole (right-padded) batch.
+def ttt_unroll(head, input_ids: torch.Tensor, g: torch.Tensor, steps: int, project: bool = True):
+    """Yield ``(k, hidden, logits)`` for TTT steps k = 0..steps-1 over a whole (right-padded) batch
+    (``project=False``: the lm_head's input instead of the logits, EAGLE-3's ``step(project=False)``).
 
     Step k: element t takes x_{t+1+k}, position t+k, and (k > 0) the head's step-(k-1) hidden as g;
     one TTTCache carries every step's keys, and its attention exposes step-0 keys <= t and the step-j
@@ -268,7 +377,8 @@ def ttt_unroll(head, input_ids: torch.Tensor, g: torch.Tensor, steps: int):
     cache = TTTCache()
     pos0 = torch.arange(S, device=input_ids.device).expand(B, S)
     for k in range(steps):
-        hidden, logits = head.step(shift_left(input_ids, 1 + k), g, pos0 + k, cache=cache)
+        step = (shift_left(input_ids, 1 + k), g, pos0 + k)
+        hidden, logits = head.step(*step, cache=cache) if project else head.step(*step, cache=cache, project=False)
         yield k, hidden, logits
         g = hidden
 
@@ -297,16 +407,19 @@ def ttt_loss(head, teacher: Teacher, batch: dict, loss, *, steps: int | None = N
     total_loss = torch.zeros((), device=ids.device)
     stats = StepStats()
     all_right = torch.ones_like(ids, dtype=torch.bool)
-    for k, hidden, logits in ttt_unroll(head, ids, g, steps):
+    fused = getattr(loss, "recompute_logits", False)  # steps yield the lm_head's input: logits never kept
+    for k, hidden, out in ttt_unroll(head, ids, g, steps, project=not fused):
         valid = shift_left(loss_mask, 2 + k).bool()  # predicted token x_{t+2+k} is supervised (and exists)
         want = shift_left(top, 1 + k, fill=-1)  # teacher at position t+1+k
         row_w = (valid & (want >= 0)).float() * (decay ** k)
-        teacher_k = shift_left(source, 1 + k)  # the teacher at position t+1+k ([B,S,Vd] probs or [B,S,H] hidden)
-        ce = position_loss(logits, teacher_k, weight, row_w, loss)
+        teacher_k = TeacherRows.shifted(source, 1 + k)  # the teacher at t+1+k ([B,S,Vd] probs or [B,S,H] hidden)
+        if fused:
+            ce, pred = projected_soft_cross_entropy(out, head.lm_head.weight, teacher_k, weight, row_w, chunk)
+        else:
+            ce, pred = position_loss(out, teacher_k, weight, row_w, loss), out.detach().argmax(-1)
         step_loss = head.step_loss(ce, hidden, batch, k, valid, loss)
         total_loss = total_loss + step_loss
         with torch.no_grad():
-            pred = logits.argmax(-1)
             stats.loss.append(float(step_loss))
             right = pred == want
             all_right &= right

@@ -106,6 +106,9 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     if (warning := slow_bf16_warning(cfg.optim.bf16, acc.device)):
         acc.print(warning)
     if acc.state.deepspeed_plugin is not None:  # no dataloader goes through prepare: say the sizes here
+        if cfg.loss.recompute_logits and acc.state.deepspeed_plugin.zero_stage == 3:
+            raise TrainError("loss.recompute_logits reads the head's lm_head weight outside its forward, where "
+                             "ZeRO-3 holds only a shard of it: set it false under ZeRO-3")
         ds = acc.state.deepspeed_plugin.deepspeed_config
         ds["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
         ds["train_batch_size"] = cfg.data.batch_size * cfg.optim.grad_accum * acc.num_processes

@@ -105,6 +105,8 @@ class LossConfig:
     cod_floor: Fraction = 0.2  # the anchors (nested), each kept position weight 1; 0 = all anchors, step_decay**k
     chunk_tokens: PosInt = 512  # teacher / CE computed over this many positions at a time
     cache_teacher_mb: NonNegFloat = 64  # keep the draft-vocab teacher [B,S,Vd] fp32 per batch if it fits, else recompute
+    recompute_logits: bool = False  # EAGLE-3: keep no TTT step's [B,S,Vd] logits for backward, recompute them
+    # there (one more lm_head product per step; the soft CE only; not under ZeRO-3)
 
 
 @dataclass
@@ -162,9 +164,13 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
                                        ("dspark",)),
                                       ("loss.block_weighting", loss.block_weighting, loss.block_weighting != "decay",
                                        ("dflash", "dspark")),
-                                      ("head.markov_rank", h.markov_rank, h.markov_rank, ("dspark",))):
+                                      ("head.markov_rank", h.markov_rank, h.markov_rank, ("dspark",)),
+                                      ("loss.recompute_logits", True, loss.recompute_logits, ("eagle3",))):
         if active and h.kind not in kinds:  # no silent no-op: the key belongs to one kind's objective
             raise ConfigError(f"{where}: {key}={value} is a {' / '.join(kinds)} option, but head.kind={h.kind!r}")
+    if loss.recompute_logits and (loss.objective != "kl" or (loss.topk and loss.topk_weight)):
+        raise ConfigError(f"{where}: loss.recompute_logits recomputes the soft CE's logits; it takes "
+                          f"loss.objective=kl without loss.topk (got {loss.objective!r}, topk {loss.topk})")
     if cfg.loss.lk_acceptance != "sampled" and cfg.loss.objective == "kl":
         raise ConfigError(f"{where}: loss.lk_acceptance={cfg.loss.lk_acceptance!r} applies to the LK objectives; "
                           "set loss.objective to lk, lk_alpha or lk_tv (or leave lk_acceptance 'sampled')")

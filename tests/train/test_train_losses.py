@@ -4,6 +4,8 @@ import torch
 
 from eaglekit.heads.objectives import (
     Teacher,
+    TeacherRows,
+    projected_soft_cross_entropy,
     shift_left,
     soft_cross_entropy,
     teacher_argmax,
@@ -42,6 +44,27 @@ def test_train_chunked_soft_ce_equals_naive(chunk):
     assert torch.allclose(s1.grad, s2.grad, rtol=1e-5, atol=1e-6)
     assert s1.grad[row_w == 0].abs().max() == 0  # skipped rows get no gradient
     assert s1.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_train_projected_soft_ce_equals_linear_then_soft_ce_by_shifted_rows(chunk):
+    """Logits recomputed in backward (loss.recompute_logits) = lm_head then the soft CE; the teacher read
+    by index (TeacherRows.shifted) = the shifted copy."""
+    last, w, t2d, _, row_w = _inputs(seed=4)
+    row_w[:, -2:] = 0  # rows whose teacher lies past the end carry no weight (the loss's valid mask)
+    g = torch.Generator().manual_seed(5)
+    normed, lm = torch.randn(3, 11, 16, generator=g) * 2, torch.randn(40, 16, generator=g)
+    x1, w1 = normed.clone().requires_grad_(True), lm.clone().requires_grad_(True)
+    x2, w2 = normed.clone().requires_grad_(True), lm.clone().requires_grad_(True)
+    got, pred = projected_soft_cross_entropy(x1, w1, TeacherRows.shifted(last, 2), w[t2d], row_w, chunk)
+    logits = x2 @ w2.T
+    ref = naive_soft_cross_entropy(logits, shift_left(last, 2), w[t2d], row_w)
+    got.backward(), ref.backward()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pred, logits.argmax(-1))
+    for a, b in ((x1.grad, x2.grad), (w1.grad, w2.grad)):  # fp32 sums in another order: 1e-6 of the largest
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * float(b.abs().max()))
+    assert x1.grad[row_w == 0].abs().max() == 0 and x1.grad.abs().sum() > 0
 
 
 def test_train_chunked_soft_ce_bf16_student_close_to_naive():

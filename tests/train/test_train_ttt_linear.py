@@ -2,7 +2,8 @@
 replaced — attention output, the TTT loss and every parameter's gradient, for several steps, lengths,
 grouped-query heads, padded batches and chunkings, on both of its paths (CPU flash kernel, chunked) —
 and what it keeps for the backward pass grows linearly with the sequence length, where the mask path's
-grows with its square."""
+grows with its square. With ``loss.recompute_logits`` the loss, gradients and stats are the same and no step's
+logits are kept."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ def masked_attention(q, keys, values):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ttt_mask(q.shape[2], len(keys) - 1, q.dtype))
 
 
-def masked_unroll(head, input_ids, g, steps):
+def masked_unroll(head, input_ids, g, steps, project=True):
     """ttt_unroll as it was: one HeadCache and ttt_mask(S, k) passed to every step."""
     B, S = input_ids.shape
     cache, pos0 = HeadCache(), torch.arange(S).expand(B, S)
@@ -216,3 +217,24 @@ def test_ttt_memory_kept_for_backward_grows_linearly(target, monkeypatch):
             sizes.append(_saved_bytes(head, teacher, batch, loss, unroll, monkeypatch))
         ratios[name] = sizes[1] / sizes[0]
     assert ratios["cpu_flash"] < 2.2 and ratios["chunked"] < 2.2 and ratios["masked"] > 3.0, ratios
+
+
+@pytest.mark.parametrize("cache_teacher_mb", [0.0, 1.0])  # teacher recomputed from `last`, or cached probabilities
+def test_recomputed_logits_train_the_same_and_keep_no_logits(target, monkeypatch, cache_teacher_mb):
+    head = _head(target, "eagle3", draft_vocab_size=48)
+    teacher = Teacher.build(target.lm_head.weight, head.t2d)
+    batch = _batch(target, head, 23)
+    runs = {}
+    for fused in (False, True):
+        loss = LossConfig(ttt_steps=3, step_decay=0.8, chunk_tokens=7, cache_teacher_mb=cache_teacher_mb,
+                          recompute_logits=fused)
+        total, stats, grads = _loss_and_grads(head, teacher, batch, loss, monkeypatch, objectives.ttt_unroll)
+        runs[fused] = total, stats, grads, _saved_bytes(head, teacher, batch, loss, objectives.ttt_unroll, monkeypatch)
+    (old, old_stats, old_g, old_bytes), (new, new_stats, new_g, new_bytes) = runs[False], runs[True]
+    torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
+    assert new_stats.correct == old_stats.correct and new_stats.chain == old_stats.chain and sum(old_stats.correct)
+    assert new_g.keys() == old_g.keys() and "lm_head.weight" in new_g
+    for name in old_g:
+        close_to_scale(new_g[name], old_g[name], name)
+    logits_bytes = 3 * batch["input_ids"].numel() * 48 * 4  # one fp32 [B, S, Vd] per step
+    assert old_bytes - new_bytes >= logits_bytes, (old_bytes, new_bytes, logits_bytes)
