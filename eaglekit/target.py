@@ -114,8 +114,11 @@ class Target:
 
     @property
     def device(self) -> torch.device:
+        return self._input_device or self._table().device
+
+    def _table(self) -> torch.Tensor:
         emb = self.embed_tokens  # a RowSubset once offline training keeps only the rows it reads
-        return self._input_device or (emb.rows if isinstance(emb, RowSubset) else emb.weight).device
+        return emb.rows if isinstance(emb, RowSubset) else emb.weight
 
     def split(self, layout: tp.Layout) -> Target:
         """Mark this target as split over ``layout``'s TP group: heads then borrow full copies of its
@@ -128,8 +131,7 @@ class Target:
 
     @property
     def dtype(self) -> torch.dtype:
-        emb = self.embed_tokens
-        return (emb.rows if isinstance(emb, RowSubset) else emb.weight).dtype
+        return self._table().dtype
 
     def chat_ids(self, messages: list[dict] | str) -> torch.Tensor:
         """Token ids [1, T] of a chat (or one user turn) in the tokenizer's template, ready for a reply."""

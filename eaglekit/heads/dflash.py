@@ -27,7 +27,7 @@ from torch import nn
 from eaglekit.heads.base import ParallelHead
 from eaglekit.heads.config import DFLASH, HeadConfig
 from eaglekit.heads.layers import MLP, HeadCache, RMSNorm, apply_rope, shift_left
-from eaglekit.heads.objectives import StepStats, TeacherRows, position_loss, teacher_probs
+from eaglekit.heads.objectives import StepStats, TeacherRows, dense_rows, position_loss, teacher_probs
 from eaglekit.target_borrowed import RowSubset
 
 PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # the paper's suggested decay per block size (SpecForge's help text)
@@ -53,8 +53,7 @@ def dpace_weights(logits, teacher_k, weight, live, alpha: float, chunk: int = 51
     is not trained), w_k = sum_{j >= k} prod_{i <= j} s_i over the trained depths — the expected accepted
     length that depth k's acceptance carries, so a depth counts by what its prefix is likely to reach
     instead of a fixed exp(-(k-1)/gamma). Detached: the weights steer the gradient, they get none."""
-    if isinstance(teacher_k, TeacherRows):  # the [B, N, D] rows themselves; no grad, transient
-        teacher_k = teacher_k.dense()
+    teacher_k = dense_rows(teacher_k)  # the [B, N, D] rows themselves; no grad, transient
     p = teacher_k.float() if weight is None else teacher_probs(teacher_k, weight, chunk)
     ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)
     s = torch.where(live > 0, (1 - alpha) * torch.exp(-ce) + alpha, torch.ones_like(ce))

@@ -24,7 +24,7 @@ from torch import nn
 
 from eaglekit.heads.config import DSPARK, HeadConfig
 from eaglekit.heads.dflash import DFlashHead
-from eaglekit.heads.objectives import TeacherRows, teacher_probs
+from eaglekit.heads.objectives import dense_rows, teacher_probs
 
 
 class DSparkHead(DFlashHead):
@@ -81,8 +81,7 @@ class DSparkHead(DFlashHead):
         if alpha == 0:
             return logits.new_zeros(())
         with torch.no_grad():
-            if isinstance(teacher_k, TeacherRows):  # the [B, N, D] teacher rows themselves, transient
-                teacher_k = teacher_k.dense()
+            teacher_k = dense_rows(teacher_k)  # the [B, N, D] teacher rows themselves, transient
             p = teacher_k if weight is None else teacher_probs(teacher_k, weight, loss.chunk_tokens)
             accept = torch.minimum(torch.softmax(logits.float(), -1), p.float()).sum(-1).clamp(0, 1)
         bce = F.binary_cross_entropy_with_logits(self.confidence_logits(hidden, prev).float(), accept,

@@ -26,7 +26,7 @@ from eaglekit.heads.layers import shift_left
 from eaglekit.heads.ttt_attention import TTTCache
 
 __all__ = ["OBJECTIVES", "AcceptanceLoss", "ProjectedSoftCrossEntropy", "SoftCrossEntropy", "StepStats", "TTTModel",
-           "Teacher", "TeacherRows", "acceptance_loss", "position_loss", "projected_soft_cross_entropy", "shift_left",
+           "Teacher", "TeacherRows", "acceptance_loss", "dense_rows", "position_loss", "projected_soft_cross_entropy", "shift_left",
            "soft_cross_entropy", "supervised_count", "teacher_argmax", "teacher_probs", "topk_cross_entropy",
            "ttt_loss", "ttt_unroll"]
 
@@ -82,6 +82,11 @@ class TeacherRows:
     def dense(self) -> torch.Tensor:
         """The rows themselves, [*at.shape, C] (a copy: for no-grad consumers that read every row)."""
         return self.source[self.at.reshape(-1)].view(*self.at.shape, self.source.shape[-1])
+
+
+def dense_rows(teacher: torch.Tensor | TeacherRows) -> torch.Tensor:
+    """A teacher tensor as given, or a ``TeacherRows``'s rows themselves (``TeacherRows.dense``)."""
+    return teacher.dense() if isinstance(teacher, TeacherRows) else teacher
 
 
 def _flat_teacher(student: torch.Tensor, teacher) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
