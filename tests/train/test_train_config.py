@@ -38,6 +38,33 @@ def test_train_bad_values_refused():
         load_train_config(None, ["data.conversations=x", "eval_only=true"])
 
 
+@pytest.mark.parametrize("extra", [["head.kind=dflash"], ["loss.objective=lk"], ["loss.topk=4", "loss.topk_weight=0.5"]])
+def test_train_recompute_logits_refused_where_it_would_not_be_the_soft_ce(extra):
+    """loss.recompute_logits fuses EAGLE-3's lm_head into the soft CE: another kind, objective or a top-K
+    term would silently train something else."""
+    with pytest.raises(ConfigError, match="recompute_logits"):
+        load_train_config(None, ["data.conversations=x", "loss.recompute_logits=true", *extra])
+    load_train_config(None, ["data.conversations=x", "loss.recompute_logits=false", *extra])
+
+
+def test_train_recompute_logits_refused_under_zero3(monkeypatch):
+    """Under ZeRO-3 the head's lm_head weight is a shard outside its forward: refused before any work."""
+    from types import SimpleNamespace
+
+    from eaglekit.train import build
+    from eaglekit.train.processes import TrainError
+
+    plugin = SimpleNamespace(zero_stage=3, deepspeed_config={})
+    fake = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), distributed_type=None, device="cpu",
+                           print=print, num_processes=1)
+    monkeypatch.setattr(build, "Accelerator", lambda **kw: fake)
+    cfg = load_train_config(None, ["data.conversations=x", "loss.recompute_logits=true", "trackers=[]"])
+    with pytest.raises(TrainError, match="recompute_logits.*ZeRO-3"):
+        build.make_accelerator(cfg)
+    cfg.loss.recompute_logits = False
+    assert build.make_accelerator(cfg) is fake and plugin.deepspeed_config["train_micro_batch_size_per_gpu"] > 0
+
+
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("prepare-")),
                          ids=lambda p: p.name)
 def test_train_shipped_configs_load(path):

@@ -19,13 +19,13 @@ def tiny(tmp_path_factory):
     return d
 
 
-def _trainer(d, out, batch_size: int, grad_accum: int):
+def _trainer(d, out, batch_size: int, grad_accum: int, *extra: str):
     # grad_clip far above any norm here: the captured gradient is the loss's own, not a clipped one
     return build_trainer(load_train_config(None, [
         f"target={d / 'tiny'}", f"data.conversations={d / 'convs.jsonl'}", "data.eval_samples=2",
         "head.kind=eagle3", "head.draft_vocab_size=32", "loss.ttt_steps=2", f"data.batch_size={batch_size}",
         f"optim.grad_accum={grad_accum}", "optim.grad_clip=1e9", "optim.lr=1e-3", "progress=false",
-        "trackers=[]", "eval_interval=0", "save_interval=0", f"output_dir={out}"]))
+        "trackers=[]", "eval_interval=0", "save_interval=0", f"output_dir={out}", *extra]))
 
 
 def _step_gradients(trainer, micro_batches) -> tuple[dict, dict]:
@@ -63,3 +63,26 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient(tiny, tmp_path):
         assert scale > 0, name  # every trained parameter got a gradient: the comparison is not vacuous
         torch.testing.assert_close(g_acc[name], g_full[name], rtol=1e-4, atol=1e-6 * scale, msg=name)
     assert rec_acc["grad_norm"] == pytest.approx(rec_full["grad_norm"], rel=1e-4)
+
+
+def test_recomputed_logits_take_the_same_trainer_step(tiny, tmp_path):
+    """loss.recompute_logits on and off: the same gradients at the optimizer step (the trainer scales the loss
+    by 1 / supervised positions, so a backward that ignores its upstream gradient is off by that count) and
+    the same weights after it (Adam would hide a uniform scale in the step itself: the gradients are compared)."""
+    runs = {}
+    for fused in (False, True):
+        trainer = _trainer(tiny, tmp_path / f"fused-{fused}", 2, 1, f"loss.recompute_logits={str(fused).lower()}")
+        assert trainer.cfg.loss.recompute_logits is fused
+        record, grads = _step_gradients(trainer, [[0, 1]])
+        runs[fused] = record, grads, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    (rec_off, g_off, w_off), (rec_on, g_on, w_on) = runs[False], runs[True]
+    assert rec_on["supervised"] == rec_off["supervised"] > 1
+    assert rec_on["loss"] == pytest.approx(rec_off["loss"], rel=1e-5)
+    assert rec_on["grad_norm"] == pytest.approx(rec_off["grad_norm"], rel=1e-4)
+    assert g_on.keys() == g_off.keys() and any("lm_head" in n for n in g_on)
+    for name in g_off:
+        scale = float(g_off[name].abs().max())
+        assert scale > 0, name
+        torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+    for name in w_off:
+        torch.testing.assert_close(w_on[name], w_off[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -5,6 +5,7 @@ import torch
 from eaglekit.heads.objectives import (
     Teacher,
     TeacherRows,
+    acceptance_loss,
     projected_soft_cross_entropy,
     shift_left,
     soft_cross_entropy,
@@ -84,6 +85,38 @@ def test_train_projected_soft_ce_under_bf16_autocast_is_close_to_the_unfused_pat
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
     for a, b in ((x1.grad, x2.grad), (w1.grad, w2.grad)):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-2 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("loss", ["soft_ce", "projected", "lk"])
+def test_train_hand_written_backwards_scale_with_the_upstream_gradient(loss):
+    """The trainer backpropagates ``loss_sum * scale`` (scale ~ 1 / supervised positions), never the loss
+    alone: each hand-written backward must multiply by its upstream gradient. Under 0.01 upstream the
+    gradients are 0.01 times those under 1 (a backward that drops the factor is 100x off), and the soft CE's
+    are plain autograd's through the same formula."""
+    last, w, t2d, _, row_w = _inputs(seed=8)
+    wd = w[t2d]
+    g = torch.Generator().manual_seed(9)
+    normed, lm = torch.randn(3, 11, 16, generator=g), torch.randn(40, 16, generator=g)
+
+    def grads(upstream: float, reference: bool = False):
+        x, lw = normed.clone().requires_grad_(True), lm.clone().requires_grad_(True)
+        if reference:
+            value = naive_soft_cross_entropy(x @ lw.T, last, wd, row_w)
+        elif loss == "projected":
+            value, _ = projected_soft_cross_entropy(x, lw, last, wd, row_w, 4)
+        elif loss == "lk":
+            value = acceptance_loss(x @ lw.T, last, wd, row_w, "lk", chunk=4)
+        else:
+            value = soft_cross_entropy(x @ lw.T, last, wd, row_w, 4)
+        return torch.autograd.grad(value, [x, lw], grad_outputs=torch.tensor(upstream))
+
+    small, unit = grads(0.01), grads(1.0)
+    for got, base in zip(small, unit):
+        assert base.abs().max() > 0
+        torch.testing.assert_close(got, 0.01 * base, rtol=1e-5, atol=1e-7 * float(base.abs().max()))
+    if loss != "lk":
+        for got, want in zip(small, grads(0.01, reference=True)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))
 
 
 def test_train_chunked_soft_ce_bf16_student_close_to_naive():
