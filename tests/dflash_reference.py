@@ -47,8 +47,19 @@ def naive_block_logits(head, g, ids, t: int, pos0: int = 0, hidden: bool = False
     return (out, out @ w.T) if hidden else out @ w.T
 
 
-def naive_block_loss(head, teacher, batch, anchors, keep, scale, gamma: float):
-    """(loss, per-depth [correct, total, chain]) of the block objective, anchor by anchor."""
+def naive_dpace_weights(ces: dict[int, torch.Tensor], D: int, alpha: float) -> dict[int, float]:
+    """D-PACE's weight of each trained depth k of one block (``ces``: depth -> its CE against the teacher),
+    written out: s_k = (1 - alpha) exp(-CE_k) + alpha, w_k = sum over trained j >= k of prod_{i <= j} s_i
+    (an untrained depth's s is 1)."""
+    s = [(1 - alpha) * math.exp(-float(ces[k])) + alpha if k in ces else 1.0 for k in range(1, D + 1)]
+    return {k: sum(math.prod(s[:j]) for j in range(k, D + 1) if j in ces) for k in ces}
+
+
+def naive_block_loss(head, teacher, batch, anchors, keep, scale, gamma: float, dpace_alpha: float | None = None,
+                     weights_out: dict | None = None):
+    """(loss, per-depth [correct, total, chain]) of the block objective, anchor by anchor; ``dpace_alpha``:
+    D-PACE's weights (``naive_dpace_weights``) instead of exp(-(k-1)/gamma); ``weights_out`` gets each
+    trained depth's weight by (row, anchor slot, depth)."""
     ids, mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
     S, D = ids.shape[1], head.draft_depths
     g = head.fuse(batch["taps"])
@@ -61,7 +72,7 @@ def naive_block_loss(head, teacher, batch, anchors, keep, scale, gamma: float):
                 continue
             t = int(anchors[b, n])
             logits = naive_block_logits(head, g[b:b + 1], ids[b:b + 1], t)
-            all_right = True
+            all_right, ces = True, {}
             for k in range(1, D + 1):
                 if t + 1 + k >= S:
                     break
@@ -76,6 +87,11 @@ def naive_block_loss(head, teacher, batch, anchors, keep, scale, gamma: float):
                 if top < 0:
                     continue  # the teacher's choice is outside the draft vocabulary: no CE
                 p = torch.softmax(last[b, t + k] @ wd.T, -1)
-                ce = -(p * torch.log_softmax(logits[k - 1], -1)).sum()
-                total = total + float(scale[b]) * math.exp(-(k - 1) / gamma) * ce
+                ces[k] = -(p * torch.log_softmax(logits[k - 1], -1)).sum()
+            weights = {k: math.exp(-(k - 1) / gamma) for k in ces} if dpace_alpha is None \
+                else naive_dpace_weights(ces, D, dpace_alpha)
+            for k, ce in ces.items():
+                total = total + float(scale[b]) * weights[k] * ce
+                if weights_out is not None:
+                    weights_out[b, n, k] = weights[k]
     return total, counts

@@ -206,6 +206,47 @@ def test_dflash_normalised_position_weights_divide_by_their_sum(target):
     torch.testing.assert_close(normed * position_weights(head.draft_depths, 2.0).sum(), plain)
 
 
+@pytest.mark.parametrize("cache_mb", [64.0, 0.0])  # the teacher cached per batch, or recomputed chunk by chunk
+def test_dflash_dpace_objective_matches_naive_per_depth_reference(target, cache_mb, monkeypatch):
+    """loss.block_weighting=dpace in training: each anchor's per-depth weights, the loss and its gradient
+    against the anchor-by-anchor reference whose weights come from each depth's own CE against the teacher
+    at t+k (naive_dpace_weights). An untrained head's near-uniform logits make every CE ~log Vd, which would
+    hide a teacher read at the wrong position in the loss: its norm is scaled so the CEs differ by depth."""
+    from eaglekit.heads import dflash
+
+    head = _head(target, block=5)
+    with torch.no_grad():
+        head.norm.weight.mul_(10.0)
+    teacher = Teacher.build(target.lm_head.weight, head.t2d)
+    batch = padded_feature_batch(target)
+    batch["last"] = batch["last"] * 4.0  # a peakier teacher, for the same reason
+    settings = _loss(anchors=7, cache_mb=cache_mb)
+    settings.block_weighting, settings.dpace_alpha = "dpace", 0.2
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(dflash_dpace_weights(*args, **kw))
+        return seen[-1]
+
+    dflash_dpace_weights = dflash.dpace_weights
+    monkeypatch.setattr(dflash, "dpace_weights", spy)
+    loss, _ = head.training_loss(teacher, batch, settings, steps=4, train=False)
+    anchors, keep, scale = head.sample_anchors(batch, 7, train=False)
+    weights = {}
+    want, _ = naive_block_loss(head, teacher, batch, anchors, keep, scale, gamma=1.0, dpace_alpha=0.2,
+                               weights_out=weights)
+    (got_w,) = seen
+    assert len(weights) > 20 and int((got_w > 0).sum()) == len(weights)
+    torch.testing.assert_close(torch.tensor([float(got_w[b, n, k - 1]) for b, n, k in weights]),
+                               torch.tensor(list(weights.values())), rtol=1e-5, atol=1e-7)
+    params = [head.fc.weight, head.layers[1].self_attn.q_proj.weight, head.norm.weight]
+    grads, want_grads = torch.autograd.grad(loss, params), torch.autograd.grad(want, params)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, want_grads):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5 * float(b.abs().max()))
+
+
 def test_dflash_dpace_weights_are_the_expected_length_each_depth_carries(target):
     """D-PACE: s_k = (1 - a) exp(-CE_k) + a on trained depths (1 elsewhere), w_k = sum_{j>=k} prod_{i<=j} s_i
     over trained depths — checked element by element; training with it changes the loss, stays finite."""
