@@ -42,18 +42,26 @@ def test_load_without_decoder_names_a_missing_tensor(tmp_path):
         load_target(tmp_path / "m", decoder=False)
 
 
-@pytest.fixture(scope="module")
-def capture(tmp_path_factory):
+def _capture(d, rows: int = 64):
+    """A tiny qwen2 target (its embedding ``rows`` long for the tokenizer's 64 ids: a padded vocabulary past
+    64) and an EAGLE-3 capture of 12 conversations under ``d``."""
+    from helpers import tiny_model, tiny_tokenizer
+
     from eaglekit.config import load_config
     from eaglekit.data_prep.prepare import PrepareConfig, run_prepare
 
-    d = tmp_path_factory.mktemp("offline")
-    save_tiny(d / "tiny", arch="qwen2", vocab_size=64, hidden=32, layers=4)
+    tiny_model("qwen2", 0, vocab_size=rows, hidden=32, layers=4).save_pretrained(d / "tiny")
+    tiny_tokenizer(64).save_pretrained(d / "tiny")
     tiny_conversations(d / "convs.jsonl", n=12)
     run_prepare(load_config(PrepareConfig, None, [f"target={d / 'tiny'}", f"data={d / 'convs.jsonl'}",
                                                   f"output_dir={d / 'feats'}", "draft_vocab_size=32",
                                                   "progress=false"]))
     return d
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory):
+    return _capture(tmp_path_factory.mktemp("offline"))
 
 
 def _trainer(d, out, *extra):
@@ -107,3 +115,25 @@ def test_load_target_decoder_false_refused_where_the_decoder_runs(tmp_path):
     with pytest.raises(ConfigError, match="head.init_layer_from_target"):
         load_train_config(None, ["data.features_dir=x", "data.load_target_decoder=false",
                                  "head.init_layer_from_target=true"])
+
+
+def test_offline_dflash_keeps_its_mask_row_past_the_tokenizer(tmp_path_factory, tmp_path):
+    """A padded vocabulary (72 embedding rows, 64 token ids): DFlash's mask token is a spare row past them, which
+    no capture holds, so the rows kept must add it (with the tiny tokenizer's pad-row mask, row 0, a lost mask
+    row would pass unseen). Kept rows train as the whole target does, and the mask row is the target's."""
+    d = _capture(tmp_path_factory.mktemp("padded"), rows=72)
+    runs = {}
+    for name, extra in (("rows", []), ("whole", ["data.load_target_decoder=true"])):
+        trainer = _trainer(d, tmp_path / name, "head.kind=dflash", *extra)
+        try:
+            runs[name] = trainer, [trainer.train_step([[0, 1]]), trainer.evaluate()]
+        finally:
+            trainer.lock.release()
+    trainer, whole = runs["rows"][0], runs["whole"][0].target
+    mask = trainer.head.config.mask_token_id
+    assert 64 <= mask < 72 == whole.embed_tokens.weight.shape[0]
+    source = trainer.src.train.source.source
+    assert mask not in torch.cat([source[i]["input_ids"] for i in range(len(source))]).tolist()
+    assert torch.equal(trainer.target.embed_tokens(torch.tensor([mask])), whole.embed_tokens.weight[[mask]])
+    assert [r.get("loss", r.get("eval_loss")) for r in runs["rows"][1]] == \
+        [r.get("loss", r.get("eval_loss")) for r in runs["whole"][1]]
