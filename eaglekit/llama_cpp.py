@@ -7,7 +7,9 @@ llama-server processes (token ids in; tokens, timings and draft counts out).
         r = s.complete(ids, n_predict=128)            # r.tokens, r.tokens_per_s, r.draft_n, r.accepted, r.tau
 
 The source is the llama-cpp-python sdist's vendor/llama.cpp (only the package registry is needed); the build
-is native, so the cache is stamped with this CPU's flags and another CPU rebuilds. What llama.cpp's EAGLE-3
+is native, so the cache is stamped with this CPU's flags and another CPU rebuilds. The stamp also carries what
+eaglekit changes in the build (``BUILD_CHANGES``: ggml's AMX kernels left out, one line in the Qwen2 graph), so a
+cache made before a change rebuilds; the build ends with a smoke test (llama-server starts and decodes). What llama.cpp's EAGLE-3
 (``--spec-type draft-eagle3``) can represent is narrower than what eaglekit trains: one decoder layer, three
 taps, ``norm_before_fc`` or no norm before ``fc`` (not per-tap ``fc_norm``), the pre-norm feature fed back
 (not ``norm_output``). ``refusal`` names what else a head would need; export_head asks it before writing.
@@ -18,6 +20,8 @@ import contextlib
 import hashlib
 import json
 import os
+import platform
+import re
 import shutil
 import signal
 import socket
@@ -57,6 +61,28 @@ cmake_language(DEFER DIRECTORY "${CMAKE_SOURCE_DIR}" CALL _eaglekit_light_optimi
 """
 
 
+# What eaglekit changes in the pinned build, each small enough to read here; all of it is in the stamp.
+#
+# 1. No ggml AMX kernels. On an Intel Xeon with AMX, -march=native compiles ggml-cpu/amx (a buffer type that
+#    repacks quantised weights at load for AMX tile matmuls), and llama-server dies with SIGSEGV in its first
+#    decode, inside ggml_backend_amx_mul_mat (seen 2026-12-05 on a 2-core AMX VM; upstream #20824, closed stale
+#    without a fix, and open PR #26954: ggml_amx_init asks the kernel for tile-data permission on the main thread
+#    only while worker threads run the tile instructions, and the tile configuration built on the stack can be
+#    optimised away). The tile kernels are an optional faster path: without them the same quantised matmuls run
+#    on the AVX-512 VNNI / AVX2 kernels every other CPU uses. GCC keeps an explicit -mno-* over -march=native,
+#    so __AMX_INT8__ is never defined and ggml compiles no AMX code (amx.h and ggml-cpu.cpp test that macro).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# 2. Qwen2 / Qwen2.5's graph records its layer inputs. llama.cpp's EAGLE-3 and DSpark drafts read the target's
+#    layer inputs (res->t_layer_inp), which a graph records only where upstream added the line for it, one
+#    architecture at a time as users hit llama-server's "layer input tensor is null" (#24593 qwen35, #25141
+#    qwen3next, #25604 minimax-m2); qwen2 has no such change. The line below is what llama.cpp's llama.cpp and
+#    qwen3.cpp graphs have as the first statement of their layer loop: it only names a tensor the graph
+#    computes anyway, so plain decoding is unchanged.
+PATCHES = (("src/models/qwen2.cpp", "    for (int il = 0; il < n_layer; ++il) {\n",
+            "        res->t_layer_inp[il] = inpL;\n"),)
+BUILD_CHANGES = hashlib.sha256(repr((NO_AMX, PATCHES)).encode()).hexdigest()[:12]
+
+
 class LlamaCppError(RuntimeError):
     """The pinned llama.cpp could not be built, a head cannot be served by it, or a server failed."""
 
@@ -73,7 +99,8 @@ def _stamp() -> str:
             flags = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
         pass
-    return f"llama-cpp-python=={VERSION} {SDIST_SHA256} cpu={hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+    return (f"llama-cpp-python=={VERSION} {SDIST_SHA256} changes={BUILD_CHANGES} "
+            f"cpu={hashlib.sha256(flags.encode()).hexdigest()[:16]}")
 
 
 def installed() -> Path | None:
@@ -114,32 +141,82 @@ def _build(jobs: int | None, log) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(work, members=[m for m in tar.getmembers() if m.name.startswith(inner)], filter="data")
         src = work / inner
+        apply_patches(src)
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         (work / "light.cmake").write_text(LIGHT_OPTIMISATION)
+        flags = [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"] if _x86() else []
         _run(["cmake", "-S", str(src), "-B", str(work / "build"), *gen, "-DCMAKE_BUILD_TYPE=Release",
               "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-              "-DBUILD_SHARED_LIBS=OFF", f"-DCMAKE_PROJECT_INCLUDE={work / 'light.cmake'}"], "cmake", log)
+              "-DBUILD_SHARED_LIBS=OFF", f"-DCMAKE_PROJECT_INCLUDE={work / 'light.cmake'}", *flags], "cmake", log)
         _run(["cmake", "--build", str(work / "build"), "--target", *BINARIES, "-j", str(jobs or os.cpu_count() or 2)],
              "cmake --build", log)
-        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=root.name + ".tmp"))
+        return _install(work / "build" / "bin", src, root, log)
+
+
+def _install(bin_dir: Path, src: Path, root: Path, log=sys.stderr) -> Path:
+    """Copy the built binaries and the converter into a folder beside ``root``, smoke-test it, then publish it
+    as ``root``; on any failure the folder is removed (nothing half-made stays in the cache)."""
+    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=root.name + ".tmp"))
+    try:
         (tmp / "bin").mkdir()
         for b in BINARIES:
-            shutil.copy2(work / "build" / "bin" / b, tmp / "bin" / b)
+            shutil.copy2(bin_dir / b, tmp / "bin" / b)
         for part in ("gguf-py", "conversion"):  # the converter and what it imports
             if (src / part).is_dir():
                 shutil.copytree(src / part, tmp / part)
         shutil.copy2(src / "convert_hf_to_gguf.py", tmp / "convert_hf_to_gguf.py")
+        (tmp / SERVABLE_FILE).write_text(json.dumps(read_servable(src), indent=1, sort_keys=True) + "\n")
+        smoke_test(tmp, log)
         (tmp / ".built").write_text(_stamp() + "\n")  # last: its presence means the folder is whole
         shutil.rmtree(root, ignore_errors=True)
         publish_dir(tmp, root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone once published
     return root
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def apply_patches(src: Path) -> None:
+    """Insert each of ``PATCHES``' lines after its anchor, which must occur exactly once in the pinned file."""
+    for rel, anchor, line in PATCHES:
+        path = src / rel
+        text = path.read_text()
+        if anchor + line in text:  # applied already
+            continue
+        if text.count(anchor) != 1:
+            raise LlamaCppError(f"{path}: the line eaglekit patches after ({anchor.strip()!r}) occurs "
+                                f"{text.count(anchor)} times, not once; the pinned source is not the expected one")
+        path.write_text(text.replace(anchor, anchor + line))
+
+
+def smoke_test(root: Path, log=sys.stderr) -> None:
+    """llama-server from ``root`` starts on the embedded SmolLM2 (a Q4_1 file, whose quantised matmuls are what
+    the AMX crash hit) and greedily decodes 4 tokens; a build that cannot do that fails here, naming the cause."""
+    model = assets.asset_file(assets.DEFAULT_TARGET)
+    try:
+        with Server(model, root=root, threads=2, ctx=256, timeout=120) as server:
+            got = server.complete([1, 9690, 198, 19556, 17], n_predict=4)
+    except LlamaCppError as e:
+        raise LlamaCppError(f"the new build of llama.cpp fails its smoke test (llama-server on {model}): {e}") from e
+    if len(got.tokens) != 4:
+        raise LlamaCppError(f"the new build's llama-server decoded {got.tokens} for 4 tokens on {model}")
+    print(f"eaglekit: llama.cpp smoke test passed (4 tokens at {got.tokens_per_s:.1f} tok/s)", file=log, flush=True)
 
 
 def _run(cmd: list[str], what: str, log=sys.stderr, env=None, error=None) -> None:
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, check=False)
     if out.returncode != 0:
         print(out.stdout[-4000:], file=log)
-        raise (error or LlamaCppError)(f"{what} failed (exit {out.returncode}): {' '.join(cmd[:6])} ...")
+        lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
+        cause = lines[-1].strip() if lines else "no output"
+        if missing := re.search(r"No module named '([\w.]+)'", out.stdout):  # the converter's imports
+            cause += (f" -- the converter needs the Python package {missing.group(1)!r}: install eaglekit's "
+                      "llama-cpp extra (pip install 'eaglekit[llama-cpp]')")
+        raise (error or LlamaCppError)(f"{what} failed (exit {out.returncode}): {cause}\n"
+                                       f"command: {' '.join(cmd[:6])} ...")
 
 
 def require(build_if_missing: bool = True) -> Path:
@@ -181,38 +258,79 @@ def refusal(cfg) -> str | None:
     return "llama.cpp cannot serve this head as trained: " + "; ".join(why) + f". Train a servable head with {SERVABLE}"
 
 
-# llama.cpp's EAGLE-3 and DSpark drafts read the target's layer inputs, which only some target graphs of the
-# pinned source record (src/models/*.cpp setting res->t_layer_inp). For any other, llama-server aborts on its
-# first batch ("layer input tensor is null"): Qwen2 / Qwen2.5's graph, for one. GGUF general.architecture ->
-# the transformers model_types converted to it, among those checked in the pinned source.
-TAPPED_ARCHS = {"llama": ("llama", "mistral"), "qwen3": ("qwen3",), "qwen3moe": ("qwen3_moe",),
-                "gpt-oss": ("gpt_oss",), "qwen35": (), "qwen35moe": (), "gemma4": ()}
+# llama.cpp's EAGLE-3 and DSpark drafts read the target's layer inputs, which only some target graphs record
+# (src/models/*.cpp setting res->t_layer_inp); for any other, llama-server aborts on its first batch ("layer
+# input tensor is null"). The build reads which from the pinned source it compiled (patches applied) into
+# SERVABLE_FILE: {GGUF general.architecture: [transformers architectures its converter writes as it]}.
+SERVABLE_FILE = "servable.json"
 
 
-def _untapped(arch: str, what: str) -> str:
-    tapped = ", ".join(t for ts in TAPPED_ARCHS.values() for t in ts)
+def read_servable(src: Path) -> dict[str, list[str]]:
+    """The architectures whose graph in the llama.cpp source tree ``src`` records its layer inputs."""
+    classes = set()
+    for f in sorted((src / "src" / "models").glob("*.cpp")):
+        text = f.read_text(errors="replace")
+        if "t_layer_inp[" in text:  # the graphs built in this file record them
+            classes |= set(re.findall(r"\bllama_model_(\w+)::(?:graph::graph|build_arch_graph)\b", text))
+    enums = set()  # llama-model.cpp: case LLM_ARCH_A: [case LLM_ARCH_B: ...] return new llama_model_x(params);
+    mapping = (src / "src" / "llama-model.cpp").read_text(errors="replace")
+    for cases, cls in re.findall(r"((?:case\s+LLM_ARCH_\w+:\s*)+)return new llama_model_(\w+)\(", mapping):
+        if cls in classes:
+            enums |= set(re.findall(r"LLM_ARCH_(\w+)", cases))
+    names = dict(re.findall(r'\{\s*LLM_ARCH_(\w+),\s*"([^"]+)"\s*\}', (src / "src" / "llama-arch.cpp").read_text()))
+    servable = {names[e]: set() for e in enums if e in names}
+    # the converter: @ModelBase.register("HfArch", ...) on a class whose model_arch is gguf.MODEL_ARCH.X
+    gguf_names = dict(re.findall(r'MODEL_ARCH\.(\w+):\s*"([^"]+)"',
+                                 (src / "gguf-py" / "gguf" / "constants.py").read_text()))
+    for f in [src / "convert_hf_to_gguf.py", *sorted((src / "conversion").glob("*.py"))]:
+        text = f.read_text(errors="replace")
+        for regs, body in re.findall(r"@ModelBase\.register\(([^)]*)\)\s*(?:[@#][^\n]*\n\s*)*class \w+[^\n]*\n(.*?)"
+                                     r"(?=\n@|\nclass |\Z)", text, re.DOTALL):
+            arch = re.search(r"^\s+model_arch\s*=\s*gguf\.MODEL_ARCH\.(\w+)", body, re.MULTILINE)
+            if arch and gguf_names.get(arch.group(1)) in servable:
+                servable[gguf_names[arch.group(1)]] |= set(re.findall(r'"([^"]+)"', regs))
+    return {arch: sorted(hf) for arch, hf in sorted(servable.items())}
+
+
+def servable(root: Path | None = None) -> dict[str, list[str]]:
+    """``read_servable`` of the pinned build in ``root`` (default: the cached build, built if missing)."""
+    root = root or require()
+    try:
+        return json.loads((root / SERVABLE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise LlamaCppError(f"{root / SERVABLE_FILE}: cannot read which targets llama-server drafts for ({e}); "
+                            f"rebuild (remove {root})") from e
+
+
+def _untapped(arch: str, what: str, table: dict[str, list[str]]) -> str:
+    tapped = ", ".join(f"{a} ({', '.join(hf)})" if hf else a for a, hf in table.items())
     return (f"llama.cpp {VERSION} cannot draft for {what}: its EAGLE-3 / DSpark drafts read the target's layer "
             f"inputs, which its {arch} graph does not record (llama-server aborts: 'layer input tensor is null'); "
-            f"it can for targets of model type {tapped}")
+            f"it can for GGUF architectures (transformers architectures): {tapped}")
 
 
-def target_refusal(target_dir) -> str | None:
+def target_refusal(target_dir, root: Path | None = None) -> str | None:
     """Why llama-server cannot draft with a head for the transformers target in ``target_dir`` (None: it can)."""
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    model_type = cfg.get("model_type", "?")
-    if any(model_type in types for types in TAPPED_ARCHS.values()):
+    table = servable(root)
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    if any(a in hf for a in archs for hf in table.values()):
         return None
-    return _untapped(model_type, f"a {model_type} target ({target_dir})")
+    return _untapped(archs[0], f"a {archs[0]} target ({target_dir})", table)
 
 
-def check_draft_target(model) -> None:
-    """Refuse the target GGUF ``model`` if llama-server cannot draft for it with a head (its architecture)."""
+def gguf_architecture(model) -> str:
     from gguf import GGUFReader
 
     field = GGUFReader(str(model)).fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode()
-    if arch not in TAPPED_ARCHS:
-        raise LlamaCppError(_untapped(arch, f"the {arch} target {model}"))
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def check_draft_target(model, root: Path | None = None) -> None:
+    """Refuse the target GGUF ``model`` if llama-server cannot draft for it with a head (its architecture)."""
+    arch, table = gguf_architecture(model), servable(root)
+    if arch not in table:
+        raise LlamaCppError(_untapped(arch, f"the {arch} target {model}", table))
 
 
 def export_gguf(layout_dir, out_dir, target_dir, outtype: str = "f16", overwrite: bool = False,
@@ -306,6 +424,7 @@ class DraftCounts:
 class Completion(DraftCounts):
     tokens: list[int]
     timings: dict = field(default_factory=dict)
+    top: list[dict[int, float]] = field(default_factory=list)  # with n_probs: each token's top log-probabilities
 
     @property
     def tokens_per_s(self) -> float:
@@ -318,6 +437,14 @@ class Completion(DraftCounts):
     @property
     def accepted(self) -> int:
         return int(self.timings.get("draft_n_accepted", 0))
+
+
+def _exit_status(code: int) -> str:
+    """A process's return code in words: a negative code is the signal that ended it (SIGSEGV: a crash)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit {code}"
 
 
 def free_port() -> int:
@@ -336,20 +463,27 @@ class ServerProcess:
 
     def __enter__(self):
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+            self._wait_healthy()
+        except BaseException:  # Ctrl-C included: in a session of its own the server would not get the SIGINT
+            self.close()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
         deadline = time.time() + self.timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise self.error(f"{self.name} exited ({self.proc.returncode}) at start: {self.tail()}")
+                raise self.error(f"{self.name} exited ({_exit_status(self.proc.returncode)}) at start: {self.tail()}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
                     if r.status == 200:
-                        return self
+                        return
             except OSError:
                 pass
             time.sleep(self.poll_s)
-        self.close()
         raise self.error(f"{self.name} did not become healthy in {self.timeout:.0f} s: {self.tail()}")
 
     def __exit__(self, *exc) -> None:
@@ -357,11 +491,13 @@ class ServerProcess:
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the server and any child it started
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the server and any child it started
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
     def tail(self, n: int = 3000) -> str:
@@ -381,9 +517,9 @@ class Server(ServerProcess):
     def __init__(self, model, draft=None, spec_type: str | None = None, n_max: int | None = None,
                  p_min: float | None = None, threads: int | None = None, ctx: int = 4096, extra=(),
                  root: Path | None = None, timeout: float = 180.0):
-        if draft is not None and spec_type in ("draft-eagle3", "draft-dspark"):  # refused before any process
-            check_draft_target(model)
         self.root = root or require()
+        if draft is not None and spec_type in ("draft-eagle3", "draft-dspark"):  # refused before any process
+            check_draft_target(model, self.root)
         self.port = free_port()
         cmd = [str(self.root / "bin" / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
                "--port", str(self.port), "-c", str(ctx), "-np", "1", "-t", str(threads or os.cpu_count() or 1),
@@ -400,11 +536,14 @@ class Server(ServerProcess):
 
     name, error = "llama-server", LlamaCppError
 
-    def complete(self, ids, n_predict: int, cache_prompt: bool = False, timeout: float = 900.0) -> Completion:
+    def complete(self, ids, n_predict: int, cache_prompt: bool = False, timeout: float = 900.0,
+                 n_probs: int = 0) -> Completion:
         """Greedy completion of the token ids ``ids`` (the prompt already in the chat template), up to
         ``n_predict`` tokens or the model's end-of-generation token. ``cache_prompt``: reuse the slot's KV of
-        the previous request's common prefix (off: every request is prefilled whole)."""
-        body = {"prompt": [int(i) for i in ids], "n_predict": int(n_predict), "temperature": 0.0, "top_k": 1,
+        the previous request's common prefix (off: every request is prefilled whole). ``n_probs``: also return
+        each position's top ``n_probs`` log-probabilities before sampling (``Completion.top``)."""
+        body = {"prompt": [int(i) for i in ids], "n_predict": int(n_predict), "temperature": 0.0,
+                "top_k": 1, "n_probs": int(n_probs),
                 "cache_prompt": cache_prompt, "return_tokens": True, "stream": False}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -413,7 +552,9 @@ class Server(ServerProcess):
                 res = json.loads(r.read())
         except OSError as e:
             raise LlamaCppError(f"llama-server request failed ({e}): {self.tail()}") from e
-        return Completion(tokens=[int(t) for t in res.get("tokens", [])], timings=res.get("timings", {}))
+        top = [{int(p["id"]): float(p["logprob"]) for p in pos.get("top_logprobs", [])}
+               for pos in res.get("completion_probabilities", [])]
+        return Completion(tokens=[int(t) for t in res.get("tokens", [])], timings=res.get("timings", {}), top=top)
 
 
 if __name__ == "__main__":  # scripts/llama_cpp.sh: build once, print the folder

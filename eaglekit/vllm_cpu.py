@@ -145,11 +145,7 @@ class Server(llama_cpp.ServerProcess):
         # a folder eaglekit dequantised from GGUF is served through a copy without its quantization block
         self._plain = llama_cpp.plain_model_dir(self.model)
         self.cmd[2] = str(self._plain.__enter__())  # the folder served (cmd[2]); its name stays `model`
-        try:
-            return super().__enter__()
-        except VllmError:
-            self.close()
-            raise
+        return super().__enter__()  # on any failure, Ctrl-C included, it calls close(): process and folder go
 
     def close(self) -> None:
         super().close()

@@ -55,15 +55,25 @@ def test_llama_cpp_serves_plain_and_norm_before_fc_heads(target, tmp_path):
     assert not (tmp_path / "out" / "head-q4_0.gguf").exists()
 
 
-def test_llama_cpp_refuses_a_target_whose_graph_records_no_layer_inputs(target, tmp_path):
-    """The pinned llama.cpp's Qwen2 graph records no layer inputs, so llama-server aborts on the first batch
-    of an EAGLE-3 or DSpark draft for a Qwen2 / Qwen2.5 target: refused at export (the target's folder) and
-    before a server starts (the target GGUF's architecture), naming what it can serve."""
+def test_llama_cpp_drafts_only_for_targets_whose_graph_records_layer_inputs(target, tmp_path, monkeypatch):
+    """llama.cpp's EAGLE-3 and DSpark drafts read the target's layer inputs; llama-server aborts on the first
+    batch for a graph that records none. Which graphs do is read from the build (its servable.json): a target
+    outside it is refused at export (the target's folder) and before a server starts (the GGUF's
+    architecture), naming what it can serve; one inside it is not."""
+    import json
+
     import gguf
 
+    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path / "cache"))
+    root = llama_cpp.install_dir()
+    fake_build(root)
+    (root / ".built").write_text(llama_cpp._stamp() + "\n")
+    table = {"llama": ["LlamaForCausalLM", "MistralForCausalLM"], "qwen3": ["Qwen3ForCausalLM"]}
+    (root / llama_cpp.SERVABLE_FILE).write_text(json.dumps(table))
     head = build_head(HeadConfig.from_target(target, kind="eagle3"), target)
     qwen = save_tiny(tmp_path / "qwen2", arch="qwen2")
-    with pytest.raises(ExportError, match="qwen2 target .*layer input tensor is null.*llama, mistral, qwen3"):
+    with pytest.raises(ExportError, match="Qwen2ForCausalLM target .*layer input tensor is null.*"
+                                          r"llama \(LlamaForCausalLM, MistralForCausalLM\), qwen3"):
         export_head(head, tmp_path / "out", "llama.cpp", target_dir=qwen, gguf_type="f16")
     assert not (tmp_path / "out").exists()
     assert llama_cpp.target_refusal(save_tiny(tmp_path / "llama")) is None
@@ -73,9 +83,126 @@ def test_llama_cpp_refuses_a_target_whose_graph_records_no_layer_inputs(target, 
         w.write_kv_data_to_file()
         w.close()
     with pytest.raises(llama_cpp.LlamaCppError, match="the qwen2 target"):
-        llama_cpp.Server(tmp_path / "qwen2.gguf", draft=tmp_path / "head.gguf", spec_type="draft-dspark", root=tmp_path)
-    llama_cpp.Server(tmp_path / "llama.gguf", draft=tmp_path / "head.gguf", spec_type="draft-eagle3", root=tmp_path)
-    llama_cpp.Server(tmp_path / "qwen2.gguf", draft=tmp_path / "d.gguf", spec_type="draft-simple", root=tmp_path)
+        llama_cpp.Server(tmp_path / "qwen2.gguf", draft=tmp_path / "head.gguf", spec_type="draft-dspark", root=root)
+    llama_cpp.Server(tmp_path / "llama.gguf", draft=tmp_path / "head.gguf", spec_type="draft-eagle3", root=root)
+    llama_cpp.Server(tmp_path / "qwen2.gguf", draft=tmp_path / "d.gguf", spec_type="draft-simple", root=root)
+    table["qwen2"] = ["Qwen2ForCausalLM"]  # what eaglekit's build records (llama_cpp.PATCHES)
+    (root / llama_cpp.SERVABLE_FILE).write_text(json.dumps(table))
+    assert llama_cpp.target_refusal(qwen) is None
+    llama_cpp.Server(tmp_path / "qwen2.gguf", draft=tmp_path / "head.gguf", spec_type="draft-dspark", root=root)
+
+
+def fake_source(src):
+    """The few files of a llama.cpp source tree that the patch and read_servable look at, in their shapes."""
+    (src / "src" / "models").mkdir(parents=True)
+    (src / "conversion").mkdir()
+    (src / "gguf-py" / "gguf").mkdir(parents=True)
+    loop = "    for (int il = 0; il < n_layer; ++il) {\n        ggml_tensor * inpSA = inpL;\n    }\n"
+    graph = "llama_model_{0}::graph::graph(const llama_model & model) {{\n{1}}}\n"
+    (src / "src" / "models" / "qwen2.cpp").write_text(graph.format("qwen2", loop))
+    (src / "src" / "models" / "llama.cpp").write_text(
+        graph.format("llama", loop.replace("{\n", "{\n        res->t_layer_inp[il] = inpL;\n", 1)))
+    (src / "src" / "models" / "gpt2.cpp").write_text(graph.format("gpt2", loop))
+    (src / "src" / "llama-model.cpp").write_text(
+        "    switch (arch) {\n        case LLM_ARCH_LLAMA:\n            return new llama_model_llama(params);\n"
+        "        case LLM_ARCH_QWEN2:\n        case LLM_ARCH_QWEN2VL:\n            return new llama_model_qwen2(params);\n"
+        "        case LLM_ARCH_GPT2:\n            return new llama_model_gpt2(params);\n")
+    (src / "src" / "llama-arch.cpp").write_text('    { LLM_ARCH_LLAMA, "llama" },\n    { LLM_ARCH_QWEN2, "qwen2" },\n'
+                                                '    { LLM_ARCH_QWEN2VL, "qwen2vl" },\n    { LLM_ARCH_GPT2, "gpt2" },\n')
+    (src / "gguf-py" / "gguf" / "constants.py").write_text(
+        '    MODEL_ARCH.LLAMA: "llama",\n    MODEL_ARCH.QWEN2: "qwen2",\n    MODEL_ARCH.GPT2: "gpt2",\n')
+    (src / "convert_hf_to_gguf.py").write_text("")
+    (src / "conversion" / "models.py").write_text(
+        '@ModelBase.register(\n    "LlamaForCausalLM",\n    "MistralForCausalLM")\n# a comment\n'
+        "class LlamaModel(TextModel):\n    model_arch = gguf.MODEL_ARCH.LLAMA\n\n\n"
+        '@ModelBase.register("Qwen2ForCausalLM")\nclass Qwen2Model(TextModel):\n    """doc"""\n'
+        "    model_arch = gguf.MODEL_ARCH.QWEN2\n\n\n"
+        '@ModelBase.register("GPT2LMHeadModel")\nclass GPT2Model(TextModel):\n    model_arch = gguf.MODEL_ARCH.GPT2\n')
+
+
+def test_llama_cpp_build_records_qwen2_layer_inputs_and_reads_what_it_serves_from_the_source(tmp_path):
+    """The build's one-line patch puts the layer-input record first in qwen2's layer loop (once, however often
+    it is applied), and read_servable finds the servable architectures from the source: the graphs recording
+    layer inputs, the GGUF names of the architectures built by them, the transformers classes converted to
+    those. A source without the patch's anchor is refused, naming the file."""
+    src = tmp_path / "src-tree"
+    fake_source(src)
+    assert llama_cpp.read_servable(src) == {"llama": ["LlamaForCausalLM", "MistralForCausalLM"]}
+    llama_cpp.apply_patches(src)
+    llama_cpp.apply_patches(src)  # a second time changes nothing
+    text = (src / "src" / "models" / "qwen2.cpp").read_text()
+    assert text.count("res->t_layer_inp[il] = inpL;") == 1
+    assert text.index("for (int il = 0") < text.index("t_layer_inp") < text.index("inpSA")
+    assert llama_cpp.read_servable(src) == {"llama": ["LlamaForCausalLM", "MistralForCausalLM"],
+                                            "qwen2": ["Qwen2ForCausalLM"], "qwen2vl": []}
+    (src / "src" / "models" / "qwen2.cpp").write_text("void f() {}\n")
+    with pytest.raises(llama_cpp.LlamaCppError, match="qwen2.cpp.*occurs 0 times"):
+        llama_cpp.apply_patches(src)
+
+
+def test_llama_cpp_build_stamp_names_what_eaglekit_changes(tmp_path, monkeypatch):
+    """A cache built before a change of eaglekit's build (AMX off, the Qwen2 patch) is not used: its stamp lacks
+    the changes' hash, so the next use rebuilds; on x86 the compiler is told to leave AMX out."""
+    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
+    root = llama_cpp.install_dir()
+    fake_build(root)
+    stamp = llama_cpp._stamp()
+    assert f"changes={llama_cpp.BUILD_CHANGES}" in stamp
+    (root / ".built").write_text(stamp.replace(f" changes={llama_cpp.BUILD_CHANGES}", "") + "\n")  # an old cache
+    assert llama_cpp.installed() is None
+    (root / ".built").write_text(stamp + "\n")
+    assert llama_cpp.installed() == root
+    assert set(llama_cpp.NO_AMX.split()) == {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"}
+
+
+def test_llama_cpp_failed_install_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    """The build's last stage copies the binaries beside the cache folder and smoke-tests them: when that
+    fails (here: the server crashes at start), the error says so and no folder is left behind."""
+    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path / "cache"))
+    root = llama_cpp.install_dir()
+    root.parent.mkdir(parents=True)
+    fake_build(tmp_path / "b")
+    src = tmp_path / "src-tree"
+    fake_source(src)
+
+    def crash(tmp, log):
+        raise llama_cpp.LlamaCppError("llama-server exited (killed by SIGSEGV) at start")
+
+    monkeypatch.setattr(llama_cpp, "smoke_test", crash)
+    with pytest.raises(llama_cpp.LlamaCppError, match="SIGSEGV"):
+        llama_cpp._install(tmp_path / "b" / "bin", src, root)
+    assert list(root.parent.iterdir()) == []
+
+
+def test_llama_cpp_server_is_gone_after_an_interrupted_start(tmp_path, monkeypatch):
+    """A server starts in a session of its own (Ctrl-C in the terminal does not reach it), so any exception
+    while it starts, KeyboardInterrupt included, must end it: none outlives its caller."""
+    import sys
+
+    class Sleeper(llama_cpp.ServerProcess):
+        cmd, timeout, port = [sys.executable, "-c", "import time; time.sleep(120)"], 60, llama_cpp.free_port()
+
+    calls = []
+
+    def interrupted(*a, **k):  # the health check is where a start waits; Ctrl-C arrives there
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llama_cpp.urllib.request, "urlopen", interrupted)
+    server = Sleeper()
+    with pytest.raises(KeyboardInterrupt):
+        server.__enter__()
+    assert calls and server.proc.poll() is not None  # ended, not left running
+
+
+def test_llama_cpp_converter_names_the_missing_extra(tmp_path):
+    """A converter run that fails on a missing import says which package and which extra installs it, not only
+    that the command failed."""
+    import sys
+
+    with pytest.raises(llama_cpp.LlamaCppError, match="'sentencepiece'.*eaglekit\\[llama-cpp\\]"):
+        llama_cpp._run([sys.executable, "-c", "raise ModuleNotFoundError(\"No module named 'sentencepiece'\")"],
+                       "convert_hf_to_gguf.py x")
 
 
 def fake_build(root):
