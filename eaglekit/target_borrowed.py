@@ -78,9 +78,10 @@ class RowSubset(nn.Module):
     offline training keeps of the target once every item's teacher argmax is known (``Target.keep_rows``):
     the embedding rows of the tokens its capture holds, the lm_head rows of the draft vocabulary. A row it
     does not hold is an error, never a wrong row; it has no ``weight``, so code that reads the whole table
-    fails instead of reading a short one."""
+    fails instead of reading a short one. An lm_head's ``bias`` (Phi, GPT-J) is kept at the same rows
+    (``row_bias``, read by ``bias_at``); it has no ``bias`` either."""
 
-    def __init__(self, table: torch.Tensor, ids, what: str):
+    def __init__(self, table: torch.Tensor, ids, what: str, bias: torch.Tensor | None = None):
         super().__init__()
         ids = torch.as_tensor(ids, dtype=torch.long).flatten().unique().cpu()  # sorted, distinct
         if ids.numel() and (ids[0] < 0 or ids[-1] >= table.shape[0]):
@@ -89,10 +90,12 @@ class RowSubset(nn.Module):
         index[ids] = torch.arange(ids.numel())
         self.register_buffer("rows", table.detach()[ids.to(table.device)].clone(), persistent=False)
         self.register_buffer("index", index.to(table.device), persistent=False)
+        row_bias = None if bias is None else bias.detach()[ids.to(bias.device)].clone()
+        self.register_buffer("row_bias", row_bias, persistent=False)
         self.what = what
 
     def __getattr__(self, name: str):
-        if name == "weight":  # (a property raising AttributeError would fall through to nn.Module's message)
+        if name in ("weight", "bias"):  # (a property raising AttributeError would fall through to nn.Module's)
             raise AttributeError(f"{self.what} holds {self.rows.shape[0]} rows of the target's table, not all of "
                                  "it (offline training keeps only the rows it reads: data.keep_target_rows)")
         return super().__getattr__(name)
@@ -108,6 +111,10 @@ class RowSubset(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # as an embedding: rows by token id
         return self.rows[self.positions(ids)]
 
+    def bias_at(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The kept bias entries of token ids ``ids`` (an lm_head's), None where the table had no bias."""
+        return None if self.row_bias is None else self.row_bias[self.positions(ids)]
+
 
 def keep_rows(target, embed_ids, lm_head_ids) -> None:
     """Keep only rows ``embed_ids`` of ``target``'s embedding and ``lm_head_ids`` of its lm_head, freeing the
@@ -117,6 +124,9 @@ def keep_rows(target, embed_ids, lm_head_ids) -> None:
         raise RuntimeError(f"{target.name}: keep_rows on a split target or twice")
     emb, out = target.model.get_input_embeddings(), target.model.get_output_embeddings()
     target._twins = {"embed_tokens": RowSubset(emb.weight, embed_ids, f"{target.name}: embedding"),
-                     "lm_head": RowSubset(out.weight, lm_head_ids, f"{target.name}: lm_head")}
+                     "lm_head": RowSubset(out.weight, lm_head_ids, f"{target.name}: lm_head",
+                                          getattr(out, "bias", None))}
     for m in (emb, out):  # shapes stay (configs read them), storage goes
         m.weight = nn.Parameter(m.weight.detach().to("meta"), requires_grad=False)
+        if getattr(m, "bias", None) is not None:
+            m.bias = nn.Parameter(m.bias.detach().to("meta"), requires_grad=False)

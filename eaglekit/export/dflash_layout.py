@@ -165,6 +165,20 @@ def dflash_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int], s
     return out
 
 
+def refuse_lm_head_bias(head) -> None:
+    """Refuse, naming the bias, a head whose export would carry the rows of a target lm_head that has a
+    bias (Phi-1/1.5/2, GPT-J): a DFlash-family head with a draft vocabulary, whose engines load the draft
+    lm_head as ``lm_head.weight`` alone (vLLM's DFlash and DSpark: weight + d2t), so they would draft from
+    logits the head never trained on."""
+    bias_of = getattr(head, "draft_lm_bias", None)
+    if bias_of is None or head.config.draft_vocab_size == head.config.target_vocab_size:
+        return  # no lm_head in the export: the engine drafts through the target's own
+    need(bias_of() is None, f"the target's lm_head has a bias ({head.config.target_name or 'this target'}): a "
+         f"{head.config.kind} export with a draft vocabulary carries the lm_head rows as lm_head.weight, which the "
+         "engines load without a bias, so they would draft from logits the head was not trained on (a head "
+         f"over the whole vocabulary, head.draft_vocab_size={head.config.target_vocab_size}, exports no lm_head)")
+
+
 def dflash_state(head) -> dict[str, torch.Tensor]:
     """The head's tensors under the layout's names (eaglekit's own), plus the lm_head a draft vocabulary
     needs in vLLM: the target's rows, which the head shares frozen."""

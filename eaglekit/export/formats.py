@@ -21,6 +21,7 @@ from eaglekit.export.dflash_layout import (
     dflash_state,
     read_mask_file,
     refuse_dflash,
+    refuse_lm_head_bias,
     shared_lm_head,
     write_mask_file,
 )
@@ -179,6 +180,7 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
     llama.cpp's converter, eaglekit.llama_cpp), reading the tokenizer from ``target_dir`` (default: the
     folder of the target the head was trained for); the file's path is returned.
     """
+    refuse_lm_head_bias(head)  # before any layout's work
     if layout == LLAMA_CPP:
         from eaglekit import llama_cpp
         from eaglekit.target import resolve

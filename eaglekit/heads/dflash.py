@@ -196,13 +196,24 @@ class DFlashHead(ParallelHead):
         cached = self._borrowed.get("draft_lm_head")
         if cached is None or cached[0] != key:
             ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-            rows = lm_head(ids) if isinstance(lm_head, RowSubset) else full[ids.to(full.device)]
-            cached = (key, rows.to(self.device, self.dtype))
+            if isinstance(lm_head, RowSubset):
+                rows, bias = lm_head(ids), lm_head.bias_at(ids)
+            else:
+                rows, bias = full[ids.to(full.device)], lm_head.bias
+                bias = None if bias is None else bias.detach()[ids.to(bias.device)]
+            cached = (key, rows.to(self.device, self.dtype), None if bias is None else bias.to(self.device, self.dtype))
             self._borrowed["draft_lm_head"] = cached
         return cached[1]
 
+    def draft_lm_bias(self) -> torch.Tensor | None:
+        """The target's lm_head bias at the draft vocabulary [Vd] (Phi-1/1.5/2, GPT-J), cached with
+        ``draft_lm_head``; None for an lm_head without one."""
+        self.draft_lm_head()
+        return self._borrowed["draft_lm_head"][2]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.draft_lm_head().T
+        z, bias = hidden @ self.draft_lm_head().T, self.draft_lm_bias()
+        return z if bias is None else z + bias  # the target's logits add it: so do drafts through its lm_head
 
     # ---- the forward: context keys/values, then blocks ------------------------------------------------
     def context(self, g: torch.Tensor, position_ids: torch.Tensor):
@@ -332,9 +343,7 @@ class DFlashHead(ParallelHead):
             top = teacher.targets(last, loss.chunk_tokens)
         want = top.gather(1, at.view(B, -1)).view(B, N, D)
         live = (valid & (want >= 0)).float()
-        cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
-        source, weight = (teacher_probs(last, teacher.draft_weight, loss.chunk_tokens), None) if cached \
-            else (last, teacher.draft_weight)
+        source, weight = teacher.source(last, loss.chunk_tokens, loss.cache_teacher_mb)
         teacher_k = TeacherRows.gathered(source, at)  # [B, N, D] rows of source: by index, never copied per depth
         if getattr(loss, "block_weighting", "decay") == "dpace":
             weights = dpace_weights(logits, teacher_k, weight, live, float(getattr(loss, "dpace_alpha", 0.5)),

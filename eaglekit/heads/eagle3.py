@@ -23,7 +23,7 @@ from torch import nn
 from eaglekit.heads.base import DraftHead, ParallelHead
 from eaglekit.heads.config import EAGLE3, PEAGLE, HeadConfig
 from eaglekit.heads.layers import MLP, Attention, DecoderLayer, HeadCache, RMSNorm, shift_left
-from eaglekit.heads.objectives import StepStats, TeacherRows, position_loss, teacher_probs
+from eaglekit.heads.objectives import StepStats, TeacherRows, position_loss
 from eaglekit.heads.ttt_attention import TTTCache
 
 
@@ -248,9 +248,7 @@ class PEagleHead(ParallelHead):
         Evaluation (``train=False``) runs and scores every anchor."""
         ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
         chunk, decay = loss.chunk_tokens, loss.step_decay
-        cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
-        source, weight = (teacher_probs(last, teacher.draft_weight, chunk), None) if cached \
-            else (last, teacher.draft_weight)
+        source, weight = teacher.source(last, chunk, loss.cache_teacher_mb)
         top = batch.get("top")
         if top is None:
             top = teacher.targets(last, chunk)

@@ -37,12 +37,15 @@ ALPHA_FLOOR = 1e-12  # lk_alpha's log never sees 0 (a row with no overlap at all
 
 
 @torch.no_grad()
-def teacher_argmax(last: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """Argmax over the full target vocabulary of ``lm_head(last)``, ``chunk`` positions at a time."""
+def teacher_argmax(last: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 512,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Argmax over the full target vocabulary of ``lm_head(last)`` (its ``bias`` added where it has one:
+    Phi-1/1.5/2, GPT-J), ``chunk`` positions at a time."""
     flat = last.reshape(-1, last.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.long, device=last.device)
     for s in range(0, flat.shape[0], chunk):
-        out[s:s + chunk] = (flat[s:s + chunk].to(lm_head_weight.dtype) @ lm_head_weight.T).argmax(-1)
+        z = flat[s:s + chunk].to(lm_head_weight.dtype) @ lm_head_weight.T
+        out[s:s + chunk] = (z if bias is None else z + bias).argmax(-1)
     return out.view(last.shape[:-1])
 
 
@@ -329,21 +332,47 @@ def teacher_probs(last: torch.Tensor, weight: torch.Tensor, chunk: int = 512) ->
 
 @dataclass
 class Teacher:
-    """The frozen pieces of the target the loss reads: full lm_head (argmax) and its draft-vocab rows."""
+    """The frozen pieces of the target the loss reads: full lm_head (argmax) and its draft-vocab rows, and
+    the lm_head's bias where it has one (Phi-1/1.5/2, GPT-J: the target's logits are ``last @ W.T + b``)."""
     lm_head_weight: torch.Tensor | None  # [V, H]; None once every item's argmax is known (build.keep_target_rows)
     draft_weight: torch.Tensor  # [Vd, H] = lm_head_weight[t2d]
     t2d: torch.Tensor | None  # bool [V]; None = the draft vocab is the whole target vocab (EAGLE-1)
     target_to_draft: torch.Tensor | None  # long [V]: draft id or -1
+    bias: torch.Tensor | None = None  # [V]; None: an lm_head without bias (or released with lm_head_weight)
+    draft_bias: torch.Tensor | None = None  # [Vd] = bias[t2d]
+    _biased: tuple | None = field(default=None, repr=False)  # (key, [Vd, H + 1] = [draft_weight, draft_bias])
 
     @classmethod
-    def build(cls, lm_head_weight: torch.Tensor, t2d: torch.Tensor | None) -> Teacher:
+    def build(cls, lm_head_weight: torch.Tensor, t2d: torch.Tensor | None, bias: torch.Tensor | None = None) -> Teacher:
         w = lm_head_weight.detach()
+        b = None if bias is None else bias.detach()
         if t2d is None or bool(t2d.all()):
-            return cls(w, w, None, None)
+            return cls(w, w, None, None, b, b)
         t2d = t2d.to(device=w.device, dtype=torch.bool)
         to_draft = torch.full((t2d.numel(),), -1, dtype=torch.long, device=w.device)
         to_draft[t2d] = torch.arange(int(t2d.sum()), device=w.device)
-        return cls(w, w[t2d].contiguous(), t2d, to_draft)
+        return cls(w, w[t2d].contiguous(), t2d, to_draft, b, None if b is None else b[t2d].contiguous())
+
+    @classmethod
+    def of(cls, lm_head: nn.Module, t2d: torch.Tensor | None) -> Teacher:
+        """The teacher of a target's whole lm_head module: its weight and, where it has one, its bias."""
+        return cls.build(lm_head.weight, t2d, getattr(lm_head, "bias", None))
+
+    def source(self, last: torch.Tensor, chunk: int, cache_mb: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(source, weight) the per-position losses read the teacher from (``position_loss``'s ``teacher_k`` and
+        ``weight``): its fp32 probabilities over the draft vocabulary when ``last``'s fit in ``cache_mb``
+        (weight None), else ``last`` itself and the draft rows. A biased lm_head is read as one more input
+        column, ``[last, 1]`` against ``[W, b]``, so every loss that takes (hidden, weight) adds the bias."""
+        weight = self.draft_weight
+        if self.draft_bias is not None:
+            last = torch.cat([last, last.new_ones(*last.shape[:-1], 1)], dim=-1)
+            key = (weight.data_ptr(), weight._version, self.draft_bias.data_ptr(), self.draft_bias._version)
+            if self._biased is None or self._biased[0] != key:  # built once, not per batch: [Vd, H + 1]
+                self._biased = key, torch.cat([weight, self.draft_bias[:, None].to(weight.dtype)], dim=1)
+            weight = self._biased[1]
+        if last[..., 0].numel() * weight.shape[0] * 4 <= cache_mb * 2**20:
+            return teacher_probs(last, weight, chunk), None
+        return last, weight
 
     @torch.no_grad()
     def targets(self, last: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -351,7 +380,7 @@ class Teacher:
         if self.lm_head_weight is None:
             raise RuntimeError("the teacher's full lm_head was released once every item's argmax was known, "
                                "but an item came without it (data.keep_target_rows=false keeps the whole table)")
-        top = teacher_argmax(last, self.lm_head_weight, chunk)
+        top = teacher_argmax(last, self.lm_head_weight, chunk, self.bias)
         return top if self.target_to_draft is None else self.target_to_draft[top]
 
 
@@ -399,12 +428,12 @@ def ttt_loss(head, teacher: Teacher, batch: dict, loss, *, steps: int | None = N
     head's own terms read — EAGLE-1's noise, token_weight, feature_weight); ``train=False`` (evaluation)
     adds no noise. The caller divides ``loss_sum`` by the number of supervised positions in its global
     batch. If the fp32 teacher over the draft vocab fits in ``loss.cache_teacher_mb``, it is computed once
-    per batch and shifted per step; otherwise each step recomputes it chunk by chunk (never [B, S, V]).
+    per batch and shifted per step; otherwise each step recomputes it chunk by chunk (never [B, S, V]):
+    ``Teacher.source``.
     """
     steps, chunk, decay = steps or loss.ttt_steps, loss.chunk_tokens, loss.step_decay
     ids, loss_mask, last = batch["input_ids"], batch["loss_mask"], batch["last"]
-    cached = ids.numel() * teacher.draft_weight.shape[0] * 4 <= loss.cache_teacher_mb * 2**20
-    source, weight = (teacher_probs(last, teacher.draft_weight, chunk), None) if cached else (last, teacher.draft_weight)
+    source, weight = teacher.source(last, chunk, loss.cache_teacher_mb)
     g = head.training_features(batch, loss.noise if train else 0.0)
     top = batch.get("top")  # [B, S] draft id of the teacher argmax, -1 outside the draft vocab
     if top is None:

@@ -59,7 +59,7 @@ def assemble(cfg: TrainConfig) -> Parts:
         target = build_target(cfg, acc.device)
         sources = build_sources(cfg, target)
         head = build_train_head(cfg, target, sources)
-        teacher = Teacher.build(target.lm_head.weight, head.t2d)  # a head without draft vocab: all of it
+        teacher = Teacher.of(target.lm_head, head.t2d)  # a head without draft vocab: all of it
         if cfg.data.keep_target_rows and cfg.data.features_dir and not needs_decoder(cfg) and head.has_draft_vocab:
             keep_target_rows(target, sources, head, teacher, cfg.loss.chunk_tokens, acc.device)
     except BaseException:
@@ -87,7 +87,7 @@ def keep_target_rows(target, sources: Sources, head, teacher: Teacher, chunk: in
     draft_rows = torch.arange(head.config.draft_vocab_size) + head.d2t.cpu()
     keep_rows(target, torch.tensor(sorted(seen)), draft_rows)
     head.bind(target)  # the head borrows the kept rows now
-    teacher.lm_head_weight = None
+    teacher.lm_head_weight = teacher.bias = None  # (the draft rows' bias, draft_bias, stays)
     if torch.equal(teacher.draft_weight, target.lm_head.rows):  # the same rows, both in target-id order:
         teacher.draft_weight = target.lm_head.rows  # held once
 
