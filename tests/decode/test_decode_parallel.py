@@ -49,7 +49,11 @@ def test_decode_parallel_greedy_equals_hf_chain_tree_lookup(tiny, kind):
         for tree in (CHAIN, TREE):
             out = decode.generate(tiny, head, torch.tensor([p]), 16, tree=tree, eos_token_id=False)
             assert torch.equal(out.sequences, ref), (kind, p, tree)
-            assert max(len(t) for t in [out.stats.accept_lengths]) > 0
+            s = out.stats  # the step bookkeeping: every emitted token counted once, within the tree's reach
+            assert sum(s.accept_lengths) == s.new_tokens - 1 == 15  # (the prefill forward emits the first)
+            assert s.path_lengths == s.accept_lengths  # no EOS or stop cut here
+            assert all(1 <= a <= d + 1 for a, d in zip(s.accept_lengths, s.tree_depths)), (kind, s.accept_lengths)
+            assert max(s.tree_sizes) <= tree["total_tokens"] and max(s.tree_depths) <= tree["depth"]
         out = decode.generate(tiny, head, torch.tensor([p]), 16, tree=TREE, prompt_lookup=3, eos_token_id=False)
         assert torch.equal(out.sequences, ref), (kind, p, "lookup")
 

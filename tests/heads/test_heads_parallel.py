@@ -192,6 +192,46 @@ def test_peagle_cod_trains_and_runs_only_a_nested_share_of_anchors_per_depth(tar
     torch.testing.assert_close(scored, plain)
 
 
+def _naive_chain_stats(top, loss_mask, steps, kept, drafted=0):
+    """(correct, total, chain) per depth, anchor by anchor, for a head that drafts ``drafted`` everywhere:
+    anchor t at depth k+1 counts where loss_mask[t+2+k] = 1 and ``kept(b, t, k)``; it is right where the
+    teacher's argmax at t+1+k (``top``, draft ids) is ``drafted``, and in the chain where depths 1..k+1 all are."""
+    B, S = top.shape
+    out = [[0] * steps for _ in range(3)]
+    for b in range(B):
+        for t in range(S):
+            for k in range(steps):
+                if t + 2 + k >= S or not loss_mask[b, t + 2 + k] or not kept(b, t, k):
+                    continue
+                right = [int(top[b, t + 1 + j]) == drafted for j in range(k + 1)]
+                out[0][k] += right[-1]
+                out[1][k] += 1
+                out[2][k] += all(right)
+    return out
+
+
+@pytest.mark.parametrize("cod", [0.0, 0.5])
+def test_peagle_chain_statistic_is_every_depth_so_far_right(target, cod):
+    """StepStats.chain at depth k+1 counts the anchors whose depths 1..k+1 were all right (what a chain
+    draft accepts), also under COD, where depths >= 2 run a reordered share of the anchors. The head drafts
+    draft id 0 everywhere (a zero lm_head: ties go to the first id) and the teacher's argmax is 0 at random
+    positions, so correct, total and chain follow from ``top`` alone, and chain < correct at depths >= 2."""
+    from eaglekit.heads.objectives import Teacher
+
+    head = peagle(target, block=4, draft_vocab=40)
+    with torch.no_grad():
+        head.lm_head.weight.zero_()
+    teacher = Teacher.build(target.lm_head.weight, head.t2d)
+    batch = _batch(target, head, S=16)
+    batch["top"] = (torch.rand(2, 16, generator=torch.Generator().manual_seed(0)) > 0.7).long()  # 0 at ~70%
+    draws = head.cod_draws(batch, train=False)  # the seed the first training call uses
+    _, stats = head.training_loss(teacher, batch, _loss_settings(cod_ratio=cod, cod_floor=0.3), steps=4)
+    kept = (lambda b, t, k: True) if not cod else (lambda b, t, k: float(draws[b, t]) < max(cod ** k, 0.3))
+    correct, total, chain = _naive_chain_stats(batch["top"], batch["loss_mask"], 4, kept)
+    assert (stats.correct, stats.total, stats.chain) == (correct, total, chain)
+    assert chain[0] == correct[0] and all(0 < chain[k] < correct[k] for k in (1, 2)), (correct, chain)
+
+
 def test_peagle_trains_saves_exports_and_decodes_its_own_embedding(target, tmp_path):
     """head.train_embedding (P-EAGLE's reference recipe, speculators' embed_requires_grad): the head starts
     from a copy of the target's embedding, trains that copy (never the target's), saves and exports it
