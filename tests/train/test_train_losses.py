@@ -150,3 +150,20 @@ def test_train_shift_left():
     assert shift_left(x, 2, fill=-1).tolist() == [[2, 3, 4, -1, -1], [7, 8, 9, -1, -1]]
     assert shift_left(x, 7).tolist() == [[0] * 5, [0] * 5]
     assert shift_left(x, 0) is x
+
+
+def test_every_loss_option_read_by_name_is_a_config_field():
+    """The losses read their optional settings as ``getattr(loss, name, default)`` (unit tests hand them a
+    SimpleNamespace), so a name LossConfig does not have would train with the default, silently: every such
+    name is a LossConfig field."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    import eaglekit
+    from eaglekit.train.config import LossConfig
+
+    sources = Path(eaglekit.__file__).parent.rglob("*.py")
+    read = {name for p in sources for name in re.findall(r'getattr\(loss, "(\w+)"', p.read_text())}
+    assert {"objective", "block_weighting", "dpace_alpha", "recompute_logits", "cod_ratio"} <= read
+    assert read <= {f.name for f in dataclasses.fields(LossConfig)}, read - {f.name for f in dataclasses.fields(LossConfig)}
