@@ -71,7 +71,7 @@ def _trainer(d, out, *extra):
         "progress=false", "trackers=[]", "eval_interval=0", "save_interval=0", f"output_dir={out}", *extra]))
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "peagle", "dspark"])
 def test_offline_training_without_the_decoder_takes_the_same_steps(capture, tmp_path, kind):
     """Whole target, borrowed modules whole (data.keep_target_rows=false) and borrowed rows only (the default:
     every item's teacher argmax computed ahead, then only the capture's embedding rows and the draft rows of
