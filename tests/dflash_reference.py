@@ -51,7 +51,7 @@ def naive_dpace_weights(ces: dict[int, torch.Tensor], D: int, alpha: float) -> d
     """D-PACE's weight of each trained depth k of one block (``ces``: depth -> its CE against the teacher),
     written out: s_k = (1 - alpha) exp(-CE_k) + alpha, w_k = sum over trained j >= k of prod_{i <= j} s_i
     (an untrained depth's s is 1)."""
-    s = [(1 - alpha) * math.exp(-float(ces[k])) + alpha if k in ces else 1.0 for k in range(1, D + 1)]
+    s = [(1 - alpha) * math.exp(-float(ces[k].detach())) + alpha if k in ces else 1.0 for k in range(1, D + 1)]
     return {k: sum(math.prod(s[:j]) for j in range(k, D + 1) if j in ces) for k in ces}
 
 
