@@ -62,10 +62,12 @@ def run_engine_bench(cfg) -> dict:
     questions = load_questions(cfg.dataset, cfg.prompts, cfg.prompt_order)
     prompts = [target.chat_ids(text)[0].tolist() for _, text in questions]
     out = Path(cfg.out)
-    confs = {"plain": None}
+    confs, runs, starts, failed = {"plain": None}, {}, {}, {}
     for name, head in heads.items():
+        if (why := getattr(type(head), "vllm_refusal", None)) is not None:  # a kind its CPU backend cannot run
+            failed[name] = {"error": why}  # reported with its reason; no server started for it
+            continue
         confs[name] = speculative_config(head, export_for_vllm(head, out / "heads" / name, str(folder)), cfg.n_max)
-    runs, starts, failed = {}, {}, {}
     for name, spec in confs.items():
         t0 = time.perf_counter()
         try:

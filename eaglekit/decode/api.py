@@ -137,11 +137,10 @@ def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, 
                           f"tokens/s, plain decoding at {plan.plain_tokens_per_s:.1f} on this device: "
                           "decoding without drafting (pass an explicit tree to draft anyway)", stacklevel=4)
             return PlainDrafter(), None
-        make = ParallelDrafter if getattr(drafter, "parallel", False) else EagleDrafter
-        if plan is not None:
-            return make(target, drafter, plan.spec), plan
-        spec = tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {}))
-        return make(target, drafter, spec), None
+        spec = plan.spec if plan is not None else tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {}))
+        if getattr(drafter, "parallel", False):  # a head that samples its block takes the sampling
+            return ParallelDrafter(target, drafter, spec, sampling, generator), plan
+        return EagleDrafter(target, drafter, spec), plan
     if hasattr(drafter, "draft") and hasattr(drafter, "commit"):  # anything following the protocol
         return drafter, None
     raise TypeError(f"drafter must be None, a Target or an EAGLE head, got {type(drafter).__name__}")

@@ -482,11 +482,17 @@ def block_tree(logq: torch.Tensor, spec: TreeSpec, depth: int) -> Tree:
 class ParallelDrafter:
     """A parallel head's drafter: one ``head.draft`` forward per step, a ``block_tree`` of its depths."""
 
-    def __init__(self, target, head, spec: TreeSpec):
+    def __init__(self, target, head, spec: TreeSpec, sampling=None, generator=None):
         if not getattr(head, "parallel", False):
             raise TypeError(f"ParallelDrafter needs a parallel head (P-EAGLE, DFlash), got {type(head).__name__}")
         check_target(head.config, target, where="decode.generate")
         self.head, self.spec = head, spec
+        # a head that samples its own block (DFlash 2's selector walk: ``draft_sampled``) proposes a sampled
+        # chain under a sampling ``Sampling``: its q goes to Leviathan's rule. Greedy, or any other head: a tree
+        # of chosen tokens from the block's logits
+        self.sampling = sampling if sampling is not None and not sampling.greedy and hasattr(head, "draft_sampled") \
+            else None
+        self.generator = generator
         self.layer_ids = type(head).tap_layers(target, head.config.aux_layer_ids)  # what it reads, exactly
         self.device = next(head.parameters()).device
 
@@ -513,6 +519,8 @@ class ParallelDrafter:
 
     @torch.no_grad()
     def draft(self, max_depth: int) -> Tree:
+        if self.sampling is not None:
+            return self.draft_sampled(max_depth)
         logits = self.block_logits()  # always: the pending elements must reach the cache
         depth = min(self.spec.depth, self.head.draft_depths, max_depth)
         if depth < 1:
@@ -521,3 +529,16 @@ class ParallelDrafter:
         dev = self.device
         return Tree(self.head.draft_to_target(tree.tokens.to(dev)).long(), tree.parents.to(dev),
                     tree.depths.to(dev), tree.q_token.to(dev))
+
+    def draft_sampled(self, max_depth: int) -> Tree:
+        """A chain sampled by the head's own walk (each token from q given the ones before it), with its q
+        [D, V] over the target's ids: verified by ``loop.accept_sampled`` (Leviathan), lossless for any q."""
+        ids, g = self.pending
+        pos = torch.arange(self.cache.length, self.cache.length + len(ids), device=self.device)
+        toks, q = self.head.draft_sampled(self.cache, ids[None], g[None], pos[None], self.sampling.probs,
+                                          self.generator)
+        depth = min(self.spec.depth, self.head.draft_depths, max_depth)
+        if depth < 1:
+            return Tree.empty(self.device)
+        toks, q = self.head.draft_to_target(toks[0, :depth]).long(), q[0, :depth]
+        return Tree.chain(toks, q.gather(1, toks[:, None])[:, 0], q, sampled=True)

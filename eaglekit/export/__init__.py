@@ -1,5 +1,5 @@
 """Heads in the engines' layouts: vLLM, SGLang, speculators, llama.cpp (GGUF) and EAGLE-1's, for every kind
-an engine serves (EAGLE-3 with EAGLE 3.1's options or norm_before_fc, P-EAGLE, DFlash, DSpark, EAGLE-1), read back
+an engine serves (EAGLE-3 with EAGLE 3.1's options or norm_before_fc, P-EAGLE, DFlash, DSpark, DFlash 2, EAGLE-1), read back
 by ``load_head`` (native or any layout), and the Hugging Face Hub push with its model card.
 
     export_head(head, "out/vllm", layout="vllm")          # refuses what the engine would drop or misread
@@ -12,6 +12,7 @@ Modules, each importing only modules on the lines below it (tests/test_architect
     hub                     model card, stage, push_head (DraftHead.push_to_hub)
     formats                 write the engine layouts (export_head, export_to); load_head
     layouts                 the layouts' key sets and renames, what each engine holds; validate_export
+    dflash2_layout          DFlash 2's HF / z-lab layout (llama.cpp's converter reads it) and speculators' dflash2
     dspark_layout           speculators' dspark layout (DSpark; llama.cpp's draft-dspark converts it): write, load
     dflash_layout           the DFlash layout SGLang and vLLM read (its keys, config, the causal-layer rule)
     engines, verifier       data: how each engine's loader reads an export; the verifier id an export names

@@ -68,7 +68,10 @@ def dspark_state(head, dtype=None) -> dict[str, torch.Tensor]:
             for k, v in state.items()}
 
 
-def dspark_config(cfg: HeadConfig, dtype: str, verifier: str, verifier_architectures=()) -> dict:
+def speculators_fields(cfg: HeadConfig, dtype: str, verifier: str, verifier_architectures, model_type: str,
+                       arch: str) -> dict:
+    """The fields speculators' DFlash-family configs share (dspark, dflash2): the Qwen3 layer config, the
+    verifier, block, taps (layer inputs, as aux_hidden_state_layer_ids), mask token, the anchor not drafting."""
     layer = {
         "model_type": "qwen3", "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
@@ -78,17 +81,21 @@ def dspark_config(cfg: HeadConfig, dtype: str, verifier: str, verifier_architect
         "rope_parameters": cfg.rope_parameters(), "rope_theta": cfg.rope_theta, "use_sliding_window": False,
         "layer_types": ["full_attention"] * cfg.num_layers, "dtype": dtype, "torch_dtype": dtype}
     return {
-        "architectures": [DSPARK_ARCH], "speculators_model_type": DSPARK, "speculators_version": SPECULATORS_VERSION,
+        "architectures": [arch], "speculators_model_type": model_type, "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
-            "algorithm": DSPARK, "default_proposal_method": "greedy",
+            "algorithm": model_type, "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
             "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])}},
         "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab_size, "block_size": cfg.block_size,
         "target_hidden_size": cfg.hidden_size, "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "mask_token_id": cfg.mask_token_id, "sample_from_anchor": False, "sliding_window_non_causal": False,
-        "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
-        "confidence_head_with_markov": True, "torch_dtype": dtype, "dtype": dtype,
-        "eaglekit": cfg.to_dict()}
+        "torch_dtype": dtype, "dtype": dtype}
+
+
+def dspark_config(cfg: HeadConfig, dtype: str, verifier: str, verifier_architectures=()) -> dict:
+    return {**speculators_fields(cfg, dtype, verifier, verifier_architectures, DSPARK, DSPARK_ARCH),
+            "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
+            "confidence_head_with_markov": True, "eaglekit": cfg.to_dict()}
 
 
 def check_dspark_fields(config: dict, where) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from eaglekit.export.dflash2_layout import DFLASH2_ARCH, export_dflash2, load_dflash2
 from eaglekit.export.dflash_layout import (
     DFLASH_ENGINES,
     MASK_FILE,
@@ -53,7 +54,7 @@ from eaglekit.export.layouts import (
 from eaglekit.export.verifier import resolve_verifier
 from eaglekit.fileio import write_json, write_safetensors
 from eaglekit.heads.base import DraftHead
-from eaglekit.heads.config import DFLASH, DSPARK, PEAGLE, HeadConfig, check_target
+from eaglekit.heads.config import DFLASH, DFLASH2, DSPARK, PEAGLE, HeadConfig, check_target
 from eaglekit.heads.io import (
     CONFIG,
     WEIGHTS,
@@ -201,6 +202,10 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
         verifier = resolve_verifier(verifier, head.config.target_name, required=True)
         check_finite_head(head, where=f"export {layout}")
         return export_dspark(head, out_dir, layout, dtype, verifier, verifier_architectures, overwrite)
+    if head.config.kind == DFLASH2:  # its own layouts (export.dflash2_layout)
+        verifier = resolve_verifier(verifier, head.config.target_name, required=layout == "speculators")
+        check_finite_head(head, where=f"export {layout}")
+        return export_dflash2(head, out_dir, layout, dtype, verifier, verifier_architectures, overwrite)
     if head.config.kind == DFLASH:
         refuse_dflash(head.config, layout)
     refused = refusing_engines(layout, verifier_architectures)
@@ -263,6 +268,8 @@ def load_head(path_or_id, target, dtype=None, device=None, token=None) -> DraftH
         return load_native(path, target, dtype=dtype, device=device)
     if DSPARK_ARCH in (config.get("architectures") or []):  # speculators' dspark layout (export.dspark_layout)
         return load_dspark(path, target, dtype=dtype, device=device)
+    if DFLASH2_ARCH in (config.get("architectures") or []) or config.get("speculators_model_type") == DFLASH2:
+        return load_dflash2(path, target, dtype=dtype, device=device)  # either of its layouts
     return load_export(path, target, dtype=dtype, device=device)
 
 

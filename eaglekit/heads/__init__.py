@@ -1,7 +1,8 @@
 """Draft heads, one registry of kinds: EAGLE-1 (feature regression), EAGLE-3 (fused taps, draft vocabulary;
 EAGLE 3.1's fc_norm / norm_output and norm_before_fc as options), and the parallel drafters P-EAGLE (EAGLE-3's
-network filling a block of mask slots in one forward), DFlash (block diffusion over the target's taps) and
-DSpark (DFlash plus a previous-token logit bias chained through the block, and a confidence head).
+network filling a block of mask slots in one forward), DFlash (block diffusion over the target's taps),
+DSpark (DFlash plus a previous-token logit bias chained through the block, and a confidence head) and DFlash 2
+(DFlash plus an in-block dynamic convolution and a candidate selector walked through the block).
 
     cfg = HeadConfig.from_target(target, kind="eagle3")
     head = build_head(cfg, target)
@@ -15,7 +16,8 @@ lines below it (tests/test_architecture.py checks):
     io                      the native format: save_head (DraftHead.save_pretrained), load_native
     registry                HEADS by kind, head_class, build_head, tap_layers
     dspark                  DSpark: DFlash + the previous-token ("Markov") bias and the confidence head
-    dflash                  DFlash: the block-diffusion drafter (one forward fills a block)
+    dflash                  DFlash: the block-diffusion drafter (one forward fills a block); DFlash 2
+                            (its convolution and candidate selector) beside it
     eagle1, eagle3          the heads: what each reads, fuses, predicts over and trains with (eagle3 also
                             holds P-EAGLE, its network drafting a block in one forward)
     base                    DraftHead: borrowed target modules, draft vocabulary, step checks;

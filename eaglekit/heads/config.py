@@ -9,10 +9,13 @@ from transformers import LlamaConfig
 
 from eaglekit import __version__
 
-EAGLE1, EAGLE3, PEAGLE, DFLASH, DSPARK = "eagle1", "eagle3", "peagle", "dflash", "dspark"
-KINDS = (EAGLE1, EAGLE3, PEAGLE, DFLASH, DSPARK)  # the head classes of heads.registry, by kind
-DEFAULT_BLOCK = {PEAGLE: 4, DFLASH: 8, DSPARK: 8}  # parallel drafters: positions one forward fills unless told
+EAGLE1, EAGLE3, PEAGLE, DFLASH, DSPARK, DFLASH2 = "eagle1", "eagle3", "peagle", "dflash", "dspark", "dflash2"
+KINDS = (EAGLE1, EAGLE3, PEAGLE, DFLASH, DSPARK, DFLASH2)  # the head classes of heads.registry, by kind
+DEFAULT_BLOCK = {PEAGLE: 4, DFLASH: 8, DSPARK: 8, DFLASH2: 8}  # parallel drafters: positions one forward fills unless told
 DEFAULT_MARKOV_RANK = 256  # DSpark: the rank of its previous-token bias W2(W1[x]) (speculators' default)
+# DFlash 2: (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) unless set: the published
+# recipe's, which speculators' DFlash2SpeculatorConfig also defaults to
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 DEFAULT_DRAFT_VOCAB = 32000
 
 
@@ -64,6 +67,12 @@ class HeadConfig:
     # with no spare, untrained row to reserve (vLLM reads it from the export's mask_embedding.pt)
     mask_embedding: bool = False
     markov_rank: int = 0  # DSpark: rank R of its previous-token logit bias W2 (R -> Vd) . W1 (V -> R); 0 = 256
+    # DFlash 2 (0 = DFLASH2_DEFAULTS): taps K and channels per kernel group of the in-block convolution,
+    # rank r of the candidate selector's codebooks [V, r] and the unary candidates K it reranks
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     target_name: str = ""
     target_fingerprint: str = ""
     eaglekit_version: str = field(default_factory=_version)
@@ -96,6 +105,12 @@ class HeadConfig:
         if self.markov_rank < 0 or (self.markov_rank and self.kind != DSPARK):
             raise ValueError(f"HeadConfig.markov_rank is DSpark's (a rank >= 1, 0 = {DEFAULT_MARKOV_RANK}); got "
                              f"{self.markov_rank} for a {self.kind} head")
+        for key, default in DFLASH2_DEFAULTS.items():
+            value = int(getattr(self, key)) or (default if self.kind == DFLASH2 else 0)
+            if value < 0 or (value and self.kind != DFLASH2):
+                raise ValueError(f"HeadConfig.{key} is DFlash 2's (>= 1, 0 = {default}); got {value} for a "
+                                 f"{self.kind} head")
+            setattr(self, key, value)
 
     @classmethod
     def from_target(cls, target, kind: str = EAGLE3, num_layers: int = 1, draft_vocab_size: int | None = None,
@@ -161,13 +176,13 @@ class HeadConfig:
 
 def default_mask_token(target, kind: str = PEAGLE) -> int:
     """The token a parallel drafter feeds where it knows none (engines read it from the export's
-    ``mask_token_id``). DFlash / DSpark: the first embedding row past every id the tokenizer has, where the
-    checkpoint pads its vocabulary (Qwen's 151,936 rows for 151,665 tokens): the published recipe's reserved
+    ``mask_token_id``). DFlash / DSpark / DFlash 2: the first embedding row past every id the tokenizer has,
+    where the checkpoint pads its vocabulary (Qwen's 151,936 rows for 151,665 tokens): the published recipe's reserved
     row, which no text ever fed. Otherwise, and for P-EAGLE (whose slots read a trained ``mask_hidden``
     beside it): the tokenizer's pad token, else its EOS — an embedding the target has trained; a DFlash
     head can learn its own instead (``mask_embedding``)."""
     tok = getattr(target, "tokenizer", None)
-    if kind in (DFLASH, DSPARK) and tok is not None:
+    if kind in (DFLASH, DSPARK, DFLASH2) and tok is not None:
         spare = max(tok.get_vocab().values(), default=target.vocab_size) + 1
         if spare < target.vocab_size:
             return spare

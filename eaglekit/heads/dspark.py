@@ -61,11 +61,7 @@ class DSparkHead(DFlashHead):
     def draft_confidence(self, cache, ids, g, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """``draft``'s logits [B, D, Vd] and the confidence head's acceptance probabilities [B, D] of the
         same block (each slot after the chain's previous token). Appends the pending elements to ``cache``."""
-        self._check_draft(cache, ids, g, position_ids)
-        pos = position_ids.expand(ids.shape[0], -1).to(self.device)
-        for i, (k, v) in enumerate(self.context(g, pos)):
-            cache.update(i, k, v)
-        hidden = self.blocks(ids[:, -1:].to(self.device), pos[:, -1:], list(zip(cache.keys, cache.values)))[:, 0, 1:]
+        hidden = self.block_hidden(cache, ids, g, position_ids)
         logits = self.block_draft_logits(hidden, ids[:, -1].to(self.device))
         prev = torch.cat([ids[:, -1:].to(self.device), self.draft_to_target(logits[:, :-1].argmax(-1))], 1)
         return logits, torch.sigmoid(self.confidence_logits(hidden, prev).float())
@@ -73,7 +69,7 @@ class DSparkHead(DFlashHead):
     def block_train_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden) + self.markov_bias(prev)
 
-    def block_extra_loss(self, hidden, prev, logits, teacher_k, weight, row_w, loss) -> torch.Tensor:
+    def block_extra_loss(self, hidden, prev, logits, teacher_k, weight, row_w, loss, want) -> torch.Tensor:
         """``loss.confidence_weight`` x the BCE of the confidence head against each slot's acceptance rate
         sum_v min(q_v, p_v) (q the slot's draft distribution, p the teacher's; detached), summed with the
         slots' distillation weights ``row_w``."""

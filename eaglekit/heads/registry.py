@@ -5,13 +5,13 @@ import torch
 
 from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import KINDS, HeadConfig
-from eaglekit.heads.dflash import DFlashHead
+from eaglekit.heads.dflash import DFlash2Head, DFlashHead
 from eaglekit.heads.dspark import DSparkHead
 from eaglekit.heads.eagle1 import Eagle1Head
 from eaglekit.heads.eagle3 import Eagle3Head, PEagleHead
 
 HEADS: dict[str, type[DraftHead]] = {cls.kind: cls for cls in (Eagle1Head, Eagle3Head, PEagleHead, DFlashHead,
-                                                        DSparkHead)}
+                                                        DSparkHead, DFlash2Head)}
 assert tuple(HEADS) == KINDS, "every kind of HeadConfig has one head class"
 
 

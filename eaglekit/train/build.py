@@ -200,6 +200,8 @@ def build_train_head(cfg: TrainConfig, target: Target, sources: Sources) -> Draf
                                     aux_layer_ids=list(sources.layer_ids) or None, block_size=h.block_size or None,
                                     fc_norm=h.fc_norm, norm_output=h.norm_output,
                                     norm_before_fc=h.norm_before_fc, markov_rank=h.markov_rank,
+                                    conv_kernel_size=h.conv_kernel_size, conv_group_size=h.conv_group_size,
+                                    selector_rank=h.selector_rank, selector_top_k=h.selector_top_k,
                                     train_embedding=h.train_embedding, mask_embedding=h.mask_embedding)
     head = build_head(config, target, dtype=torch.float32)
     if vocab is not None:

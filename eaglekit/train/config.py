@@ -55,6 +55,12 @@ class HeadSpec:
     norm_before_fc: bool = False  # one RMSNorm over the concatenated taps before fc (what llama.cpp serves)
     block_size: NonNegInt = 0  # parallel drafters (peagle, dflash): positions one forward fills; 0 = the kind's default
     markov_rank: NonNegInt = 0  # DSpark: rank of its previous-token logit bias; 0 = 256 (speculators' default)
+    # DFlash 2 (0 = the published recipe's 2, 16, 256, 16): the in-block convolution's taps and channels per
+    # kernel group, the candidate selector's codebook rank and the unary candidates it reranks
+    conv_kernel_size: NonNegInt = 0
+    conv_group_size: NonNegInt = 0
+    selector_rank: NonNegInt = 0
+    selector_top_k: NonNegInt = 0
     # EAGLE-3 / P-EAGLE: train the head's own copy of the target's embedding (P-EAGLE's reference recipe,
     # speculators' embed_requires_grad); V x H more weights to train, save and export
     train_embedding: bool = False
@@ -101,6 +107,9 @@ class LossConfig:
     block_weighting: Literal["decay", "dpace"] = "decay"  # DFlash/DSpark depth weights: exp(-(k-1)/gamma), or
     # D-PACE's (speculators' per_position_loss_weight=dpace): the detached expected accepted length from depth k
     dpace_alpha: Fraction = 0.5  # D-PACE: confidence smoothing s = (1 - alpha) exp(-CE) + alpha
+    selector_weight: NonNegFloat = 1.0  # DFlash 2: weight alpha of its selector's CE over the top-K candidates
+    selector_missing: Literal["swap", "drop"] = "swap"  # DFlash 2, a gold token outside the top-K: put at rank K
+    # (speculators, SpecForge) or the position left out of the selector's CE (NeMo)
     cod_ratio: Fraction = 0.0  # P-EAGLE: > 0 = COD sampling, depth k+1 trains max(cod_ratio**k, cod_floor) of
     cod_floor: Fraction = 0.2  # the anchors (nested), each kept position weight 1; 0 = all anchors, step_decay**k
     chunk_tokens: PosInt = 512  # teacher / CE computed over this many positions at a time
@@ -159,12 +168,19 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
     loss = cfg.loss
     for key, value, active, kinds in (("loss.cod_ratio", loss.cod_ratio, loss.cod_ratio, ("peagle",)),
                                       ("loss.block_weights_normalized", loss.block_weights_normalized,
-                                       loss.block_weights_normalized, ("dflash", "dspark")),
+                                       loss.block_weights_normalized, ("dflash", "dspark", "dflash2")),
                                       ("loss.confidence_weight", loss.confidence_weight, loss.confidence_weight != 1.0,
                                        ("dspark",)),
                                       ("loss.block_weighting", loss.block_weighting, loss.block_weighting != "decay",
-                                       ("dflash", "dspark")),
+                                       ("dflash", "dspark", "dflash2")),
                                       ("head.markov_rank", h.markov_rank, h.markov_rank, ("dspark",)),
+                                      *((f"head.{k}", getattr(h, k), getattr(h, k), ("dflash2",))
+                                        for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                  "selector_top_k")),
+                                      ("loss.selector_weight", loss.selector_weight, loss.selector_weight != 1.0,
+                                       ("dflash2",)),
+                                      ("loss.selector_missing", loss.selector_missing,
+                                       loss.selector_missing != "swap", ("dflash2",)),
                                       ("loss.recompute_logits", True, loss.recompute_logits, ("eagle3",))):
         if active and h.kind not in kinds:  # no silent no-op: the key belongs to one kind's objective
             raise ConfigError(f"{where}: {key}={value} is a {' / '.join(kinds)} option, but head.kind={h.kind!r}")

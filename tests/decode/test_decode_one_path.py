@@ -1,6 +1,6 @@
 """One decode path: a step of one sequence and of a batch is the same ``loop.Decoder.step``, and it stays
 short. A profiler records every eaglekit file a step enters (tiny target): a plain step, and a step of an
-EAGLE-3, EAGLE-1, P-EAGLE or DFlash head's tree or chain (greedy or sampled), a draft model's chain or tree,
+EAGLE-3, EAGLE-1, P-EAGLE, DFlash or DFlash 2 head's tree or chain (greedy or sampled), a draft model's chain or tree,
 or prompt lookup, enters at most 6 files in all (a head's: decode/{drafters,loop}, heads/{base,<kind>,layers},
 target: the tree, its proposer, the parallel drafter and the catch-up live in drafters.py, sampling and the
 acceptance rules in loop.py, the head's attention and cache in heads/layers.py, the target's KV cache in
@@ -65,10 +65,10 @@ def drafting(t, kind: str):
     """(drafter, generate's keywords, a file the step must enter: the drafter was traced) of one kind."""
     if kind in ("eagle3", "eagle1"):
         return tiny_head(t, kind), {"tree": TreeSpec(4, 4, 16)}, "heads/layers.py"
-    if kind in ("peagle", "dflash"):
+    if kind in ("peagle", "dflash", "dflash2"):  # DFlash 2 sits in heads/dflash.py beside DFlash
         torch.manual_seed(0)
         head = build_head(HeadConfig.from_target(t, kind=kind, num_layers=2, block_size=4), t)
-        return head, {"tree": TreeSpec(3, 3, 9)}, f"heads/{'eagle3' if kind == 'peagle' else kind}.py"
+        return head, {"tree": TreeSpec(3, 3, 9)}, f"heads/{'eagle3' if kind == 'peagle' else 'dflash'}.py"
     if kind == "lookup":
         return None, {"prompt_lookup": 3}, "decode/lookup.py"
     draft = tiny_target(seed=1, layers=1)
@@ -89,14 +89,15 @@ def traced_steps(monkeypatch, kind: str, rows: int, **extra) -> tuple[list[set[s
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "peagle", "dflash", "draft chain", "draft tree", "lookup"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "peagle", "dflash", "dflash2", "draft chain", "draft tree",
+                                  "lookup"])
 def test_decode_drafting_step_enters_at_most_six_files(monkeypatch, kind, rows):
     seen, entered = traced_steps(monkeypatch, kind, rows)
     assert seen and all(entered in s for s in seen)
     assert max(len(s) for s in seen) <= 6, sorted(max(seen, key=len))
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "peagle", "draft chain"])
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash2", "draft chain"])  # dflash2: its sampled walk
 def test_decode_sampled_step_enters_at_most_six_files(monkeypatch, kind):
     # temperature > 0: the warpers and the acceptance rules are loop.py's, no file more than greedy
     seen, entered = traced_steps(monkeypatch, kind, 1, temperature=1.0, generator=torch.Generator().manual_seed(0))

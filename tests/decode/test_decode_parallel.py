@@ -17,15 +17,18 @@ from eaglekit.heads import HeadCache, HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 
-KINDS = ["peagle", "dflash", "dspark"]  # every parallel head kind (heads.base.ParallelHead subclasses)
+KINDS = ["peagle", "dflash", "dspark", "dflash2"]  # every parallel head kind (heads.base.ParallelHead subclasses)
 PROMPTS = [[2, 8, 9, 10], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35]]
 CHAIN, TREE = {"depth": 4, "top_k": 1, "total_tokens": 4}, {"depth": 3, "top_k": 3, "total_tokens": 9}
 
 
 def parallel_head(target, kind, block=4, draft_vocab=48, layers=2, seed=0):
-    """An untrained parallel head of ``kind`` with a non-trivial draft vocabulary."""
+    """An untrained parallel head of ``kind`` with a non-trivial draft vocabulary (DFlash 2: the full one, its
+    only; a small selector with random codebooks, so its walk shapes the drafts)."""
+    extra = {"selector_rank": 4, "selector_top_k": 4, "conv_group_size": 8} if kind == "dflash2" else {}
+    draft_vocab = target.vocab_size if kind == "dflash2" else draft_vocab
     cfg = HeadConfig.from_target(target, kind=kind, num_layers=layers, block_size=block,
-                                 draft_vocab_size=draft_vocab, aux_layer_ids=[0, 1, target.num_layers - 1])
+                                 draft_vocab_size=draft_vocab, aux_layer_ids=[0, 1, target.num_layers - 1], **extra)
     torch.manual_seed(seed)
     head = build_head(cfg, target)
     if draft_vocab < target.vocab_size:
@@ -33,6 +36,10 @@ def parallel_head(target, kind, block=4, draft_vocab=48, layers=2, seed=0):
     if kind == "dspark":  # a fresh DSpark's bias is zero: give it one, so its chain shapes the drafts
         with torch.no_grad():
             head.markov_w2.weight.normal_(0, 1.0)
+    if kind == "dflash2":
+        with torch.no_grad():
+            head.candidate_selector.successor_codebook.normal_(0, 1.0)
+            head.candidate_selector.predecessor_codebook.normal_(0, 1.0)
     return head
 
 
@@ -165,8 +172,8 @@ def law_setup():
     return target, exact_joint(target, LAW_CFG, PROMPT)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "dflash2"])  # DFlash 2 samples its walk instead:
+@pytest.mark.parametrize("shape", ["chain", "tree"])  # its law is test_decode_dflash2.py's
 def test_decode_parallel_sampling_law_at_temperature_1(law_setup, kind, shape):
     """The first 3 tokens' joint law over 800 seeded runs (chi-square, ALPHA = 1e-3, exact_law.py) with an
     oracle block (the target's greedy continuation: often right, so the walk goes deep); for the tree the

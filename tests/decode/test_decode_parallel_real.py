@@ -16,7 +16,12 @@ CHAIN, TREE = {"depth": 4, "top_k": 1, "total_tokens": 4}, {"depth": 3, "top_k":
 
 def untrained(target, kind, block=4):
     torch.manual_seed(0)
-    head = build_head(HeadConfig.from_target(target, kind=kind, num_layers=2, block_size=block), target)
+    vocab = {"draft_vocab_size": target.vocab_size} if kind == "dflash2" else {}  # DFlash 2: the full one only
+    head = build_head(HeadConfig.from_target(target, kind=kind, num_layers=2, block_size=block, **vocab), target)
+    if kind == "dflash2":  # a fresh selector picks the unary argmax: random codebooks drive its walk
+        with torch.no_grad():
+            head.candidate_selector.successor_codebook.normal_(0, 1.0)
+            head.candidate_selector.hidden_projection.weight.normal_(0, 0.05)
     if kind == "dspark":  # a fresh DSpark's bias is zero (it drafts as DFlash): a random one drives its chain
         with torch.no_grad():
             head.markov_w2.weight.normal_(0, 0.05)
@@ -49,6 +54,7 @@ def test_decode_parallel_real_greedy_smollm2(smollm2, kind):
     assert check(smollm2, kind, mt_bench_prompts(smollm2, 2), 16, "smollm2") <= 1
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "dspark"])  # DSpark: its DFlash backbone is run here
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("dspark", "dflash2")])  # their DFlash backbone is
+# run here (SmolLM2 covers both)
 def test_decode_parallel_real_greedy_qwen05(qwen05, kind):
     assert check(qwen05, kind, mt_bench_prompts(qwen05, 2), 8, "qwen05", singles=1) <= 1

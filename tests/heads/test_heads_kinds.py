@@ -91,15 +91,15 @@ def test_heads_base_imports_no_saving_or_hub():
 LAYERS = {  # lowest first: a module imports only modules of lower layers of its package
     "eaglekit.heads": [{"config", "ttt_attention"}, {"layers"}, {"objectives"}, {"base"},
                        {"eagle1", "eagle3", "dflash"}, {"dspark"}, {"registry"}, {"io"}],
-    "eaglekit.export": [{"engines", "verifier"}, {"dflash_layout"}, {"dspark_layout"}, {"layouts"}, {"formats"}, {"hub"},
-                        {"cli"}, {"push_cli"}],
+    "eaglekit.export": [{"engines", "verifier"}, {"dflash_layout"}, {"dspark_layout"}, {"dflash2_layout"}, {"layouts"},
+                        {"formats"}, {"hub"}, {"cli"}, {"push_cli"}],
 }
 
 
 @pytest.mark.parametrize("package", sorted(LAYERS))
 def test_package_modules_import_only_lower_layers(package):
     """heads: config → layers → objectives → base → eagle1/eagle3/dflash → dspark → registry → io; export:
-    engines → dflash_layout → dspark_layout → layouts → formats → hub → CLIs (function-local imports counted, tests/test_architecture.py's
+    engines → dflash_layout → dspark_layout → dflash2_layout → layouts → formats → hub → CLIs (function-local imports counted, tests/test_architecture.py's
     graph); nothing in heads imports export (the networks and their native files stand alone)."""
     graph = import_graph()
     names = {m.rsplit(".", 1)[1] for m in graph if m.startswith(package + ".")}

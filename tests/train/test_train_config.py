@@ -30,7 +30,7 @@ def test_train_bad_values_refused():
         load_train_config(None, ["data.conversations=x", "optim.lr=fast"])
     with pytest.raises(ConfigError, match="loss.cod_ratio=0.7 is a peagle option, but head.kind='eagle3'"):
         load_train_config(None, ["data.conversations=x", "loss.cod_ratio=0.7"])
-    with pytest.raises(ConfigError, match="block_weights_normalized=True is a dflash / dspark option"):
+    with pytest.raises(ConfigError, match="block_weights_normalized=True is a dflash / dspark / dflash2 option"):
         load_train_config(None, ["data.conversations=x", "head.kind=peagle", "loss.block_weights_normalized=true"])
     with pytest.raises(ConfigError, match="head.markov_rank=64 is a dspark option, but head.kind='dflash'"):
         load_train_config(None, ["data.conversations=x", "head.kind=dflash", "head.markov_rank=64"])
