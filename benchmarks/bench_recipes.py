@@ -18,8 +18,9 @@ samples for every arm, and an arm's τ_sim is the mean over its seeds. Arms:
 - ``no_eagle31``: the recipe without EAGLE 3.1's head options (plain EAGLE-3);
   ``lk_no_eagle31``: that with ``lk``;
 - ``norm_before_fc``: one RMSNorm over the concatenated taps, without EAGLE 3.1 (the head llama.cpp serves);
-- ``dflash``, ``dspark``, ``dflash_dpace``, ``dflash_mask``, ``peagle``, ``peagle_embed``: the parallel
-  drafters on the same capture (compare each against its own backbone with ``--reference``);
+- ``dflash``, ``dspark``, ``dflash_dpace``, ``dflash_mask``, ``dflash2``, ``dflash2_drop``, ``peagle``,
+  ``peagle_embed``: the parallel drafters on the same capture (compare each against its own backbone with
+  ``--reference``);
   ``peagle_cod`` (COD sampling, r 0.8, floor 0.2), ``peagle_new`` (that with 4 layers), ``dflash_norm``
   (normalised depth weights), ``dflash_new`` (5 layers, block 16, gamma 7, 512 anchors, normalised, learned
   mask vector): the published recipes of configs/llama-3.1-8b-{peagle,dflash}.yaml on this capture's taps,
@@ -80,6 +81,10 @@ ARMS = {
     "dspark": [*NO_EAGLE31, "head.kind=dspark", "head.num_layers=2", "head.markov_rank=64"],
     "dflash_dpace": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2", "loss.block_weighting=dpace"],
     "dflash_mask": [*NO_EAGLE31, "head.kind=dflash", "head.num_layers=2", "head.mask_embedding=true"],
+    # DFlash 2 (its convolution and selector, the published K 16, r 256) against --reference dflash: both need
+    # a capture over the full vocabulary (prepare ... draft_vocab_size=<V>: DFlash 2 takes no other)
+    "dflash2": [*NO_EAGLE31, "head.kind=dflash2", "head.num_layers=2"],
+    "dflash2_drop": [*NO_EAGLE31, "head.kind=dflash2", "head.num_layers=2", "loss.selector_missing=drop"],
     # P-EAGLE with its embedding frozen (the target's) or trained (head.train_embedding; --reference peagle)
     "peagle": [*NO_EAGLE31, "head.kind=peagle", "head.num_layers=2"],
     "peagle_embed": [*NO_EAGLE31, "head.kind=peagle", "head.num_layers=2", "head.train_embedding=true"],

@@ -194,6 +194,8 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
         with tempfile.TemporaryDirectory(prefix="eaglekit-gguf-") as work:  # the layout its converter reads
             if head.config.kind == DSPARK:  # speculators' dspark folder (it names the target as its verifier)
                 layout = export_head(head, Path(work) / "dspark", "speculators", verifier=str(target_dir))
+            elif head.config.kind == DFLASH2:  # the HF / z-lab folder: the converter reads its nested dflash_config
+                layout = export_head(head, Path(work) / "dflash2", "vllm")  # (once llama_cpp.refusal lets it by)
             else:  # EAGLE-3: the vLLM layout
                 layout = export_head(head, Path(work) / "vllm", "vllm")
             return llama_cpp.export_gguf(layout, out_dir, target_dir, outtype=gguf_type, overwrite=overwrite)
