@@ -133,3 +133,37 @@ def test_dflash2_to_llama_cpp_converts_the_hf_layout(tiny, tmp_path, monkeypatch
     export_head(head, tmp_path / "gguf", "llama.cpp", target_dir=tdir)
     assert seen["config"]["architectures"] == ["DFlash2DraftModel"]
     assert seen["config"]["dflash_config"]["selector_top_k"] == 4 and seen["config"]["is_causal"] is False
+
+
+def test_dflash2_vllm_bench_reports_the_refusal_without_a_server(tiny, tmp_path, monkeypatch):
+    """``eaglekit bench engine=vllm`` with a dflash2 head: vLLM's CPU backend cannot run it, so the head is
+    reported as failed with the reason and no server is started for it (plain still runs; stubbed here)."""
+    from eaglekit import vllm_cpu
+    from eaglekit.bench import vllm as bench_vllm
+    from eaglekit.bench.cli import BenchConfig
+
+    tdir, target = tiny
+    head = dflash2(target)
+    head.save_pretrained(tmp_path / "head")
+    started = []
+
+    class Server:
+        def __init__(self, folder, speculative=None, **kw):
+            started.append(speculative)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def complete(self, ids, n):
+            return vllm_cpu.Completion(tokens=[1] * 4, seconds=0.1)
+
+    monkeypatch.setattr(vllm_cpu, "require", lambda: tmp_path)
+    monkeypatch.setattr(vllm_cpu, "Server", Server)
+    cfg = BenchConfig(target=str(tdir), head=str(tmp_path / "head"), engine="vllm", prompts=1, repeats=1,
+                      max_new_tokens=4, out=str(tmp_path / "bench"))
+    report = bench_vllm.run_engine_bench(cfg)
+    assert started == [None]  # plain only: no server for the head
+    assert report["failed"] == {"head": {"error": VLLM_CPU_REFUSAL}} and set(report["results"]) == {"plain"}
