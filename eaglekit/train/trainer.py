@@ -31,6 +31,18 @@ from eaglekit.train.nonfinite import refuse_non_finite_weights, stop_if_not_fini
 from eaglekit.train.processes import reduce_sum
 
 
+def progress_postfix(rec: dict, last_eval: dict) -> dict[str, str]:
+    """What the progress bar shows beside a step: only figures measured so far — the step's loss and
+    step-0 accuracy, and the held-out tau_sim once an evaluation has run (before it, nothing: a
+    placeholder such as nan would read as a broken run)."""
+    shown = {"loss": f"{rec['loss']:.3f}"}
+    if "acc_0" in rec:
+        shown["acc0"] = f"{rec['acc_0']:.2f}"
+    if "eval_tau_sim" in last_eval:
+        shown["tau_sim"] = f"{last_eval['eval_tau_sim']:.2f}"
+    return shown
+
+
 class Trainer:
     """Runs the loop over a run's parts: ``model`` (the head and its loss, prepared by Accelerate),
     ``optimizer`` and ``scheduler`` over the head, ``state`` (the loop position) and ``total_steps``."""
@@ -144,8 +156,7 @@ class Trainer:
             if "eval_tau_sim" in rec or self.state.step % max(1, cfg.log_interval) == 0:
                 self.log(rec)
             bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec.get('acc_0', 0):.2f}",
-                            tau_sim=f"{last_eval.get('eval_tau_sim', float('nan')):.2f}")
+            bar.set_postfix(progress_postfix(rec, last_eval))
             if cfg.save_interval and self.state.step % cfg.save_interval == 0:
                 weights = refuse_non_finite_weights(self.acc, self._full_state(), self.state.step,
                                                     f"checkpoint step-{self.state.step}")
