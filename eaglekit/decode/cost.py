@@ -348,8 +348,3 @@ def _load_or_measure(target, head, cache_dir, refresh: bool, batch_size: int = 1
     text = json.dumps(plan.to_json(), indent=1)
     write_text(path, text)
     return Plan.from_json(json.loads(text))  # as a later read of the file gives it (costs keyed by strings)
-
-
-def auto_tree(target, head, cache_dir=None, refresh: bool = False) -> TreeSpec:
-    """The best drafting tree on this device (even where plain decoding would be faster)."""
-    return auto_plan(target, head, cache_dir, refresh).spec

@@ -47,15 +47,15 @@ class NgramIndex:
                 return n, end
         return 0, 0
 
-    def continuation(self, max_tokens) -> list[int]:
-        """Up to ``max_tokens`` tokens (an int, or one per match length from ``min_ngram`` up) that followed
-        the latest earlier occurrence of the context's last n-gram, longest n first; [] when nothing
-        matches. A continuation that runs into the tail repeats with its period (a run of spaces,
-        ``1 2 1 2``) instead of stopping at the end of the context."""
+    def continuation(self, max_tokens) -> tuple[int, list[int]]:
+        """(n, tokens): the length n of the longest tail n-gram that occurred earlier, and up to ``max_tokens``
+        tokens (an int, or one per match length from ``min_ngram`` up) that followed its latest earlier
+        occurrence; (0, []) when nothing matches. A continuation that runs into the tail repeats with its
+        period (a run of spaces, ``1 2 1 2``) instead of stopping at the end of the context."""
         n, end = self.match()
         if not n:
-            return []
-        return self.follow(end, max_tokens if isinstance(max_tokens, int) else max_tokens[n - self.min_ngram])
+            return 0, []
+        return n, self.follow(end, max_tokens if isinstance(max_tokens, int) else max_tokens[n - self.min_ngram])
 
     def follow(self, end: int, k: int) -> list[int]:
         """The ``k`` tokens from ``end`` on, repeating with the period where they run into the tail."""
@@ -145,8 +145,8 @@ class LookupDrafter:
 
     def draft(self, max_depth: int) -> Tree:
         tree = self.inner.draft(max_depth)  # graft_chain refuses a sampled tree
-        n, end = self.context.match()
-        chain = self.context.follow(end, min(self.lengths[n - self.min_ngram], max_depth)) if n else []
+        n, chain = self.context.continuation(self.lengths)
+        chain = chain[:max_depth]
         self.branch = n, chain
         if chain and self.inner_nodes is not None:
             tree = prune(tree, self.inner_nodes)

@@ -57,15 +57,6 @@ class DSparkHead(DFlashHead):
             prev = self.draft_to_target(out[-1].argmax(-1))
         return torch.stack(out, 1)
 
-    @torch.no_grad()
-    def draft_confidence(self, cache, ids, g, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        """``draft``'s logits [B, D, Vd] and the confidence head's acceptance probabilities [B, D] of the
-        same block (each slot after the chain's previous token). Appends the pending elements to ``cache``."""
-        hidden = self.block_hidden(cache, ids, g, position_ids)
-        logits = self.block_draft_logits(hidden, ids[:, -1].to(self.device))
-        prev = torch.cat([ids[:, -1:].to(self.device), self.draft_to_target(logits[:, :-1].argmax(-1))], 1)
-        return logits, torch.sigmoid(self.confidence_logits(hidden, prev).float())
-
     def block_train_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden) + self.markov_bias(prev)
 

@@ -60,11 +60,6 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
-
-
 # ---- writing -------------------------------------------------------------------------------------
 def save_checkpoint(acc, output_dir: str | Path, step: int, keep_last: int,
                     write_files: Callable[[Path], None]) -> Path:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, s
 def find_continuation(seq, max_tokens, max_ngram=3, min_ngram=1):
     index = NgramIndex(max_ngram, min_ngram)
     index.extend(seq)
-    return index.continuation(max_tokens)
+    return index.continuation(max_tokens)[1]
 
 
 def scan_continuation(seq, max_tokens, max_ngram, min_ngram):
@@ -71,9 +71,9 @@ def test_decode_lookup_index_grown_in_steps_equals_the_scan():
             step = torch.randint(0, 6, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
             seq += step
             index.extend(step)
-            assert index.continuation(4) == scan_continuation(seq, 4, max_n, min_n), (seq, max_n, min_n)
+            assert index.continuation(4)[1] == scan_continuation(seq, 4, max_n, min_n), (seq, max_n, min_n)
             lengths = list(range(1, max_n - min_n + 2))  # a different length per match length
-            assert index.continuation(lengths) == scan_continuation(seq, lengths, max_n, min_n), (seq, lengths)
+            assert index.continuation(lengths)[1] == scan_continuation(seq, lengths, max_n, min_n), (seq, lengths)
 
 
 def _tree(tokens, parents):
@@ -136,7 +136,7 @@ class InnerSizes(LookupDrafter):
     """Records (had a lookup branch, nodes kept from the inner tree) per draft."""
 
     def draft(self, max_depth):
-        branch = bool(self.context.continuation(self.lengths)[:max_depth])
+        branch = bool(self.context.continuation(self.lengths)[1][:max_depth])
         tree = super().draft(max_depth)
         self.sizes = getattr(self, "sizes", []) + [(branch, self.first_grafted)]
         return tree

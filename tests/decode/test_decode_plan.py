@@ -84,10 +84,10 @@ def test_decode_plan_auto_tree_measures_calibrates_and_caches(tmp_path, monkeypa
     for depths, probs in pools[1]:  # a chain: each node's path probability is its parent's times its own
         assert depths == [1, 2, 3] and probs == sorted(probs, reverse=True) and probs[2] < probs[0]
     monkeypatch.setattr(cost, "calibration_ids", lambda target: ids)
-    spec = cost.auto_tree(t, head, cache_dir=tmp_path)
+    spec = cost.auto_plan(t, head, cache_dir=tmp_path).spec
     assert isinstance(spec, TreeSpec) and len(list(tmp_path.glob("*.json"))) == 1
     monkeypatch.setattr(cost, "measure", lambda *a, **k: pytest.fail("cached costs were measured again"))
-    assert cost.auto_tree(t, head, cache_dir=tmp_path) == spec
+    assert cost.auto_plan(t, head, cache_dir=tmp_path).spec == spec
     out = decode.generate(t, head, ids[:, :8], 6, eos_token_id=False, tree=spec)
     assert out.stats.new_tokens == 6
     # in-process: the plan is reused without hashing the weights again, until a weight changes in place
