@@ -2,7 +2,7 @@
 q = the sampling's warp of S over the slot's top-K candidates, after the token sampled before it) and the loop
 verifies that chain with Leviathan's rule and that q. The first 3 tokens' joint law over seeded runs against
 the target's exact law (exact_law.py's chi-square, ALPHA = 1e-3), and a wrong rule (residual = p, not
-norm(max(p - q, 0))) caught by the same check. Greedy exactness for DFlash 2 is test_decode_parallel.py's
+norm(max(p - q, 0))) and a wrong q (the unary softmax instead of the selector's) caught by the same check. Greedy exactness for DFlash 2 is test_decode_parallel.py's
 (KINDS), the files a sampled step enters test_decode_one_path.py's."""
 import pytest
 import torch
@@ -63,4 +63,13 @@ def test_decode_dflash2_sampled_walk_keeps_the_law_at_temperature_1(setup, monke
     monkeypatch.setattr(loop, "rule_for", rule_for)
     with acceptance_rule(leviathan_residual_is_p):
         wrong, _ = sample_counts(target, head, LAW_CFG, 400, 1, PROMPT, NEW + 1, counted=NEW, tree=CHAIN)
+    assert chi2_pvalue([(wrong, exact)]) < ALPHA
+    sampled_walk = head.draft_sampled  # the right rule with the unary's q in place of the selector's: caught
+
+    def unary_q(*args):
+        toks, q = sampled_walk(*args)
+        return toks, torch.softmax(head.rows.float(), -1).expand_as(q)
+
+    monkeypatch.setattr(head, "draft_sampled", unary_q)
+    wrong, _ = sample_counts(target, head, LAW_CFG, 400, 1, PROMPT, NEW + 1, counted=NEW, tree=CHAIN)
     assert chi2_pvalue([(wrong, exact)]) < ALPHA
