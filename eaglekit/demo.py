@@ -36,7 +36,7 @@ from eaglekit import assets, decode
 from eaglekit.bench.methods import run_in_order
 from eaglekit.bench.prompts import load_questions
 from eaglekit.decode.cli import parse_tree, use_cpu_linear
-from eaglekit.decode.cost import auto_plan
+from eaglekit.decode.cost import Plan, auto_plan
 from eaglekit.decode.lookup import branch_lengths
 from eaglekit.export import load_head
 from eaglekit.fileio import write_json
@@ -217,6 +217,19 @@ def results_table(result: dict, width: int = 36) -> str:
     return "\n".join(lines)
 
 
+def planner_line(plan: Plan) -> str:
+    """The planner's choice for the demo and why, in one sentence: the tree it drafts with, and the tokens
+    per second expected with it and with plain decoding, from the costs measured on this device."""
+    spec = plan.spec
+    tree = f"a tree of up to {spec.total_tokens} tokens, {spec.depth} deep, the top {spec.top_k} at each level"
+    rates = (f"{plan.expected_tokens_per_s:.1f} tokens/s expected with {'it' if plan.drafting_pays else 'the best tree'} "
+             f"against {plan.plain_tokens_per_s:.1f} with plain decoding, from the costs measured on this device")
+    if plan.drafting_pays:
+        return f"planner: drafting with {tree} ({rates})."
+    return (f"planner: drafting would not pay here ({rates}): `eaglekit generate tree=auto` would not draft, "
+            f"but the demo drafts anyway, with {tree}, to measure the head.")
+
+
 def decode_phase(head_dir: Path, questions: int, max_new_tokens: int, tree, lookup=0, repeats: int = 1) -> dict:
     """Load the target and the trained head, pick the tree, decode, print the table and one answer."""
     hf_logging.disable_progress_bar()  # no weight-loading bar: the decode phase has its own
@@ -230,10 +243,7 @@ def decode_phase(head_dir: Path, questions: int, max_new_tokens: int, tree, look
     if tree == "auto":  # draft with the best measured tree even where plain would win, to show the head's τ
         plan = auto_plan(target, head)
         tree = plan.spec
-        print(f"tree='auto' on this device: {tree}, expected {plan.expected_tokens_per_s:.1f} tokens/s vs "
-              f"plain {plan.plain_tokens_per_s:.1f}" + ("" if plan.drafting_pays else " (`eaglekit generate "
-              "tree=auto` would decode without drafting here; the demo drafts anyway to measure the head)"),
-              flush=True)
+        print(planner_line(plan), flush=True)
     result = decode_side_by_side(target, head, demo_questions(questions), max_new_tokens, tree, lookup, repeats)
     result.update(threads=torch.get_num_threads(), busy_cpus_before=busy, load_average_after=load_average())
     result["machine_note"] = busy_note(busy, cpus, result["load_average_after"], result["threads"])

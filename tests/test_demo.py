@@ -7,6 +7,7 @@ from helpers import tiny_target
 
 from eaglekit import assets, demo
 from eaglekit.decode import TreeSpec
+from eaglekit.decode.cost import Plan
 from eaglekit.heads import HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
@@ -128,3 +129,14 @@ def test_demo_failed_step_is_one_error_line(capsys):
     with pytest.raises(demo.StepFailed, match="exit status 3") as e:
         demo._run([sys.executable, "-c", "raise SystemExit(3)"])
     assert error_line(e.value).startswith("eaglekit: error: the command above failed (exit status 3)")
+
+
+def test_demo_planner_line_says_the_choice_and_why_in_words():
+    pays = demo.planner_line(Plan(TreeSpec(depth=5, top_k=8, total_tokens=48), 14.7, 14.6))
+    assert pays.startswith("planner: drafting with a tree of up to 48 tokens, 5 deep, the top 8 at each level")
+    assert "14.7 tokens/s expected with it against 14.6 with plain decoding" in pays and "measured" in pays
+    loses = demo.planner_line(Plan(TreeSpec(depth=3, top_k=2, total_tokens=6), 9.1, 14.6))
+    assert loses.startswith("planner: drafting would not pay here (9.1 tokens/s expected with the best tree "
+                            "against 14.6 with plain decoding")
+    assert "the demo drafts anyway, with a tree of up to 6 tokens, 3 deep" in loses
+    assert not any("TreeSpec(" in line or "tree='auto'" in line for line in (pays, loses))  # no code repr
