@@ -337,3 +337,43 @@ def test_llama_cpp_real_server_drafts_with_an_exported_dspark_head(smollm2, serv
     server, ours = sum(o.accepted for o in outs), sum(r["accepted"] for r in reps)
     assert abs(server - ours) <= 0.05 * ours, ([o.accepted for o in outs], [r["accepted"] for r in reps])
     assert sum(o.accepted for o in outs) / sum(o.draft_n for o in outs) > 0.15
+
+
+@pytest.mark.real
+@pytest.mark.slow  # ~1.5 min with a built llama.cpp
+def test_llama_cpp_real_server_drafts_for_a_qwen2_target(qwen05, tmp_path):
+    """Qwen2.5-Coder-0.5B (the embedded GGUF, a qwen2 graph): eaglekit's build records its layer inputs, so an
+    EAGLE-3 head fitted to llama-server's own answers to 3 HumanEval prompts drafts there with output identical
+    to plain llama-server and drafts accepted; the same file relabelled as llama (``eaglekit relabel``, what a
+    stock llama-server needs) gives the same tokens under the same build, plain and with the head."""
+    from eaglekit.export import load_head
+    from eaglekit.gguf_relabel import relabel_qwen2_as_llama
+
+    root = llama_cpp.require()
+    model = assets.asset_file("qwen2.5-coder-0.5b-instruct")
+    questions = [q["prompt"] for q in assets.load_humaneval()[:3]]
+    prompts = [qwen05.chat_ids(f"Complete this function:\n{q}")[0].tolist() for q in questions]
+    n = 32
+    with llama_cpp.Server(model, root=root, threads=SERVER_THREADS) as plain:
+        refs = [plain.complete(ids, n).tokens for ids in prompts]
+    convs = [{"id": str(i), "messages": [{"role": "user", "content": f"Complete this function:\n{q}"},
+                                         {"role": "assistant", "content": qwen05.tokenizer.decode(r)}]}
+             for i, (q, r) in enumerate(zip(questions, refs))]
+    fitted = fit_head(qwen05, convs, tmp_path / "fit", "head.fc_norm=false", "head.norm_output=false",
+                      "head.norm_before_fc=true", "head.init_from_target=true", "optim.epochs=20",
+                      # HumanEval prompts are long: the answers must fit; Qwen's taps diverge at 3e-3
+                      "data.max_length=768", "optim.lr=1e-3")
+    gguf = export_head(load_head(fitted, qwen05), tmp_path / "head", "llama.cpp", gguf_type="f16")
+    relabelled = relabel_qwen2_as_llama(model, tmp_path / "qwen-as-llama.gguf")
+    outs = {}
+    for name, target in (("qwen2", model), ("llama", relabelled)):
+        with llama_cpp.Server(target, draft=gguf, spec_type="draft-eagle3", n_max=3, root=root,
+                              threads=SERVER_THREADS) as s:
+            outs[name] = [s.complete(ids, n) for ids in prompts]
+    with llama_cpp.Server(relabelled, root=root, threads=SERVER_THREADS) as plain:
+        assert [plain.complete(ids, n).tokens for ids in prompts] == refs, "the relabelled file decodes otherwise"
+    for name, out in outs.items():
+        for i, (ref, o) in enumerate(zip(refs, out)):
+            assert o.tokens == ref, f"{name}: prompt {i} differs from plain llama-server"
+        drafted, accepted = sum(o.draft_n for o in out), sum(o.accepted for o in out)
+        assert drafted > 0 and accepted / drafted > 0.3, (name, drafted, accepted)
