@@ -377,3 +377,18 @@ def test_llama_cpp_real_server_drafts_for_a_qwen2_target(qwen05, tmp_path):
             assert o.tokens == ref, f"{name}: prompt {i} differs from plain llama-server"
         drafted, accepted = sum(o.draft_n for o in out), sum(o.accepted for o in out)
         assert drafted > 0 and accepted / drafted > 0.3, (name, drafted, accepted)
+
+
+def test_llama_cpp_bench_reports_where_an_output_leaves_plain_and_how_near_a_tie():
+    """A configuration whose output differs from plain llama-server's is reported with the first differing
+    position and plain's top-2 log-probability gap there (a near-tie is llama.cpp's rounding, not a bug)."""
+    from eaglekit.bench.llama_cpp import summarise
+
+    timings = {"predicted_n": 4, "predicted_ms": 100.0}
+    top = [{5: -0.1, 6: -3.0}, {7: -0.69, 8: -0.70}, {9: -0.2, 1: -2.2}, {2: -0.01, 3: -5.0}]
+    refs = [llama_cpp.Completion([5, 7, 9, 2], timings, top), llama_cpp.Completion([5, 7, 9, 2], timings, top)]
+    other = [llama_cpp.Completion([5, 7, 9, 2], timings), llama_cpp.Completion([5, 8, 1, 1], timings)]
+    report = summarise({"plain": [refs], "head": [other]}, refs)["results"]
+    assert report["plain"]["divergences"] == [] and report["head"]["identical_to_plain"] == "1/2"
+    (d,) = report["head"]["divergences"]
+    assert d["prompt"] == 1 and d["position"] == 1 and d["plain_top2_logprob_gap"] == pytest.approx(0.01)

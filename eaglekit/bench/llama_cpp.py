@@ -198,7 +198,9 @@ def run_engine_bench(cfg) -> dict:
     bench, calib = prompts[:cfg.prompts], prompts[cfg.prompts:]
     planner = None
     with llama_cpp.Server(model, root=root, threads=threads) as plain:
-        refs = [plain.complete(ids, cfg.max_new_tokens) for ids in bench]
+        # the top-2 log-probabilities along plain's path: where another configuration's output leaves it,
+        # how near a tie the target was there (llama.cpp's multi-token kernels round differently)
+        refs = [plain.complete(ids, cfg.max_new_tokens, n_probs=2) for ids in bench]
         calib_refs = [plain.complete(ids, cfg.max_new_tokens) for ids in calib]
         fwd = forward_ms(plain, bench[0], range(1, max(cfg.sweep_n_max + [PROBE[0], 8]) + 2)) if head else {}
     chosen = (cfg.n_max or PROBE[0], cfg.p_min if cfg.p_min >= 0 else 0.0)
@@ -304,8 +306,19 @@ def summarise(runs: dict, refs) -> dict:
             "acceptance": sum(o.accepted for o in flat) / drafted if drafted else None,
             "identical_to_plain": f"{sum(d is None for d in diffs[0])}/{len(refs)}",
             "first_differences": [d for d in diffs[0]],
+            "divergences": [{"prompt": i, "position": d, "plain_top2_logprob_gap": top2_gap(refs[i], d)}
+                            for i, d in enumerate(diffs[0]) if d is not None],
         }
     return {"results": results}
+
+
+def top2_gap(ref, position: int) -> float | None:
+    """The gap between plain's two most likely tokens at ``position`` of its output (log-probabilities, as
+    llama-server reports them before sampling); None where it reported none there."""
+    if position >= len(ref.top) or len(ref.top[position]) < 2:
+        return None
+    first, second = sorted(ref.top[position].values(), reverse=True)[:2]
+    return first - second
 
 
 def _eaglekit_tau(target, head, prompts, refs, chosen) -> dict:
