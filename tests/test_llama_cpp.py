@@ -363,7 +363,8 @@ def test_llama_cpp_real_server_drafts_for_a_qwen2_target(qwen05, tmp_path):
                       "head.norm_before_fc=true", "head.init_from_target=true", "optim.epochs=20",
                       # HumanEval prompts are long: the answers must fit; Qwen's taps diverge at 3e-3
                       "data.max_length=768", "optim.lr=1e-3")
-    gguf = export_head(load_head(fitted, qwen05), tmp_path / "head", "llama.cpp", gguf_type="f16")
+    head = load_head(fitted, qwen05)
+    gguf = export_head(head, tmp_path / "head", "llama.cpp", gguf_type="f16")
     relabelled = relabel_qwen2_as_llama(model, tmp_path / "qwen-as-llama.gguf")
     outs = {}
     for name, target in (("qwen2", model), ("llama", relabelled)):
@@ -377,6 +378,11 @@ def test_llama_cpp_real_server_drafts_for_a_qwen2_target(qwen05, tmp_path):
             assert o.tokens == ref, f"{name}: prompt {i} differs from plain llama-server"
         drafted, accepted = sum(o.draft_n for o in out), sum(o.accepted for o in out)
         assert drafted > 0 and accepted / drafted > 0.3, (name, drafted, accepted)
+    # the server accepts what eaglekit's drafting of the same head accepts on the server's own outputs
+    reps = [replay(ids + o.tokens, len(ids), *head_drafts(qwen05, head, ids, o.tokens, 3), n_max=3)
+            for ids, o in zip(prompts, outs["qwen2"])]
+    server, ours = sum(o.accepted for o in outs["qwen2"]), sum(r["accepted"] for r in reps)
+    assert abs(server - ours) <= 0.05 * ours, ([o.accepted for o in outs["qwen2"]], [r["accepted"] for r in reps])
 
 
 def test_llama_cpp_bench_reports_where_an_output_leaves_plain_and_how_near_a_tie():
