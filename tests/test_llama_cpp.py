@@ -398,3 +398,34 @@ def test_llama_cpp_bench_reports_where_an_output_leaves_plain_and_how_near_a_tie
     assert report["plain"]["divergences"] == [] and report["head"]["identical_to_plain"] == "1/2"
     (d,) = report["head"]["divergences"]
     assert d["prompt"] == 1 and d["position"] == 1 and d["plain_top2_logprob_gap"] == pytest.approx(0.01)
+
+
+def test_vllm_server_interrupted_at_start_leaves_no_process_and_no_folder(tmp_path, monkeypatch):
+    """`vllm serve` of a folder eaglekit dequantised from GGUF goes through a temporary copy without its
+    quantization block; Ctrl-C while the server starts ends the server and removes that copy too."""
+    import json
+    import sys
+    import tempfile
+
+    from eaglekit import vllm_cpu
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gguf"}}))
+    (model / "model.safetensors").write_text("weights")
+    root = tmp_path / "venv"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "vllm").write_text(f"#!{sys.executable}\nimport time\ntime.sleep(120)\n")
+    (root / "bin" / "vllm").chmod(0o755)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llama_cpp.urllib.request, "urlopen", interrupted)
+    server = vllm_cpu.Server(model, root=root)
+    with pytest.raises(KeyboardInterrupt):
+        server.__enter__()
+    assert server.proc.poll() is not None  # the server process ended
+    assert not [p for p in (tmp_path / "tmp").iterdir() if p.name.startswith("eaglekit-plain-")]  # nor the copy
