@@ -285,11 +285,14 @@ def capture_features(
     on_shard=None,
     draft_vocab: dict | None = None,
     feature_dtype: str = "bfloat16",
+    features=None,
 ) -> dict:
     """Write this process's shards of ``samples`` under ``out_dir``; returns the manifest.
 
     Resumable and multi-process safe (see the module docstring). ``on_shard(j)`` is called after each
-    shard is written (progress hooks, tests). ``draft_vocab``: see ``build_manifest``. A target split over
+    shard is written (progress hooks, tests). ``draft_vocab``: see ``build_manifest``. ``features``: a
+    function of a shard's samples giving their item dicts in place of the target's forward
+    (``engine.engine_features``: a serving engine's hidden states). A target split over
     a TP group (``target.layout``): the group's processes run every forward together and its first process
     alone writes, so the files are those of a run with one process per group.
     """
@@ -320,7 +323,7 @@ def capture_features(
     for j in todo:
         sh = manifest["shards"][j]
         part = samples[sh["first_sample"] : sh["first_sample"] + sh["num_samples"]]
-        items = compute_features(target, part, kind, taps, batch_tokens)
+        items = features(part) if features is not None else compute_features(target, part, kind, taps, batch_tokens)
         if layout.writes:
             _write_shard(out / shard_name(j), stored_features(shard_tensors(items), feature_dtype, len(taps)), manifest)
         bar.update(sh["num_tokens"])

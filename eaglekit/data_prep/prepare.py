@@ -16,6 +16,7 @@ on the split target, and the group's first process writes the files.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -35,11 +36,12 @@ from eaglekit.data_prep.capture import (
     resolve_taps,
 )
 from eaglekit.data_prep.conversations import Conversations, load_sharegpt, read_conversations
+from eaglekit.data_prep.engine import VllmEngine, check_engine_target, engine_features, engine_layer_ids
 from eaglekit.data_prep.regenerate import RegenerateConfig, regenerate
 from eaglekit.data_prep.template import tokenize_conversations
 from eaglekit.data_prep.vocab import build_draft_vocab, save_draft_vocab, vocab_record
 from eaglekit.heads import EAGLE3, KINDS
-from eaglekit.target import load_target_from
+from eaglekit.target import load_target_from, resolve
 
 log = logging.getLogger(__name__)
 REGENERATED = "regenerated.jsonl"
@@ -63,6 +65,12 @@ class PrepareConfig:
     shard_mb: PosFloat = 1024  # feature bytes per shard, MiB
     feature_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"  # fp8: half the disk (scaled per token)
     batch_tokens: PosInt = 8192  # padded tokens per capture forward
+    capture_engine: Literal["hooks", "vllm"] = "hooks"  # vllm: the features from vLLM's extract_hidden_states
+    engine_endpoint: str = ""  # http://HOST:PORT of a server started with engine.server_args ("": eaglekit starts
+    # one from its pinned vLLM CPU environment); its storage folder must be engine_storage, visible here
+    engine_storage: str = ""  # where the server writes each request's hidden states ("": output_dir/engine-states)
+    engine_concurrency: PosInt = 1  # requests in flight at once
+    engine_threads: NonNegInt = 0  # the started server's CPU threads (0: all cores)
     progress: bool = True
 
 
@@ -112,10 +120,14 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     first = dist_info()[0] == 0  # the first of all processes (a TP group's processes share a data rank)
     say = print if first else (lambda *a, **k: None)
     out = Path(cfg.output_dir)
-    target = load_target_from(cfg.target)
+    # an engine capture reads only the tokenizer, config and final norm here (in-process regeneration runs the target)
+    target = load_target_from(cfg.target, decoder=cfg.capture_engine == "hooks" or
+                              (cfg.regenerate.enabled and not cfg.regenerate.endpoint))
     rank, world = data_ranks(target)  # TP groups, when the target is split; else the processes
     # every check comes before the first write (regenerated.jsonl, the vocabulary, the shards)
     taps = resolve_taps(target, cfg.kind, cfg.layer_ids)
+    if cfg.capture and cfg.capture_engine == "vllm":
+        check_engine_target(target.config, taps, target.num_layers)
     bpt = feature_bytes_per_token(target.hidden_size, len(taps), cfg.feature_dtype)
     shard_tokens = max(1, int(cfg.shard_mb * 2**20 // bpt))
     _check_output_dir(out, cfg, target, taps, shard_tokens)
@@ -151,7 +163,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     size = min(cfg.draft_vocab_size, target.vocab_size)
     d2t, t2d = build_draft_vocab(samples, size, target.vocab_size)
     vocab = vocab_record(d2t, t2d)
-    extra = {"data": cfg.data, "max_length": cfg.max_length, "regenerated": cfg.regenerate.enabled}
+    extra = {"data": cfg.data, "max_length": cfg.max_length, "regenerated": cfg.regenerate.enabled,
+             "capture_engine": cfg.capture_engine}
     if cfg.capture:  # the whole plan (these samples) against a capture already there, before the vocab write
         check_resume(out / MANIFEST, build_manifest(target, samples, cfg.kind, taps, shard_tokens, extra, vocab,
                                                     cfg.feature_dtype))
@@ -161,7 +174,19 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     if not cfg.capture:
         return result
     say(disk_report(out, tokens, bpt, cfg.feature_dtype))
-    manifest = capture_features(
+    with _engine(cfg, target, taps, samples, rank) as features:
+        manifest = _capture(cfg, target, samples, out, taps, shard_tokens, extra, vocab, features)
+    mine = sum(1 for j in range(len(manifest["shards"])) if j % world == rank)
+    if target.layout.writes:
+        print(
+            f"[rank {rank}/{world}] wrote {mine} of {len(manifest['shards'])} shard(s) to {out}"
+            + (" — capture complete" if manifest["complete"] else " — the other processes write the rest")
+        )
+    return {**result, "complete": manifest["complete"], "shards": len(manifest["shards"])}
+
+
+def _capture(cfg: PrepareConfig, target, samples, out: Path, taps, shard_tokens: int, extra, vocab, features):
+    return capture_features(
         target,
         samples,
         out,
@@ -173,14 +198,31 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         extra=extra,
         draft_vocab=vocab,
         feature_dtype=cfg.feature_dtype,
+        features=features,
     )
-    mine = sum(1 for j in range(len(manifest["shards"])) if j % world == rank)
-    if target.layout.writes:
-        print(
-            f"[rank {rank}/{world}] wrote {mine} of {len(manifest['shards'])} shard(s) to {out}"
-            + (" — capture complete" if manifest["complete"] else " — the other processes write the rest")
-        )
-    return {**result, "complete": manifest["complete"], "shards": len(manifest["shards"])}
+
+
+@contextlib.contextmanager
+def _engine(cfg: PrepareConfig, target, taps, samples, rank: int):
+    """None for the hook capture; for capture_engine=vllm the features function of an engine started at the
+    first shard this process writes (none for a resumed capture with nothing left), one server per process:
+    each process's files land in a storage folder of its own."""
+    if cfg.capture_engine == "hooks":
+        yield None
+        return
+    storage = Path(cfg.engine_storage or Path(cfg.output_dir) / "engine-states") / f"rank-{rank}"
+    longest = max(len(s["input_ids"]) for s in samples)
+    started = []
+    with contextlib.ExitStack() as stack:
+        def features(part):
+            if not started:
+                engine = VllmEngine(resolve(target.name)[0], engine_layer_ids(taps, target.num_layers), storage,
+                                    max_model_len=longest + 1, endpoint=cfg.engine_endpoint,
+                                    threads=cfg.engine_threads or None, concurrency=cfg.engine_concurrency)
+                started.append(engine_features(stack.enter_context(engine), target, taps))
+            return started[0](part)
+
+        yield features
 
 
 def _check_output_dir(out: Path, cfg: PrepareConfig, target, taps, shard_tokens: int) -> None:
