@@ -164,8 +164,8 @@ The config names the verifier (`{base}`), so `vllm serve {repo_id}` also works.
 """ if getattr(cls, "vllm_serves", True) else f"""### llama.cpp
 
 ```bash
-eaglekit export --head {repo_id} --out dspark-gguf --to llama.cpp
-llama-server -m TARGET.gguf -md dspark-gguf/head-f16.gguf --spec-type draft-dspark
+eaglekit export --head {repo_id} --out {config.kind}-gguf --to llama.cpp
+llama-server -m TARGET.gguf -md {config.kind}-gguf/head-f16.gguf --spec-type {cls.llama_cpp_spec_type}
 ```
 """
         return served + f"""

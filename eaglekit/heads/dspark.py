@@ -32,6 +32,7 @@ class DSparkHead(DFlashHead):
     display_name, vllm_method, sglang_algorithm = "DSpark", None, None
     speculators_model = ("speculators.models.dspark", "DSparkDraftModel")
     vllm_serves = False  # vLLM 0.32.0 has no DSpark proposer: the model card points at llama.cpp instead
+    llama_cpp_spec_type = "draft-dspark"  # llama-server's --spec-type for it
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)

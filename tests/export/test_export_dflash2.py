@@ -167,3 +167,12 @@ def test_dflash2_vllm_bench_reports_the_refusal_without_a_server(tiny, tmp_path,
     report = bench_vllm.run_engine_bench(cfg)
     assert started == [None]  # plain only: no server for the head
     assert report["failed"] == {"head": {"error": VLLM_CPU_REFUSAL}} and set(report["results"]) == {"plain"}
+
+
+def test_dflash2_model_card_serves_it_with_llama_cpp_and_speculators(tiny):
+    from eaglekit.export import model_card
+
+    _, target = tiny
+    card = model_card(dflash2(target).config, "me/dflash2", "speculators", base_model="me/tiny")
+    assert "--spec-type draft-dflash" in card and "dflash2-gguf/head-f16.gguf" in card
+    assert "from speculators.models.dflash2 import DFlash2DraftModel" in card and "vllm serve" not in card
