@@ -198,9 +198,10 @@ def engine_features(engine, target, taps, dtype=FEATURE_DTYPE):
             if cols:
                 item["taps"] = hs[:, cols].reshape(len(tokens), -1).to(dtype)
             pre_norm = hs[:, -1]  # id num_layers sorts last
+            if weight is not None:  # the norm where the target put it (a GPU), in the target's dtype
+                pre_norm = pre_norm.to(weight.device, weight.dtype)
             with torch.no_grad():
-                last = norm(pre_norm.to(weight.dtype if weight is not None else pre_norm.dtype))
-            item["last"] = last.to(dtype)
+                item["last"] = norm(pre_norm).to(dtype).cpu()
             items.append(item)
         return items
 
