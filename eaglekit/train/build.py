@@ -202,7 +202,8 @@ def build_train_head(cfg: TrainConfig, target: Target, sources: Sources) -> Draf
                                     norm_before_fc=h.norm_before_fc, markov_rank=h.markov_rank,
                                     conv_kernel_size=h.conv_kernel_size, conv_group_size=h.conv_group_size,
                                     selector_rank=h.selector_rank, selector_top_k=h.selector_top_k,
-                                    train_embedding=h.train_embedding, mask_embedding=h.mask_embedding)
+                                    train_embedding=h.train_embedding, mask_embedding=h.mask_embedding,
+                                    **({"intermediate_size": h.intermediate_size} if h.intermediate_size else {}))
     head = build_head(config, target, dtype=torch.float32)
     if vocab is not None:
         head.set_draft_vocab(*vocab)

@@ -55,6 +55,9 @@ class HeadSpec:
     norm_before_fc: bool = False  # one RMSNorm over the concatenated taps before fc (what llama.cpp serves)
     block_size: NonNegInt = 0  # parallel drafters (peagle, dflash): positions one forward fills; 0 = the kind's default
     markov_rank: NonNegInt = 0  # DSpark: rank of its previous-token logit bias; 0 = 256 (speculators' default)
+    # the head's MLP width; 0 = the target's. On a CPU each drafted token reads the whole head, so a narrower
+    # MLP is a cheaper draft (configs/qwen2.5-coder-1.5b-eagle3-llama-cpp.yaml)
+    intermediate_size: NonNegInt = 0
     # DFlash 2 (0 = the published recipe's 2, 16, 256, 16): the in-block convolution's taps and channels per
     # kernel group, the candidate selector's codebook rank and the unary candidates it reranks
     conv_kernel_size: NonNegInt = 0

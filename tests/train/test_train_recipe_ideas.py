@@ -59,3 +59,17 @@ def test_layer_from_target_is_eagle3_only():
     sources = Sources(train=None, eval=None, d2t=None, t2d=None, layer_ids=(), where="test")
     with pytest.raises(ValueError, match="EAGLE-3 only"):
         build_train_head(cfg, target, sources)
+
+
+def test_head_mlp_width_is_the_targets_unless_set():
+    """head.intermediate_size narrows the head's MLP (a cheaper draft on a CPU); 0 keeps the target's."""
+    from eaglekit.train.build import build_train_head
+    from eaglekit.train.sources import Sources
+
+    target = tiny_target()
+    sources = Sources(train=None, eval=None, d2t=None, t2d=None, layer_ids=(), where="test")
+    for width, want in ((0, target.config.intermediate_size), (24, 24)):
+        cfg = load_train_config(None, ["data.conversations=x.jsonl", f"head.intermediate_size={width}"])
+        head = build_train_head(cfg, target, sources)
+        assert head.config.intermediate_size == want
+        assert {m.out_features for n, m in head.named_modules() if n.endswith("up_proj")} == {want}
