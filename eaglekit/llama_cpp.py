@@ -238,10 +238,12 @@ def refusal(cfg) -> str | None:
             return (f"llama.cpp cannot serve this dspark head: taps {taps} (it extracts distinct layers in order, "
                     "written as layer outputs, so tap 0 has no id)")
         return None
+    if cfg.kind == "dflash2":  # --spec-type draft-dflash; llama.cpp walks the selector greedily
+        return _dflash2_refusal(cfg)
     if cfg.kind != "eagle3":
-        return (f"llama.cpp serves EAGLE-3 and DSpark heads through eaglekit; this is a {cfg.kind} head (DFlash: "
-                "llama.cpp's converter reads a draft vocabulary only for DSpark, and eaglekit has not checked its "
-                "draft-dflash against eaglekit's decoder; P-EAGLE has no llama.cpp loader)")
+        return (f"llama.cpp serves EAGLE-3, DSpark and DFlash 2 heads through eaglekit; this is a {cfg.kind} head "
+                "(DFlash: llama.cpp's converter reads a draft vocabulary only for DSpark, and eaglekit has not "
+                "checked its draft-dflash against eaglekit's decoder; P-EAGLE has no llama.cpp loader)")
     if cfg.fc_norm:
         why.append("head.fc_norm=true (llama.cpp has one norm over all taps, norm_before_fc, not one per tap)")
     if cfg.norm_output:
@@ -256,6 +258,17 @@ def refusal(cfg) -> str | None:
     if not why:
         return None
     return "llama.cpp cannot serve this head as trained: " + "; ".join(why) + f". Train a servable head with {SERVABLE}"
+
+
+def _dflash2_refusal(cfg) -> str | None:
+    """What the pinned converter and src/models/dflash.cpp need of a DFlash 2 head (None: all of it)."""
+    why, taps = [], list(cfg.aux_layer_ids)
+    if min(taps) < 1 or taps != sorted(set(taps)):  # written as layer outputs (tap - 1), extracted in order
+        why.append(f"taps {taps} (it extracts distinct layers in order, written as layer outputs: tap 0 has no id)")
+    k = cfg.selector_top_k
+    if cfg.hidden_size < k * (k + 1):  # the graph refuses: "hidden size is too small for the selector lattice"
+        why.append(f"hidden size {cfg.hidden_size} < selector_top_k * (selector_top_k + 1) = {k * (k + 1)}")
+    return "llama.cpp cannot serve this dflash2 head: " + "; ".join(why) if why else None
 
 
 # llama.cpp's EAGLE-3 and DSpark drafts read the target's layer inputs, which only some target graphs record
@@ -439,6 +452,18 @@ class Completion(DraftCounts):
         return int(self.timings.get("draft_n_accepted", 0))
 
 
+# Linux: PR_SET_PDEATHSIG makes the kernel SIGTERM the server when the process that started it dies, however
+# it dies (kill -9 included, where no cleanup runs). It is set by a short Python step that then execs the server
+# (the setting survives exec), not in a preexec_fn, which is unsafe in a process with threads (torch has them).
+_PDEATHSIG = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+              "os.getppid() == 1 and sys.exit(1); os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+def _dies_with_parent(cmd: list[str]) -> list[str]:
+    """``cmd`` started so that it ends with the process that starts it (as is, off Linux)."""
+    return [sys.executable, "-c", _PDEATHSIG, *cmd] if sys.platform.startswith("linux") else list(cmd)
+
+
 def _exit_status(code: int) -> str:
     """A process's return code in words: a negative code is the signal that ended it (SIGSEGV: a crash)."""
     if code < 0:
@@ -464,8 +489,8 @@ class ServerProcess:
     def __enter__(self):
         self.log = tempfile.TemporaryFile(mode="w+")
         try:
-            self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(_dies_with_parent(self.cmd), stdout=self.log, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
             self._wait_healthy()
         except BaseException:  # Ctrl-C included: in a session of its own the server would not get the SIGINT
             self.close()
@@ -518,7 +543,7 @@ class Server(ServerProcess):
                  p_min: float | None = None, threads: int | None = None, ctx: int = 4096, extra=(),
                  root: Path | None = None, timeout: float = 180.0):
         self.root = root or require()
-        if draft is not None and spec_type in ("draft-eagle3", "draft-dspark"):  # refused before any process
+        if draft is not None and spec_type in ("draft-eagle3", "draft-dspark", "draft-dflash"):  # before any process
             check_draft_target(model, self.root)
         self.port = free_port()
         cmd = [str(self.root / "bin" / "llama-server"), "-m", str(model), "--host", "127.0.0.1",

@@ -31,6 +31,8 @@ def target():
     ("peagle", {}, "this is a peagle head"),
     ("dflash", {}, "this is a dflash head"),
     ("dspark", {"aux_layer_ids": [0, 4, 7]}, "taps [0, 4, 7]"),
+    ("dflash2", {}, "hidden size 32 < selector_top_k * (selector_top_k + 1) = 272"),
+    ("dflash2", {"selector_top_k": 4, "aux_layer_ids": [0, 4, 7]}, "taps [0, 4, 7]"),
     ("eagle1", {}, "this is a eagle1 head"),
 ])
 def test_llama_cpp_refuses_what_it_cannot_serve(target, tmp_path, kind, flags, named):
@@ -46,6 +48,7 @@ def test_llama_cpp_refuses_what_it_cannot_serve(target, tmp_path, kind, flags, n
 def test_llama_cpp_serves_plain_and_norm_before_fc_heads(target, tmp_path):
     for flags in ({}, {"norm_before_fc": True}, {"norm_before_residual": True}):
         assert llama_cpp.refusal(HeadConfig.from_target(target, kind="eagle3", **flags)) is None
+    assert llama_cpp.refusal(HeadConfig.from_target(target, kind="dflash2", selector_top_k=4)) is None
     head = build_head(HeadConfig.from_target(target, kind="eagle3"), target)
     folder = save_tiny(tmp_path / "tiny")
     with pytest.raises(llama_cpp.LlamaCppError, match="gguf type 'q4_0'"):
@@ -429,3 +432,39 @@ def test_vllm_server_interrupted_at_start_leaves_no_process_and_no_folder(tmp_pa
         server.__enter__()
     assert server.proc.poll() is not None  # the server process ended
     assert not [p for p in (tmp_path / "tmp").iterdir() if p.name.startswith("eaglekit-plain-")]  # nor the copy
+
+
+def test_llama_cpp_server_dies_with_the_process_that_started_it(tmp_path):
+    """A caller killed with SIGKILL runs no cleanup; the server, in a session of its own, still ends with it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "server.pid"
+    script = f"""
+import os, signal, sys
+from eaglekit import llama_cpp
+class Sleeper(llama_cpp.ServerProcess):
+    cmd, timeout, port = [sys.executable, "-c", "import time; time.sleep(120)"], 60, llama_cpp.free_port()
+s = Sleeper()
+llama_cpp.ServerProcess._wait_healthy = lambda self: None
+s.__enter__()
+open({str(pid_file)!r}, "w").write(str(s.proc.pid))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    caller = subprocess.run([sys.executable, "-c", script], check=False, timeout=60)
+    assert caller.returncode == -9
+    pid = int(pid_file.read_text())
+    for _ in range(100):  # the kernel sends SIGTERM at once; give it a moment to be reaped
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().split()[2] == "Z":  # ended, not yet reaped
+                break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError("the server outlived its caller")

@@ -1,9 +1,8 @@
 """A DFlash 2 head served by the pinned llama-server (``--spec-type draft-dflash``; llama.cpp detects DFlash 2
-by the GGUF's selector_top_k and walks the selector greedily). eaglekit.llama_cpp.refusal does not yet let
-``export --to llama.cpp`` take a dflash2 head, so this writes the layout llama.cpp's converter reads (``--to
-vllm``: DFlash2DraftModel with the nested dflash_config) and converts it with the pinned converter itself
-(``llama_cpp.export_gguf``): greedy output identical to plain llama-server, and what the server accepts within
-3% of eaglekit's own drafting of the same head replayed on those outputs (2026-12-05: 93 of 177 drafted tokens
+by the GGUF's selector_top_k and walks the selector greedily), exported with ``export --to llama.cpp`` (the HF
+layout with the nested dflash_config, through the pinned converter): greedy output identical to plain
+llama-server, and what the server accepts within 3% of eaglekit's own drafting of the same head replayed on
+those outputs (2026-12-05: 93 of 177 drafted tokens
 accepted by both, τ 2.476 both)."""
 import pytest
 from helpers import SERVER_THREADS, fit_head
@@ -17,16 +16,13 @@ from eaglekit.export import export_head, load_head
 @pytest.mark.real
 @pytest.mark.slow  # ~2.5 min with a built llama.cpp (the head's fit most of it; 5 min at load 6)
 def test_llama_cpp_real_server_drafts_with_a_dflash2_head(smollm2, served, tmp_path):  # noqa: F811
-    from eaglekit.target import resolve
-
     root, model, prompts, refs, convs = served
     fitted = fit_head(smollm2, convs, tmp_path / "fit", "head.kind=dflash2", "head.block_size=4",
                       "head.num_layers=1", f"head.draft_vocab_size={smollm2.vocab_size}", "head.selector_rank=64",
                       "head.init_from_target=true", "optim.epochs=20")
     head = load_head(fitted, smollm2)
     assert head.config.kind == "dflash2" and float(head.candidate_selector.successor_codebook.detach().abs().max()) > 0
-    layout = export_head(head, tmp_path / "hf", "vllm")
-    gguf = llama_cpp.export_gguf(layout, tmp_path / "gguf", resolve(smollm2.name)[0], outtype="f16", root=root)
+    gguf = export_head(head, tmp_path / "gguf", "llama.cpp", gguf_type="f16")
     with llama_cpp.Server(model, draft=gguf, spec_type="draft-dflash", n_max=3, root=root,
                           threads=SERVER_THREADS) as s:
         outs = [s.complete(ids, 40) for ids in prompts]
