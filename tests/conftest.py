@@ -19,10 +19,18 @@ LAUNCHING = {"test_data_prep_prepare.py", "test_decode_cli.py", "test_tensor_par
              "test_train_distributed.py", "test_train_reliability.py"}
 
 
+# Real tests of the engines' servers need the llama.cpp build and the vLLM environment, which scripts/test.sh
+# starts making in the background as the suite starts (~5 CPU-minutes); run last, they find them made instead of
+# holding a worker idle on the build's lock.
+ENGINES = {"test_llama_cpp.py", "test_llama_cpp_dflash2.py", "test_gguf_relabel.py", "test_vllm_cpu.py",
+           "test_data_prep_engine.py"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in LAUNCHING:
             item.add_marker(pytest.mark.xdist_group("launchers"))
+    items.sort(key=lambda item: item.path.name in ENGINES and item.get_closest_marker("real") is not None)
 
 
 @pytest.fixture(scope="session")

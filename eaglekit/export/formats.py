@@ -188,6 +188,8 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
 
         if (why := llama_cpp.refusal(head.config)) is not None:  # before the target's folder is even looked up
             raise ExportError(why)
+        if gguf_type not in llama_cpp.GGUF_TYPES:  # before the build is asked which targets it serves
+            raise llama_cpp.LlamaCppError(f"gguf type {gguf_type!r}: choose one of {', '.join(llama_cpp.GGUF_TYPES)}")
         target_dir = target_dir or resolve(head.config.target_name)[0]
         if (Path(target_dir) / "config.json").is_file() and (why := llama_cpp.target_refusal(target_dir)):
             raise ExportError(why)
