@@ -1,4 +1,4 @@
-"""The two sample-efficiency experiments (benchmarks/RESULTS.md, "Training recipe"): HASS-style top-K
+"""The two sample-efficiency experiments (measured 2026-11-30: benchmarks/results/cpu/recipes-500k/): HASS-style top-K
 distillation and the EAGLE-3 layer started from the target's last layer."""
 import pytest
 import torch
