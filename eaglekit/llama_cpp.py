@@ -233,11 +233,8 @@ def refusal(cfg) -> str | None:
     """Why llama.cpp's EAGLE-3 cannot run a head of config ``cfg`` as trained (None: it can)."""
     why = []
     if cfg.kind == "dspark":  # --spec-type draft-dspark, through speculators' dspark layout
-        taps = list(cfg.aux_layer_ids)
-        if min(taps) < 1 or taps != sorted(set(taps)):
-            return (f"llama.cpp cannot serve this dspark head: taps {taps} (it extracts distinct layers in order, "
-                    "written as layer outputs, so tap 0 has no id)")
-        return None
+        why = _taps_refusal(cfg)
+        return f"llama.cpp cannot serve this dspark head: {why}" if why else None
     if cfg.kind == "dflash2":  # --spec-type draft-dflash; llama.cpp walks the selector greedily
         return _dflash2_refusal(cfg)
     if cfg.kind != "eagle3":
@@ -260,11 +257,18 @@ def refusal(cfg) -> str | None:
     return "llama.cpp cannot serve this head as trained: " + "; ".join(why) + f". Train a servable head with {SERVABLE}"
 
 
+def _taps_refusal(cfg) -> str | None:
+    """DSpark's and DFlash 2's converters write the taps as layer outputs (tap - 1) and llama.cpp extracts them
+    in order: each tap must be >= 1 and they must increase."""
+    taps = list(cfg.aux_layer_ids)
+    if min(taps) < 1 or taps != sorted(set(taps)):
+        return f"taps {taps} (it extracts distinct layers in order, written as layer outputs, so tap 0 has no id)"
+    return None
+
+
 def _dflash2_refusal(cfg) -> str | None:
     """What the pinned converter and src/models/dflash.cpp need of a DFlash 2 head (None: all of it)."""
-    why, taps = [], list(cfg.aux_layer_ids)
-    if min(taps) < 1 or taps != sorted(set(taps)):  # written as layer outputs (tap - 1), extracted in order
-        why.append(f"taps {taps} (it extracts distinct layers in order, written as layer outputs: tap 0 has no id)")
+    why = [taps] if (taps := _taps_refusal(cfg)) else []
     k = cfg.selector_top_k
     if cfg.hidden_size < k * (k + 1):  # the graph refuses: "hidden size is too small for the selector lattice"
         why.append(f"hidden size {cfg.hidden_size} < selector_top_k * (selector_top_k + 1) = {k * (k + 1)}")
