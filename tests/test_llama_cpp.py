@@ -10,12 +10,16 @@ import torch
 from helpers import SERVER_THREADS, fit_head, save_tiny, tiny_target
 
 from eaglekit import assets, llama_cpp
-from eaglekit.bench.llama_cpp import head_drafts, replay
+from eaglekit.bench.llama_cpp import first_diff, head_drafts, replay, top2_gap
 from eaglekit.export import export_head
 from eaglekit.export.formats import ExportError
 from eaglekit.heads import HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+# plain's top-2 log-probability gap under which llama.cpp may pick either token when the same arithmetic runs in
+# another order: its matmuls quantise activations to 8 bits, so a last-bit change can flip a rounding and grow
+# over 24 layers (Qwen2.5-Coder-0.5B relabelled as llama, AVX2 EPYC 2026-12-05: one answer left at a gap of 0.076)
+NEAR_TIE = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +352,10 @@ def test_llama_cpp_real_server_drafts_for_a_qwen2_target(qwen05, tmp_path):
     """Qwen2.5-Coder-0.5B (the embedded GGUF, a qwen2 graph): eaglekit's build records its layer inputs, so an
     EAGLE-3 head fitted to llama-server's own answers to 3 HumanEval prompts drafts there with output identical
     to plain llama-server and drafts accepted; the same file relabelled as llama (``eaglekit relabel``, what a
-    stock llama-server needs) gives the same tokens under the same build, plain and with the head."""
+    stock llama-server needs) gives the same tokens under the same build, plain and with the head. Same tokens
+    means: identical, or leaving plain's path only where plain's top two tokens are a near-tie (the relabelled
+    graph rotates pairs instead of halves and adds biases in another order: the same arithmetic rounded
+    otherwise; on the AVX2 EPYC of 2026-12-05 one answer left at its 4th token, gap 0.076)."""
     from eaglekit.export import load_head
     from eaglekit.gguf_relabel import relabel_qwen2_as_llama
 
@@ -358,7 +365,16 @@ def test_llama_cpp_real_server_drafts_for_a_qwen2_target(qwen05, tmp_path):
     prompts = [qwen05.chat_ids(f"Complete this function:\n{q}")[0].tolist() for q in questions]
     n = 32
     with llama_cpp.Server(model, root=root, threads=SERVER_THREADS) as plain:
-        refs = [plain.complete(ids, n).tokens for ids in prompts]
+        plain_outs = [plain.complete(ids, n, n_probs=2) for ids in prompts]
+    refs = [o.tokens for o in plain_outs]
+
+    def same_tokens(name, outs):  # identical, or leaving plain's path only at a near-tie (reported)
+        for i, (ref, out) in enumerate(zip(plain_outs, outs)):
+            if (d := first_diff(out, ref.tokens)) is not None:
+                gap = top2_gap(ref, d)
+                print(f"{name}: prompt {i} leaves plain's path at token {d}, plain's top-2 log-prob gap {gap}")
+                assert gap is not None and gap < NEAR_TIE, f"{name}: prompt {i} differs from plain at {d} (gap {gap})"
+
     convs = [{"id": str(i), "messages": [{"role": "user", "content": f"Complete this function:\n{q}"},
                                          {"role": "assistant", "content": qwen05.tokenizer.decode(r)}]}
              for i, (q, r) in enumerate(zip(questions, refs))]
@@ -375,10 +391,9 @@ def test_llama_cpp_real_server_drafts_for_a_qwen2_target(qwen05, tmp_path):
                               threads=SERVER_THREADS) as s:
             outs[name] = [s.complete(ids, n) for ids in prompts]
     with llama_cpp.Server(relabelled, root=root, threads=SERVER_THREADS) as plain:
-        assert [plain.complete(ids, n).tokens for ids in prompts] == refs, "the relabelled file decodes otherwise"
+        same_tokens("relabelled, plain", [plain.complete(ids, n).tokens for ids in prompts])
     for name, out in outs.items():
-        for i, (ref, o) in enumerate(zip(refs, out)):
-            assert o.tokens == ref, f"{name}: prompt {i} differs from plain llama-server"
+        same_tokens(f"{name}, drafted", [o.tokens for o in out])
         drafted, accepted = sum(o.draft_n for o in out), sum(o.accepted for o in out)
         assert drafted > 0 and accepted / drafted > 0.3, (name, drafted, accepted)
     # the server accepts what eaglekit's drafting of the same head accepts on the server's own outputs

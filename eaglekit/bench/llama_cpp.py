@@ -283,7 +283,7 @@ def _tau_replay(runs) -> float:
     return sum(r["steps"] * r["tau"] for r in runs) / max(sum(r["steps"] for r in runs), 1)
 
 
-def _first_diff(a: list[int], b: list[int]) -> int | None:
+def first_diff(a: list[int], b: list[int]) -> int | None:
     j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     return j if j is not None else (None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -296,7 +296,7 @@ def summarise(runs: dict, refs) -> dict:
     results = {}
     for name, reps in runs.items():
         speeds = [tps(rep) for rep in reps]
-        diffs = [[_first_diff(o.tokens, r.tokens) for o, r in zip(rep, refs)] for rep in reps]
+        diffs = [[first_diff(o.tokens, r.tokens) for o, r in zip(rep, refs)] for rep in reps]
         flat = list(itertools.chain(*reps))
         drafted = sum(o.draft_n for o in flat)
         results[name] = {

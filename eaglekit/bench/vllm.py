@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from eaglekit import vllm_cpu
-from eaglekit.bench.llama_cpp import _first_diff, head_drafts, replay
+from eaglekit.bench.llama_cpp import first_diff, head_drafts, replay
 from eaglekit.bench.prompts import load_questions
 from eaglekit.fileio import write_json
 
@@ -103,7 +103,7 @@ def summarise(runs: dict) -> dict:
         speeds = [tps(rep) for rep in reps]
         first = reps[0]
         drafts, drafted, accepted = (sum(getattr(o, k) for o in first) for k in ("drafts", "draft_tokens", "accepted"))
-        diffs = [_first_diff(o.tokens, r.tokens) for o, r in zip(first, refs)]
+        diffs = [first_diff(o.tokens, r.tokens) for o, r in zip(first, refs)]
         results[name] = {
             "tokens_per_s": statistics.median(speeds), "repeats_tokens_per_s": speeds,
             "speedup_vs_plain": statistics.median(s / p for s, p in zip(speeds, plain)),
