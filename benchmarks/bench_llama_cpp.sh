@@ -43,7 +43,7 @@ done
 .venv/bin/python - "$RUN" <<'EOF'
 import sys
 from pathlib import Path
-from eaglekit import llama_cpp
+from eaglekit.engines import llama_cpp
 from eaglekit.target import resolve
 run = Path(sys.argv[1])
 f16 = run / "smollm2-f16.gguf"

@@ -12,8 +12,8 @@ import argparse
 import torch
 
 from eaglekit.decode.cost import verify_costs
-from eaglekit.packed_linear import pack_linears
 from eaglekit.target import load_target
+from eaglekit.target.packed_linear import pack_linears
 
 SIZES = (1, 2, 4, 8, 13, 16, 32)
 

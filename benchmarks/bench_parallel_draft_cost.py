@@ -8,8 +8,8 @@ import torch
 
 from eaglekit.decode.drafters import EagleDrafter, ParallelDrafter, Tree, TreeSpec
 from eaglekit.heads import HeadConfig, build_head
-from eaglekit.packed_linear import pack_linears
 from eaglekit.target import load_target
+from eaglekit.target.packed_linear import pack_linears
 
 torch.set_num_threads(2)
 t = load_target("smollm2-135m-instruct")

@@ -8,7 +8,7 @@ the meta device with the head config eaglekit would derive. What is sharded at a
 follows transformers' TP plans for these models: every decoder-layer projection (attention q/k/v/o, MLP or
 expert weights) and the lm_head are split t ways; the embedding and the norms are whole on every rank; and
 eaglekit adds full copies of the embedding and the lm_head that the head borrows (tensor_parallel.replicate).
-A t that does not divide the KV heads is refused (eaglekit.tensor_parallel.check_model), so it has no row.
+A t that does not divide the KV heads is refused (eaglekit.target.tensor_parallel.check_model), so it has no row.
 """
 from __future__ import annotations
 

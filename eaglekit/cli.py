@@ -33,7 +33,7 @@ COMMANDS = {
     "train": ("eaglekit.train.cli", "train a draft head (same as `accelerate launch train_head.py`)"),
     "generate": ("eaglekit.decode.cli", "chat with a target + EAGLE head / draft model (streaming, prints tau)"),
     "bench": ("eaglekit.bench.cli", "tau, tokens/s, speedup vs plain and HF baselines (JSON + PNG)"),
-    "relabel": ("eaglekit.gguf_relabel", "write a Qwen2 GGUF as a llama GGUF a stock llama-server drafts for"),
+    "relabel": ("eaglekit.engines.gguf_relabel", "write a Qwen2 GGUF as a llama GGUF a stock llama-server drafts for"),
 }
 
 EXIT_ERROR = 2

@@ -82,7 +82,7 @@ class TargetSpec:
     revision: str | None = None  # Hub revision
     trust_remote_code: bool = False
     tp_size: PosInt = 1  # > 1: split the target over each group of tp_size launched processes (torchrun /
-    # accelerate launch; world = dp x tp) with transformers' tensor-parallel plan (eaglekit.tensor_parallel)
+    # accelerate launch; world = dp x tp) with transformers' tensor-parallel plan (eaglekit.target.tensor_parallel)
     device_map: str | None = None  # "auto": spread the target over GPUs, CPU and disk (offline capture; with
     max_memory: dict[str, str | int] | None = None  # per-device caps, e.g. {0: 70GiB, cpu: 200GiB}, and
     offload_folder: str | None = None  # the folder for weights placed on "disk")

@@ -1,6 +1,6 @@
 """Write (or --check) docs/inputs.md's table of supported architectures from the test matrix (tests/arch_matrix.py).
 
-The table's rows are the matrix's: each supported row is a tiny model that tests/test_model_architectures.py
+The table's rows are the matrix's: each supported row is a tiny model that tests/target/test_model_architectures.py
 decodes exactly, the engine columns come from eaglekit.export.engines, the refused rows are the recurrent
 models the tests see refused. ``python scripts/arch_table.py`` rewrites the block between its two markers in
 docs/inputs.md; ``--check`` exits 1 if its block differs.

@@ -7,4 +7,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m eaglekit.llama_cpp
+exec .venv/bin/python -m eaglekit.engines.llama_cpp

@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_WAIT_POLICY=PASSIVE
 STEPS=${STEPS:-answers train bench} N=${N:-1200} RUN=${RUN:-runs/qwen15-llama-cpp} THREADS=${THREADS:-2}
 DATA=$RUN/data SEED=data/qwen15-answers.jsonl.gz
 EK=.venv/bin/eaglekit
-L=$(.venv/bin/python -m eaglekit.llama_cpp)/bin
+L=$(.venv/bin/python -m eaglekit.engines.llama_cpp)/bin
 gguf() { .venv/bin/python -c "from eaglekit import assets; print(assets.asset_file('$1'))"; }
 mkdir -p "$DATA"
 

@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m eaglekit.vllm_cpu
+exec .venv/bin/python -m eaglekit.engines.vllm_cpu

@@ -1,6 +1,6 @@
 """The architecture matrix: a tiny random model of each architecture eaglekit supports (built from
 transformers' own config classes, no downloads), the recurrent ones it refuses, and the docs/inputs.md table both
-produce (scripts/arch_table.py writes it, tests/test_model_architectures.py checks it).
+produce (scripts/arch_table.py writes it, tests/target/test_model_architectures.py checks it).
 
 Every tiny model: 2 layers, hidden 64, vocabulary 512. Sliding windows are WINDOW tokens, shorter than the
 test prompts, so every sliding layer runs past its window.
@@ -86,7 +86,7 @@ def tiny_model(name: str, seed: int = 0):
     """The matrix's tiny random ``name`` model, fp32, with the attention backend load_target would pick."""
     from transformers import AutoModelForCausalLM
 
-    from eaglekit.architectures import attention_implementation
+    from eaglekit.target.architectures import attention_implementation
 
     cfg = config(MATRIX[name])
     attn = attention_implementation(AutoModelForCausalLM._model_mapping[type(cfg)])

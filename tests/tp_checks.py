@@ -1,4 +1,4 @@
-"""Checks run inside a torchrun launch with a tensor-parallel target (launched by tests/test_tensor_parallel.py).
+"""Checks run inside a torchrun launch with a tensor-parallel target (launched by tests/target/test_tensor_parallel.py).
 
     torchrun --nproc_per_node N tests/tp_checks.py OUT CHECK [CHECK...]
     accelerate launch --config_file configs/accelerate/cpu-zero2-2proc.yaml tests/tp_checks.py OUT ...  # ZeRO-2

@@ -42,7 +42,7 @@ from eaglekit.config import Dtype, NonNegFloat, NonNegInt, PosInt, load_config
 from eaglekit.decode import cost
 from eaglekit.decode.cli import CPU_LINEAR, load_models, parse_tree, refuse_auto_tree_split
 from eaglekit.decode.stats import DecodeStats
-from eaglekit.tensor_parallel import launch_layout
+from eaglekit.target.tensor_parallel import launch_layout
 from eaglekit.timing import load_average
 
 

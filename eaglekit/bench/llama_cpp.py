@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from eaglekit import assets, llama_cpp
+from eaglekit import assets
 from eaglekit.bench.prompts import load_questions
+from eaglekit.engines import llama_cpp
 from eaglekit.fileio import write_json
 
 PROBE = (3, 0.0)  # the head run that measures its cost per forward

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from eaglekit import vllm_cpu
 from eaglekit.bench.llama_cpp import first_diff, head_drafts, replay
 from eaglekit.bench.prompts import load_questions
+from eaglekit.engines import vllm_cpu
 from eaglekit.fileio import write_json
 
 CHAIN = 3  # vLLM's num_speculative_tokens for a chain head unless n_max= says otherwise

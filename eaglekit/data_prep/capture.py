@@ -45,10 +45,10 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from eaglekit import __version__
-from eaglekit import tensor_parallel as tp
 from eaglekit.data_prep.template import template_hash
 from eaglekit.fileio import atomic_write, write_json, write_text
 from eaglekit.heads import EAGLE3, tap_layers
+from eaglekit.target import tensor_parallel as tp
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"

@@ -14,7 +14,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from eaglekit.engines.server import free_port
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 MAX_DELAY = 30.0  # seconds: the longest wait between two tries
@@ -204,10 +205,3 @@ class TransformersServe:
         """Kill the server and remove its log."""
         self.kill()
         self.log.unlink(missing_ok=True)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -14,7 +14,7 @@ k); id ``num_hidden_layers`` is the last hidden state *before* the final norm, s
 output, what lm_head reads) is that state through the target's own final norm, applied here in the target's
 dtype. Ids are sent sorted and unique: the engine stores one row per id, in layer order.
 
-The engine runs `vllm serve` from eaglekit's pinned CPU environment (eaglekit.vllm_cpu) with eaglekit's
+The engine runs `vllm serve` from eaglekit's pinned CPU environment (eaglekit.engines.vllm_cpu) with eaglekit's
 connector (eaglekit/vllm_connector: the stock ExampleHiddenStatesConnector needs CUDA), or uses
 ``endpoint``, a server the user started (on a GPU node: the stock connector; ``server_args`` prints the
 flags), whose storage folder this process reads.
@@ -132,7 +132,9 @@ class VllmEngine:
             with urllib.request.urlopen(f"{self.url}/v1/models", timeout=60) as r:
                 self.model = json.loads(r.read())["data"][0]["id"]
             return self
-        from eaglekit import vllm_cpu  # the server's environment, needed only when eaglekit starts one
+        from eaglekit.engines import (
+            vllm_cpu,  # the server's environment, needed only when eaglekit starts one
+        )
 
         self.storage.mkdir(parents=True, exist_ok=True)
         for stale in self.storage.glob("*.safetensors*"):  # a killed run's files: their requests are gone

@@ -12,7 +12,7 @@ file, drops a torn last line, checks that the ids it holds are the input's first
 them (from its last whole window). Under a launcher each process takes every N-th window into its own
 part file and the parts are merged in window order, so the result is the file one process would write.
 
-On a target split over processes (``target.layout``, eaglekit.tensor_parallel) the TP group takes the place
+On a target split over processes (``target.layout``, eaglekit.target.tensor_parallel) the TP group takes the place
 of a process: its processes run every ``generate`` together on the same prompts with the same seeds (the
 split model needs all of them for each forward, and they see the same gathered logits, so they pick the
 same tokens and stop at the same step), the group's first process alone reads and writes the files, and
@@ -44,10 +44,10 @@ from pathlib import Path
 
 import torch
 
-from eaglekit import tensor_parallel as tp
 from eaglekit.config import NonNegFloat, NonNegInt, PosFloat, PosFraction, PosInt
 from eaglekit.data_prep.endpoint import ChatEndpoint
 from eaglekit.fileio import write_bytes
+from eaglekit.target import tensor_parallel as tp
 
 log = logging.getLogger(__name__)
 

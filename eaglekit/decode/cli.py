@@ -20,8 +20,8 @@ from eaglekit.config import Dtype, NonNegFloat, NonNegInt, PosFraction, PosInt, 
 from eaglekit.decode.draft_model import ModelTreeDrafter
 from eaglekit.decode.drafters import TreeSpec
 from eaglekit.export import load_head
-from eaglekit.packed_linear import pack_linears
 from eaglekit.target import load_target
+from eaglekit.target.packed_linear import pack_linears
 
 CPU_LINEAR = Literal["packed", "aten"]
 
@@ -47,7 +47,7 @@ class GenerateConfig:
     prompt_lookup: int | list | str = "auto"
     dtype: Dtype = "float32"  # read by config.parse_dtype (through load_target), the one reader of dtype names
     device: str = "cpu"
-    cpu_linear: CPU_LINEAR = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.packed_linear); "aten"
+    cpu_linear: CPU_LINEAR = "packed"  # "packed": oneDNN pre-packed weights on a CPU (see eaglekit.target.packed_linear); "aten"
     compile: bool = False  # the target's verify forward through torch.compile (static shapes; CUDA graphs on a GPU)
     tp_size: PosInt = 1  # > 1: the target split over tp_size processes (torchrun --nproc_per_node tp_size);
     # every process runs the same loop, the first prints

@@ -49,8 +49,8 @@ from eaglekit.decode.drafters import (
 from eaglekit.decode.loop import Sampling
 from eaglekit.fileio import write_text
 from eaglekit.heads import HeadCache
-from eaglekit.packed_linear import packed_count
 from eaglekit.target import crop_cache, new_cache
+from eaglekit.target.packed_linear import packed_count
 from eaglekit.timing import timed
 
 # dense up to 8: on a CPU the cost is lumpy there (not monotone in the rows; see benchmarks/RESULTS.md,

@@ -70,7 +70,7 @@ from eaglekit.heads.io import (
 
 __all__ = ["EXPORT_BLOCK", "LAYOUTS", "ExportError", "export_config", "export_head", "export_to", "layout_state",
            "load_export", "load_head", "validate_export"]  # the first three and the last also live in export.layouts
-LLAMA_CPP = "llama.cpp"  # not a folder layout: a GGUF file written by llama.cpp's converter (eaglekit.llama_cpp)
+LLAMA_CPP = "llama.cpp"  # not a folder layout: a GGUF file written by llama.cpp's converter (eaglekit.engines.llama_cpp)
 FORMATS = (*LAYOUTS, LLAMA_CPP)  # what `eaglekit export --to` writes
 SPECULATORS_VERSION = "0.9.0"  # the speculators release these configs were checked against
 
@@ -178,12 +178,12 @@ def export_head(head, out_dir, layout: str, dtype=None, speculative_tokens: int 
     ``verifier``: the target's id written where engines read it (default: from the head's target
     name, see export.verifier); required by the speculators layout.
     ``layout="llama.cpp"``: the GGUF llama-server drafts with (``out_dir/head-<gguf_type>.gguf``, through
-    llama.cpp's converter, eaglekit.llama_cpp), reading the tokenizer from ``target_dir`` (default: the
+    llama.cpp's converter, eaglekit.engines.llama_cpp), reading the tokenizer from ``target_dir`` (default: the
     folder of the target the head was trained for); the file's path is returned.
     """
     refuse_lm_head_bias(head)  # before any layout's work
     if layout == LLAMA_CPP:
-        from eaglekit import llama_cpp
+        from eaglekit.engines import llama_cpp
         from eaglekit.target import resolve
 
         if (why := llama_cpp.refusal(head.config)) is not None:  # before the target's folder is even looked up

@@ -16,7 +16,7 @@ from torch import nn
 from eaglekit.heads.config import HeadConfig, check_target
 from eaglekit.heads.layers import HeadCache, Rotary
 from eaglekit.heads.objectives import ttt_loss
-from eaglekit.target_borrowed import RowSubset
+from eaglekit.target.borrowed import RowSubset
 
 
 class DraftHead(nn.Module):

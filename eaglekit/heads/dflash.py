@@ -29,7 +29,7 @@ from eaglekit.heads.base import ParallelHead
 from eaglekit.heads.config import DFLASH, DFLASH2, HeadConfig
 from eaglekit.heads.layers import MLP, HeadCache, RMSNorm, apply_rope, shift_left
 from eaglekit.heads.objectives import StepStats, TeacherRows, dense_rows, position_loss, teacher_probs
-from eaglekit.target_borrowed import RowSubset
+from eaglekit.target.borrowed import RowSubset
 
 PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # the paper's suggested decay per block size (SpecForge's help text)
 DEFAULT_ANCHORS = 512  # anchor blocks per sequence at most (SpecForge's default num_anchors)

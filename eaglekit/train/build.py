@@ -30,7 +30,7 @@ from eaglekit.export import load_head
 from eaglekit.heads import DraftHead, HeadConfig, build_head
 from eaglekit.heads.objectives import Teacher
 from eaglekit.target import Target, load_target_from
-from eaglekit.target_borrowed import keep_rows
+from eaglekit.target.borrowed import keep_rows
 from eaglekit.train.config import TrainConfig
 from eaglekit.train.data import KnownTops, fetch
 from eaglekit.train.processes import OutputDirLock, TrainError, exit_with_launcher, reduce_sum

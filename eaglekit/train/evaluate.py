@@ -10,7 +10,7 @@ import torch
 
 from eaglekit.fileio import write_text
 from eaglekit.heads.objectives import TTTModel
-from eaglekit.tensor_parallel import data_parallel
+from eaglekit.target.tensor_parallel import data_parallel
 from eaglekit.timing import Stopwatch
 from eaglekit.train.build import assemble
 from eaglekit.train.config import TrainConfig

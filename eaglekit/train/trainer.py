@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from eaglekit.fileio import write_text
 from eaglekit.heads import build_head, save_head
 from eaglekit.heads.objectives import TTTModel, supervised_count
-from eaglekit.tensor_parallel import data_parallel
+from eaglekit.target.tensor_parallel import data_parallel
 from eaglekit.timing import Stopwatch
 from eaglekit.train.build import Parts, assemble, build_optimizer
 from eaglekit.train.checkpoint_trainer import TrainState, resume_trainer, save_trainer, zero_engine

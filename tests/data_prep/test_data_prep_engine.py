@@ -235,9 +235,9 @@ def test_vllm_engine_features_equal_the_hook_capture_on_smollm2(tmp_path, capsys
     layers), then round to bf16, whose steps are 2^-8..2^-7 of a value: rtol = 2^-7 (one bf16 step) admits
     two fp32 values on either side of a rounding boundary; atol covers values near zero, where a step is tiny
     and the fp32 difference itself shows."""
-    from eaglekit import vllm_cpu
     from eaglekit.config import load_config
     from eaglekit.data_prep.prepare import PrepareConfig, run_prepare
+    from eaglekit.engines import vllm_cpu
 
     vllm_cpu.require()
     common = ["target=smollm2-135m-instruct", "data=sharegpt", "num_conversations=4", "max_length=192",

@@ -113,10 +113,10 @@ def test_dflash2_layouts_without_a_reader_refuse(tiny, tmp_path):
 
 def test_dflash2_to_llama_cpp_converts_the_hf_layout(tiny, tmp_path, monkeypatch):
     """``--to llama.cpp`` hands llama.cpp's converter the HF / z-lab folder (the nested dflash_config it reads;
-    the converter and the target check stubbed here: tests/test_llama_cpp_dflash2.py runs the real ones)."""
+    the converter and the target check stubbed here: tests/engines/test_llama_cpp_dflash2.py runs the real ones)."""
     from pathlib import Path
 
-    from eaglekit import llama_cpp
+    from eaglekit.engines import llama_cpp
 
     tdir, target = tiny
     head, seen = dflash2(target), {}
@@ -136,9 +136,9 @@ def test_dflash2_to_llama_cpp_converts_the_hf_layout(tiny, tmp_path, monkeypatch
 def test_dflash2_vllm_bench_reports_the_refusal_without_a_server(tiny, tmp_path, monkeypatch):
     """``eaglekit bench engine=vllm`` with a dflash2 head: vLLM's CPU backend cannot run it, so the head is
     reported as failed with the reason and no server is started for it (plain still runs; stubbed here)."""
-    from eaglekit import vllm_cpu
     from eaglekit.bench import vllm as bench_vllm
     from eaglekit.bench.cli import BenchConfig
+    from eaglekit.engines import vllm_cpu
 
     tdir, target = tiny
     head = dflash2(target)

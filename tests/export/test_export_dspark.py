@@ -2,7 +2,7 @@
 every tensor as eaglekit holds it, reads the block, taps, mask token, rank and the non-drafting anchor slot
 from the config, and its Markov and confidence heads compute eaglekit's bias and confidence; the folder
 loads back into eaglekit; the layouts with no DSpark reader refuse before writing. (llama.cpp's draft-dspark
-serving the same layout is tests/test_llama_cpp.py's real test.)"""
+serving the same layout is tests/engines/test_llama_cpp.py's real test.)"""
 import pytest
 import torch
 from helpers import save_tiny

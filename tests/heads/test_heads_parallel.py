@@ -238,7 +238,8 @@ def test_peagle_trains_saves_exports_and_decodes_its_own_embedding(target, tmp_p
     (speculators: embed_requires_grad written out, loaded back), drafts with it, and decodes exactly."""
     from helpers import hf_greedy
 
-    from eaglekit import decode, llama_cpp
+    from eaglekit import decode
+    from eaglekit.engines import llama_cpp
     from eaglekit.export.formats import ExportError, export_head
     from eaglekit.heads import save_head
     from eaglekit.heads.objectives import Teacher

@@ -9,7 +9,7 @@ from helpers import tiny_conversations, tiny_tokenizer
 from eaglekit.heads import HeadConfig, build_head
 from eaglekit.heads.objectives import Teacher, teacher_argmax, teacher_probs
 from eaglekit.target import Target
-from eaglekit.target_borrowed import keep_rows
+from eaglekit.target.borrowed import keep_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, see conftest
 V, VD = 64, 40

@@ -76,7 +76,7 @@ def test_offline_training_without_the_decoder_takes_the_same_steps(capture, tmp_
     """Whole target, borrowed modules whole (data.keep_target_rows=false) and borrowed rows only (the default:
     every item's teacher argmax computed ahead, then only the capture's embedding rows and the draft rows of
     lm_head kept): the same losses and weights, step for step."""
-    from eaglekit.target_borrowed import RowSubset
+    from eaglekit.target.borrowed import RowSubset
 
     runs = {}
     for name, extra in (("rows", []), ("borrowed", ["data.keep_target_rows=false"]),

@@ -16,25 +16,21 @@ taps, ``norm_before_fc`` or no norm before ``fc`` (not per-tap ``fc_norm``), the
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import platform
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglekit import assets
+from eaglekit.engines.server import DraftCounts, ServerProcess, free_port, plain_model_dir, run
 from eaglekit.fileio import made_once, publish_dir
 
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp we build
@@ -206,17 +202,15 @@ def smoke_test(root: Path, log=sys.stderr) -> None:
     print(f"eaglekit: llama.cpp smoke test passed (4 tokens at {got.tokens_per_s:.1f} tok/s)", file=log, flush=True)
 
 
-def _run(cmd: list[str], what: str, log=sys.stderr, env=None, error=None) -> None:
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, check=False)
-    if out.returncode != 0:
-        print(out.stdout[-4000:], file=log)
-        lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
-        cause = lines[-1].strip() if lines else "no output"
-        if missing := re.search(r"No module named '([\w.]+)'", out.stdout):  # the converter's imports
-            cause += (f" -- the converter needs the Python package {missing.group(1)!r}: install eaglekit's "
-                      "llama-cpp extra (pip install 'eaglekit[llama-cpp]')")
-        raise (error or LlamaCppError)(f"{what} failed (exit {out.returncode}): {cause}\n"
-                                       f"command: {' '.join(cmd[:6])} ...")
+def _converter_hint(output: str) -> str | None:
+    if missing := re.search(r"No module named '([\w.]+)'", output):  # the converter's imports
+        return (f"the converter needs the Python package {missing.group(1)!r}: install eaglekit's llama-cpp "
+                "extra (pip install 'eaglekit[llama-cpp]')")
+    return None
+
+
+def _run(cmd: list[str], what: str, log=sys.stderr, env=None) -> None:
+    run(cmd, what, log, env, error=LlamaCppError, hint=_converter_hint)
 
 
 def require(build_if_missing: bool = True) -> Path:
@@ -376,25 +370,6 @@ def export_gguf(layout_dir, out_dir, target_dir, outtype: str = "f16", overwrite
     return out
 
 
-@contextlib.contextmanager
-def plain_model_dir(model_dir):
-    """``model_dir`` itself, or — for a folder eaglekit dequantised from a GGUF file, whose config keeps
-    ``quantization_config: {quant_method: gguf}`` although its weights are plain, and which llama.cpp's
-    converter and vLLM both refuse — a temporary copy (links to the same files) whose config drops it."""
-    model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    if (config.get("quantization_config") or {}).get("quant_method") != "gguf":
-        yield model_dir
-        return
-    with tempfile.TemporaryDirectory(prefix="eaglekit-plain-") as plain:
-        for f in model_dir.iterdir():
-            if f.name != "config.json":
-                os.symlink(f.resolve(), Path(plain) / f.name)
-        config.pop("quantization_config")
-        (Path(plain) / "config.json").write_text(json.dumps(config, indent=2))
-        yield Path(plain)
-
-
 def convert(model_dir, out_file, outtype: str = "f16", target_dir=None, root: Path | None = None) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on a transformers folder (a draft with ``target_dir``, or a target),
     read through ``plain_model_dir``."""
@@ -422,21 +397,6 @@ def quantize(src, dst, qtype: str, root: Path | None = None) -> Path:
 
 
 # ---- llama-server --------------------------------------------------------------------------------------------
-class DraftCounts:
-    """τ from a completion's ``tokens`` and its accepted drafts (``accepted``), as eaglekit counts it."""
-
-    @property
-    def steps(self) -> int:
-        """Target forwards after the prefill: each emits one token of its own besides the drafts it accepts
-        (the first token comes from the prefill)."""
-        return max(len(self.tokens) - 1 - self.accepted, 1)
-
-    @property
-    def tau(self) -> float:
-        """Tokens per verify forward, counted as eaglekit's DecodeStats.tau (prefill not counted)."""
-        return (len(self.tokens) - 1) / self.steps
-
-
 @dataclass
 class Completion(DraftCounts):
     tokens: list[int]
@@ -454,86 +414,6 @@ class Completion(DraftCounts):
     @property
     def accepted(self) -> int:
         return int(self.timings.get("draft_n_accepted", 0))
-
-
-# Linux: PR_SET_PDEATHSIG makes the kernel SIGTERM the server when the process that started it dies, however
-# it dies (kill -9 included, where no cleanup runs). It is set by a short Python step that then execs the server
-# (the setting survives exec), not in a preexec_fn, which is unsafe in a process with threads (torch has them).
-_PDEATHSIG = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
-              "os.getppid() == 1 and sys.exit(1); os.execvp(sys.argv[1], sys.argv[1:])")
-
-
-def _dies_with_parent(cmd: list[str]) -> list[str]:
-    """``cmd`` started so that it ends with the process that starts it (as is, off Linux)."""
-    return [sys.executable, "-c", _PDEATHSIG, *cmd] if sys.platform.startswith("linux") else list(cmd)
-
-
-def _exit_status(code: int) -> str:
-    """A process's return code in words: a negative code is the signal that ended it (SIGSEGV: a crash)."""
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-    return f"exit {code}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """A server process on 127.0.0.1 as a context manager: started in a process group of its own, its
-    output kept in a temporary file (``tail``), ready when GET /health answers 200 (bounded by ``timeout``),
-    the whole group ended on close. Subclasses set ``self.cmd``, ``self.timeout`` and ``self.port``."""
-
-    name, error, poll_s, env = "server", RuntimeError, 0.3, None
-    proc = log = None
-
-    def __enter__(self):
-        self.log = tempfile.TemporaryFile(mode="w+")
-        try:
-            self.proc = subprocess.Popen(_dies_with_parent(self.cmd), stdout=self.log, stderr=subprocess.STDOUT,
-                                         env=self.env, start_new_session=True)
-            self._wait_healthy()
-        except BaseException:  # Ctrl-C included: in a session of its own the server would not get the SIGINT
-            self.close()
-            raise
-        return self
-
-    def _wait_healthy(self) -> None:
-        deadline = time.time() + self.timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise self.error(f"{self.name} exited ({_exit_status(self.proc.returncode)}) at start: {self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(self.poll_s)
-        raise self.error(f"{self.name} did not become healthy in {self.timeout:.0f} s: {self.tail()}")
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)  # the server and any child it started
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def tail(self, n: int = 3000) -> str:
-        if self.log is None:
-            return ""
-        self.log.seek(0)
-        return self.log.read()[-n:]
 
 
 class Server(ServerProcess):

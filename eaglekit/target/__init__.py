@@ -1,4 +1,7 @@
-"""Load a target causal LM, tap the hidden states an EAGLE head reads, and keep its KV cache.
+"""The target: load a causal LM, tap the hidden states an EAGLE head reads, and keep its KV cache. Beside this
+module: ``architectures`` (which decode exactly; the refusal of the rest), ``borrowed`` (the embedding and
+lm_head rows a head shares), ``tensor_parallel`` (a target split over processes), ``packed_linear`` (CPU linears
+packed for oneDNN).
 
 Taps come from forward hooks on the model's own modules (pre-hooks on decoder layers for their
 *inputs*, a hook on the final norm for the tensor lm_head reads); no modeling file is copied, so any
@@ -41,10 +44,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from eaglekit import assets
-from eaglekit import tensor_parallel as tp
-from eaglekit.architectures import attention_implementation, attention_windows, check_supported
 from eaglekit.config import TargetSpec, parse_dtype
-from eaglekit.target_borrowed import RowSubset, load_without_decoder
+from eaglekit.target import tensor_parallel as tp
+from eaglekit.target.architectures import attention_implementation, attention_windows, check_supported
+from eaglekit.target.borrowed import RowSubset, load_without_decoder
 
 
 @functools.cache

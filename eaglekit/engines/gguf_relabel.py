@@ -14,7 +14,7 @@ is the same model under the llama architecture once
   ``h*d + d/2 + i``. A quantised tensor is stored row by row (its blocks run along the input dimension), so
   rows move whole and their bytes are copied, never requantised.
 
-eaglekit's own build (eaglekit.llama_cpp) records Qwen2's layer inputs and needs none of this; tests check
+eaglekit's own build (eaglekit.engines.llama_cpp) records Qwen2's layer inputs and needs none of this; tests check
 that both files give the same greedy tokens in that build.
 """
 from __future__ import annotations

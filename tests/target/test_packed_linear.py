@@ -1,4 +1,4 @@
-"""oneDNN pre-packed linears (eaglekit/packed_linear.py): same outputs as aten's linear, autograd falls
+"""oneDNN pre-packed linears (eaglekit/target/packed_linear.py): same outputs as aten's linear, autograd falls
 back to the live weight, unpack restores, and greedy decoding on a packed real target still equals the
 target's own (unpacked) greedy decoding."""
 import pytest
@@ -7,7 +7,13 @@ from helpers import tiny_target
 
 from eaglekit import decode
 from eaglekit.decode.drafters import TreeSpec
-from eaglekit.packed_linear import available, dtype_supported, pack_linears, packed_count, unpack_linears
+from eaglekit.target.packed_linear import (
+    available,
+    dtype_supported,
+    pack_linears,
+    packed_count,
+    unpack_linears,
+)
 
 pytestmark = [pytest.mark.skipif(not available(), reason="this torch build has no oneDNN packed linear"),
               pytest.mark.usefixtures("one_thread")]

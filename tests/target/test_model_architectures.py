@@ -15,17 +15,17 @@ from arch_matrix import MATRIX, REFUSED, WINDOW, config, readme_block, tiny_mode
 from helpers import tiny_tokenizer
 
 from eaglekit import decode
-from eaglekit.architectures import UnsupportedArchitecture, check_supported
 from eaglekit.decode.drafters import Tree
 from eaglekit.export.engines import ENGINES, LAYOUT_ENGINES
 from eaglekit.export.formats import ExportError, export_head
 from eaglekit.heads import HeadConfig, build_head
 from eaglekit.heads.objectives import Teacher
 from eaglekit.target import Target, load_target
+from eaglekit.target.architectures import UnsupportedArchitecture, check_supported
 from eaglekit.train.config import LossConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NEW = 12  # new tokens per decode
 TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
 _gen = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""eaglekit.vllm_cpu and bench.vllm: the --speculative-config each head kind is served with (the method
+"""eaglekit.engines.vllm_cpu and bench.vllm: the --speculative-config each head kind is served with (the method
 always written out), vLLM's counters read from /metrics, the environment's stamp, and — slow, real — a
 small trained head exported with ``--to vllm`` drafting in a real `vllm serve` (vLLM's CPU backend) on
 SmolLM2: greedy output identical to the target's own greedy decoding (transformers, fp32; a divergence
@@ -12,9 +12,9 @@ import torch
 from decode.test_decode_real import assert_same_or_near_tie
 from helpers import SERVER_THREADS, fit_head, hf_greedy, tiny_target
 
-from eaglekit import vllm_cpu
 from eaglekit.bench.llama_cpp import head_drafts, replay
 from eaglekit.bench.vllm import export_for_vllm, speculative_config
+from eaglekit.engines import vllm_cpu
 from eaglekit.heads import HeadConfig, build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""eaglekit.llama_cpp: what llama.cpp can serve (refused before anything is written, naming the config keys
+"""eaglekit.engines.llama_cpp: what llama.cpp can serve (refused before anything is written, naming the config keys
 that train a servable head), the build cache's stamp, and — slow, real — a head exported with
 ``export_head(..., "llama.cpp")`` drafting in a real llama-server on the embedded Q4_1 SmolLM2 file: greedy
 output identical to plain llama-server, drafts accepted for a trained head and not for a random one.
@@ -9,8 +9,9 @@ import pytest
 import torch
 from helpers import SERVER_THREADS, fit_head, save_tiny, tiny_target
 
-from eaglekit import assets, llama_cpp
+from eaglekit import assets
 from eaglekit.bench.llama_cpp import first_diff, head_drafts, replay, top2_gap
+from eaglekit.engines import llama_cpp
 from eaglekit.export import export_head
 from eaglekit.export.formats import ExportError
 from eaglekit.heads import HeadConfig, build_head
@@ -356,8 +357,8 @@ def test_llama_cpp_real_server_drafts_for_a_qwen2_target(qwen05, tmp_path):
     means: identical, or leaving plain's path only where plain's top two tokens are a near-tie (the relabelled
     graph rotates pairs instead of halves and adds biases in another order: the same arithmetic rounded
     otherwise; on the AVX2 EPYC of 2026-12-05 one answer left at its 4th token, gap 0.076)."""
+    from eaglekit.engines.gguf_relabel import relabel_qwen2_as_llama
     from eaglekit.export import load_head
-    from eaglekit.gguf_relabel import relabel_qwen2_as_llama
 
     root = llama_cpp.require()
     model = assets.asset_file("qwen2.5-coder-0.5b-instruct")
@@ -425,7 +426,7 @@ def test_vllm_server_interrupted_at_start_leaves_no_process_and_no_folder(tmp_pa
     import sys
     import tempfile
 
-    from eaglekit import vllm_cpu
+    from eaglekit.engines import vllm_cpu
 
     model = tmp_path / "model"
     model.mkdir()
@@ -459,7 +460,7 @@ def test_llama_cpp_server_dies_with_the_process_that_started_it(tmp_path):
     pid_file = tmp_path / "server.pid"
     script = f"""
 import os, signal, sys
-from eaglekit import llama_cpp
+from eaglekit.engines import llama_cpp
 class Sleeper(llama_cpp.ServerProcess):
     cmd, timeout, port = [sys.executable, "-c", "import time; time.sleep(120)"], 60, llama_cpp.free_port()
 s = Sleeper()
