@@ -11,7 +11,7 @@ if [ "${1:-}" = "--engines-in-background" ]; then
   cache=$(PYTHONPATH="$PWD" "$PY" -c 'from eaglekit.assets import cache_dir; print(cache_dir())')
   mkdir -p "$cache"
   for part in llama_cpp vllm_cpu; do
-    PYTHONPATH="$PWD" nohup nice -n 10 "$PY" -m "eaglekit.$part" > "$cache/$part-setup.log" 2>&1 &
+    PYTHONPATH="$PWD" nohup nice -n 10 "$PY" -m "eaglekit.engines.$part" > "$cache/$part-setup.log" 2>&1 &
   done
 fi
 stamp=.venv/.eaglekit-installed
