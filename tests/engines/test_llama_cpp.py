@@ -396,6 +396,7 @@ def test_llama_cpp_real_server_drafts_for_a_qwen2_target(qwen05, tmp_path):
     for name, out in outs.items():
         same_tokens(f"{name}, drafted", [o.tokens for o in out])
         drafted, accepted = sum(o.draft_n for o in out), sum(o.accepted for o in out)
+        print(f"{name}, drafted: {accepted} of {drafted} drafted tokens accepted")
         assert drafted > 0 and accepted / drafted > 0.3, (name, drafted, accepted)
     # the server accepts what eaglekit's drafting of the same head accepts on the server's own outputs
     reps = [replay(ids + o.tokens, len(ids), *head_drafts(qwen05, head, ids, o.tokens, 3), n_max=3)
