@@ -277,6 +277,11 @@ class DFlashHead(ParallelHead):
         accuracy stats count (DFlash: the argmax of its logits; DFlash 2: the selector's pick)."""
         return logits.argmax(-1)
 
+    def block_recalled(self, logits, want, valid) -> list[int]:
+        """Per depth, the valid slots whose gold ``want`` is among the candidates the kind picks from (DFlash 2:
+        the selector's top-K; DFlash: none reported)."""
+        return []
+
     @torch.no_grad()
     def init_from_target(self, target) -> None:
         """Warm start: the final norm from the target's (the head's output then meets the target's own
@@ -368,6 +373,7 @@ class DFlashHead(ParallelHead):
         extra = self.block_extra_loss(hidden, prev, logits, teacher_k, weight, row_w, loss, want)
         with torch.no_grad():
             stats = self._stats(self.block_picks(hidden, prev, logits), want, valid, per_depth)
+            stats.recalled = self.block_recalled(logits, want, valid)
         for k in range(D + 1, steps + 1):  # depths past the block: misses, so every kind reports `steps` depths
             past = keep & (anchors + 1 + k < S) & loss_mask.gather(1, (anchors + 1 + k).clamp(max=S - 1)).bool()
             stats.loss.append(0.0), stats.correct.append(0), stats.chain.append(0)
@@ -531,6 +537,10 @@ class DFlash2Head(DFlashHead):
     def block_picks(self, hidden, prev, logits) -> torch.Tensor:
         cand = logits.topk(self.candidate_selector.top_k, -1).indices
         return cand.gather(-1, self.candidate_selector.scores(logits, hidden, prev, cand).argmax(-1, keepdim=True))[..., 0]
+
+    def block_recalled(self, logits, want, valid) -> list[int]:
+        hit = (logits.topk(self.candidate_selector.top_k, -1).indices == want[..., None]).any(-1) & valid
+        return hit.sum((0, 1)).tolist()
 
     def block_extra_loss(self, hidden, prev, logits, teacher_k, weight, row_w, loss, want) -> torch.Tensor:
         """``loss.selector_weight`` x the selector's cross-entropy over each slot's top-K unary candidates,

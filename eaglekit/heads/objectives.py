@@ -391,6 +391,7 @@ class StepStats:
     correct: list[int] = field(default_factory=list)  # head argmax == teacher argmax, at supervised positions
     total: list[int] = field(default_factory=list)  # supervised positions (loss_mask at the predicted token)
     chain: list[int] = field(default_factory=list)  # ... where steps 0..k were all right (see metrics.py)
+    recalled: list[int] = field(default_factory=list)  # ... where a selector's top-K candidates hold the gold (DFlash 2)
 
 
 def supervised_count(loss_mask: torch.Tensor) -> int:

@@ -36,7 +36,8 @@ def evaluate(acc, model, head, teacher, source, cfg: TrainConfig, shares: tuple[
         tally.add(stats)
     if not tally.total:
         tally = Tally([0.0] * steps, [0.0] * steps, [0.0] * steps)
-    return Tally.from_list(reduce_sum(acc, tally.as_list())).summary("eval_")
+    depths = head.draft_depths if hasattr(head, "candidate_selector") else 0  # DFlash 2: its selector's recall
+    return Tally.from_list(reduce_sum(acc, tally.as_list())).summary("eval_", recall_depths=depths)
 
 
 def append_log(acc, path: Path, record: dict) -> None:

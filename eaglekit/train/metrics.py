@@ -34,8 +34,9 @@ class Tally:
     correct: list[float] = field(default_factory=list)
     total: list[float] = field(default_factory=list)
     chain: list[float] = field(default_factory=list)  # positions where steps 0..k were all right
+    recalled: list[float] = field(default_factory=list)  # positions whose gold is among a selector's candidates
 
-    FIELDS = ("loss", "correct", "total", "chain")
+    FIELDS = ("loss", "correct", "total", "chain", "recalled")
 
     def add(self, stats) -> None:
         for name in self.FIELDS:
@@ -47,7 +48,8 @@ class Tally:
 
     def as_list(self) -> list[float]:
         k = len(self.loss)
-        return [*self.loss, *self.correct, *self.total, *(self.chain or [0.0] * k)]
+        pad = lambda xs: [*xs, *[0.0] * (k - len(xs))]  # kinds without chain / recall: zeros
+        return [*self.loss, *self.correct, *self.total, *pad(self.chain), *pad(self.recalled)]
 
     @classmethod
     def from_list(cls, values: list[float]) -> Tally:
@@ -58,13 +60,18 @@ class Tally:
     def accuracy(self) -> list[float]:
         return [c / t if t else 0.0 for c, t in zip(self.correct, self.total)]
 
-    def summary(self, prefix: str = "") -> dict:
+    def summary(self, prefix: str = "", recall_depths: int = 0) -> dict:
+        """acc_k, tau_sim, tau_chain, loss; with ``recall_depths`` (a head with a candidate selector: its block's
+        depths) ``candidate_recall``, the share of those depths' positions whose gold is among the candidates."""
         acc = self.accuracy()
         out = {f"{prefix}acc_{k}": a for k, a in enumerate(acc)}
         out[f"{prefix}tau_sim"] = tau_sim(acc)
         out[f"{prefix}tau_chain"] = 1.0 + sum(c / t for c, t in zip(self.chain, self.total) if t)
         if self.total and self.total[0]:
             out[f"{prefix}loss"] = sum(self.loss) / self.total[0]
+        if recall_depths:
+            seen = sum(self.total[:recall_depths])
+            out[f"{prefix}candidate_recall"] = sum(self.recalled[:recall_depths]) / seen if seen else 0.0
         return out
 
 

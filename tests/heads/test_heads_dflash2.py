@@ -207,6 +207,8 @@ def test_dflash2_objective_matches_naive_reference_value_and_gradient(target, mi
     want, recall = naive_dflash2_loss(head, teacher, batch, anchors, keep, scale, 2.0, 0.7, missing)
     want_grads = torch.autograd.grad(want, params)
     assert 0 < recall[0] < recall[1]  # some golds fall outside the top-K: swap and drop differ
+    D = head.draft_depths  # the stats count the same recall (the trainer logs it as eval_candidate_recall)
+    assert (sum(stats.recalled), sum(stats.total[:D]), len(stats.recalled)) == (recall[0], recall[1], D)
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
     for a, b in zip(grads, want_grads):  # large random weights: fp32 rounding shows element-wise, so in norm
         assert b.abs().max() > 0 and float((a - b).norm() / b.norm()) < 1e-3, float((a - b).norm() / b.norm())

@@ -29,6 +29,7 @@ def test_dflash2_trains_online_and_beats_untrained_on_held_out_tau(tmp_path):
     untrained = run("untrained", "optim.lr=0", "optim.max_steps=1")
     trained = run("trained", "optim.lr=5e-3", "optim.epochs=10", "loss.selector_missing=drop")
     assert trained["eval_tau_sim"] > untrained["eval_tau_sim"] + 0.1, (trained, untrained)
+    assert untrained["eval_candidate_recall"] < trained["eval_candidate_recall"] <= 1.0  # logged, and it learns
     from eaglekit.target import load_target
 
     head = load_head(tmp_path / "trained" / "final", load_target(tmp_path / "tiny"))

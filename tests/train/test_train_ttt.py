@@ -1,5 +1,7 @@
 """Training-time test unrolls exactly what chain drafting does at decode time, and its loss masks the
 right positions."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import tiny_target
@@ -116,3 +118,8 @@ def test_train_tau_chain_and_tau_sim_from_a_tally():
     assert s["eval_tau_chain"] == pytest.approx(1 + 0.5 + 3 / 8)
     old = Tally([0.0] * 2, [0.0] * 2, [0.0] * 2)  # the trainer's empty-rank tally has no chain counts
     assert Tally.from_list(old.as_list()).chain == [0.0, 0.0]
+    assert "eval_candidate_recall" not in s  # only a head with a candidate selector reports it
+    # DFlash 2: its block's depths are counted (here 1 of 2, as the trainer's steps may run past the block)
+    t.add(SimpleNamespace(loss=[0.0, 0.0], correct=[0, 0], total=[10, 2], chain=[0, 0], recalled=[15]))
+    back = Tally.from_list(t.as_list())
+    assert back.recalled == [15.0, 0.0] and back.summary("eval_", recall_depths=1)["eval_candidate_recall"] == 0.75
