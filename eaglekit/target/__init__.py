@@ -508,7 +508,7 @@ def load_target(name_or_path: str | Path = assets.DEFAULT_TARGET, dtype: torch.d
     tensor-parallel plan (eaglekit.tensor_parallel; ``only_tp``: the launch must be exactly one group);
     ``device`` is then each process's own. ``device_map`` (e.g. ``"auto"``) with ``max_memory`` and
     ``offload_folder`` spreads it over devices, CPU and disk instead (accelerate's big-model placement).
-    ``decoder=False`` reads only what a head borrows (embedding, final norm, lm_head; eaglekit.target_borrowed):
+    ``decoder=False`` reads only what a head borrows (embedding, final norm, lm_head; eaglekit.target.borrowed):
     enough to train from captured features, not to run the model.
     """
     path, _ = resolve(name_or_path)
