@@ -120,8 +120,9 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     first = dist_info()[0] == 0  # the first of all processes (a TP group's processes share a data rank)
     say = print if first else (lambda *a, **k: None)
     out = Path(cfg.output_dir)
-    # an engine capture reads only the tokenizer, config and final norm here (in-process regeneration runs the target)
-    target = load_target_from(cfg.target, decoder=cfg.capture_engine == "hooks" or
+    # the decoder's weights load only to run here (a hook capture, in-process regeneration); an engine capture, a
+    # regeneration through a server and no capture read the tokenizer, config and final norm (1.5B: ~2 min, 5 GB)
+    target = load_target_from(cfg.target, decoder=(cfg.capture and cfg.capture_engine == "hooks") or
                               (cfg.regenerate.enabled and not cfg.regenerate.endpoint))
     rank, world = data_ranks(target)  # TP groups, when the target is split; else the processes
     # every check comes before the first write (regenerated.jsonl, the vocabulary, the shards)

@@ -319,11 +319,15 @@ def test_endpoint_resumes_after_kill_9(tmp_path, fake):
     assert out.read_bytes() == full.read_bytes()
 
 
-def test_prepare_regenerates_through_an_endpoint_up_to_max_turns(tmp_path, fake):
+def test_prepare_regenerates_through_an_endpoint_up_to_max_turns(tmp_path, fake, monkeypatch):
+    """Through a server with no capture, prepare loads the target without its decoder (the server runs it)."""
     from helpers import save_tiny
 
     from eaglekit.cli import main
+    from eaglekit.data_prep import prepare
 
+    loads, load = [], prepare.load_target_from
+    monkeypatch.setattr(prepare, "load_target_from", lambda *a, **k: loads.append(k) or load(*a, **k))
     server = fake()
     data = tmp_path / "convs.jsonl"
     msgs = [{"role": r, "content": f"{r[0]}{k}"} for k in range(3) for r in ("user", "assistant")]
@@ -342,7 +346,7 @@ def test_prepare_regenerates_through_an_endpoint_up_to_max_turns(tmp_path, fake)
             "regenerate.concurrency=2",
         ]
     )
-    assert rc == 0
+    assert rc == 0 and loads == [{"decoder": False}]
     got = lines(tmp_path / "p" / "regenerated.jsonl")
     assert [m["content"] for m in got[0]["messages"]] == ["u0", "ans1 to u0", "u1", "ans2 to u1"]
 
