@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglekit import assets
-from eaglekit.engines.server import DraftCounts, ServerProcess, free_port, plain_model_dir, run
+from eaglekit.engines.server import DraftCounts, ServerProcess, free_port, plain_model_dir, run, stamped
 from eaglekit.fileio import made_once, publish_dir
 
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp we build
@@ -101,12 +101,7 @@ def _stamp() -> str:
 
 def installed() -> Path | None:
     """The cached build if it is whole and was made on this kind of CPU, else None."""
-    root = install_dir()
-    try:
-        ok = (root / ".built").read_text().strip() == _stamp()
-    except OSError:
-        return None
-    return root if ok and all(os.access(root / "bin" / b, os.X_OK) for b in BINARIES) else None
+    return stamped(install_dir(), ".built", _stamp(), [f"bin/{b}" for b in BINARIES])
 
 
 def build(jobs: int | None = None, log=sys.stderr) -> Path:

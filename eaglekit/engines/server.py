@@ -31,6 +31,16 @@ def run(cmd: list[str], what: str, log=sys.stderr, env=None, error=RuntimeError,
                                        f"command: {' '.join(cmd[:6])} ...")
 
 
+def stamped(root: Path, marker: str, stamp: str, executables) -> Path | None:
+    """``root``, an engine's cached install, if its ``marker`` file (written last, so the install is whole) holds
+    ``stamp`` and every path of ``executables`` under it is executable; else None."""
+    try:
+        ok = (root / marker).read_text().strip() == stamp
+    except OSError:
+        return None
+    return root if ok and all(os.access(root / x, os.X_OK) for x in executables) else None
+
+
 class DraftCounts:
     """τ from a completion's ``tokens`` and its accepted drafts (``accepted``), as eaglekit counts it."""
 

