@@ -319,6 +319,22 @@ def test_llama_cpp_real_server_drafts_with_an_exported_head(smollm2, served, tmp
     assert rates["trained"] > 0.15 and rates["random"] < 0.02, rates
 
 
+def serve_like_plain_and_replay(target, head, served, tmp_path, spec_type: str, n_max: int = 3):
+    """``head`` exported with ``--to llama.cpp`` and served with ``spec_type`` on the ``served`` fixture's prompts
+    (40 tokens each): every output equal to plain llama-server's. Returns (the server's completions, eaglekit's
+    replay of the same head's drafts on those outputs)."""
+    root, model, prompts, refs, _ = served
+    gguf = export_head(head, tmp_path / "gguf", "llama.cpp", gguf_type="f16")
+    with llama_cpp.Server(model, draft=gguf, spec_type=spec_type, n_max=n_max, root=root,
+                          threads=SERVER_THREADS) as s:
+        outs = [s.complete(ids, 40) for ids in prompts]
+    for i, (ref, out) in enumerate(zip(refs, outs)):
+        assert out.tokens == ref, f"{head.config.kind} head, prompt {i}: output differs from plain llama-server"
+    reps = [replay(ids + o.tokens, len(ids), *head_drafts(target, head, ids, o.tokens, n_max), n_max=n_max)
+            for ids, o in zip(prompts, outs)]
+    return outs, reps
+
+
 @pytest.mark.real
 @pytest.mark.slow  # ~40 s with a built llama.cpp
 def test_llama_cpp_real_server_drafts_with_an_exported_dspark_head(smollm2, served, tmp_path):
@@ -329,19 +345,12 @@ def test_llama_cpp_real_server_drafts_with_an_exported_dspark_head(smollm2, serv
     llama.cpp's arithmetic may flip a near tie; on 2026-12-03 they were equal prompt by prompt)."""
     from eaglekit.export import load_head
 
-    root, model, prompts, refs, convs = served
+    convs = served[4]
     fitted = fit_head(smollm2, convs, tmp_path / "fit", "head.kind=dspark", "head.block_size=4", "head.num_layers=1",
                       "head.markov_rank=64", "head.init_from_target=true", "optim.epochs=20")
     head = load_head(fitted, smollm2)
     assert head.config.kind == "dspark" and float(head.markov_w2.weight.abs().max()) > 0  # the bias trained
-    gguf = export_head(head, tmp_path / "gguf", "llama.cpp", gguf_type="f16")
-    with llama_cpp.Server(model, draft=gguf, spec_type="draft-dspark", n_max=3, root=root,
-                          threads=SERVER_THREADS) as s:
-        outs = [s.complete(ids, 40) for ids in prompts]
-    for i, (ref, out) in enumerate(zip(refs, outs)):
-        assert out.tokens == ref, f"dspark head, prompt {i}: output differs from plain llama-server"
-    reps = [replay(ids + o.tokens, len(ids), *head_drafts(smollm2, head, ids, o.tokens, 3), n_max=3)
-            for ids, o in zip(prompts, outs)]
+    outs, reps = serve_like_plain_and_replay(smollm2, head, served, tmp_path, "draft-dspark")
     server, ours = sum(o.accepted for o in outs), sum(r["accepted"] for r in reps)
     assert abs(server - ours) <= 0.05 * ours, ([o.accepted for o in outs], [r["accepted"] for r in reps])
     assert sum(o.accepted for o in outs) / sum(o.draft_n for o in outs) > 0.15

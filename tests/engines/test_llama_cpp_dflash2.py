@@ -5,31 +5,21 @@ llama-server, and what the server accepts within 3% of eaglekit's own drafting o
 those outputs (2026-12-05, 12 epochs: 67 of 250 drafted tokens accepted by the server, 68 by eaglekit; τ 1.753
 and 1.773; 20 epochs gave 93 of 177 at ~1.5x the test's time)."""
 import pytest
-from helpers import SERVER_THREADS, fit_head
-from test_llama_cpp import served  # noqa: F401 (the module fixture: plain llama-server's answers)
+from helpers import fit_head
+from test_llama_cpp import serve_like_plain_and_replay, served  # noqa: F401 (served: plain llama-server's answers)
 
-from eaglekit.bench.llama_cpp import head_drafts, replay
-from eaglekit.engines import llama_cpp
-from eaglekit.export import export_head, load_head
+from eaglekit.export import load_head
 
 
 @pytest.mark.real
 @pytest.mark.slow  # ~3 min beside another 2-thread job, with a built llama.cpp (the head's fit most of it)
 def test_llama_cpp_real_server_drafts_with_a_dflash2_head(smollm2, served, tmp_path):  # noqa: F811
-    root, model, prompts, refs, convs = served
-    fitted = fit_head(smollm2, convs, tmp_path / "fit", "head.kind=dflash2", "head.block_size=4",
+    fitted = fit_head(smollm2, served[4], tmp_path / "fit", "head.kind=dflash2", "head.block_size=4",
                       "head.num_layers=1", f"head.draft_vocab_size={smollm2.vocab_size}", "head.selector_rank=64",
                       "head.init_from_target=true", "optim.epochs=12")
     head = load_head(fitted, smollm2)
     assert head.config.kind == "dflash2" and float(head.candidate_selector.successor_codebook.detach().abs().max()) > 0
-    gguf = export_head(head, tmp_path / "gguf", "llama.cpp", gguf_type="f16")
-    with llama_cpp.Server(model, draft=gguf, spec_type="draft-dflash", n_max=3, root=root,
-                          threads=SERVER_THREADS) as s:
-        outs = [s.complete(ids, 40) for ids in prompts]
-    for i, (ref, out) in enumerate(zip(refs, outs)):
-        assert out.tokens == ref, f"dflash2 head, prompt {i}: output differs from plain llama-server"
-    reps = [replay(ids + o.tokens, len(ids), *head_drafts(smollm2, head, ids, o.tokens, 3), n_max=3)
-            for ids, o in zip(prompts, outs)]
+    outs, reps = serve_like_plain_and_replay(smollm2, head, served, tmp_path, "draft-dflash")
     server, ours = sum(o.accepted for o in outs), sum(r["accepted"] for r in reps)
     assert abs(server - ours) <= 0.03 * ours, ([o.accepted for o in outs], [r["accepted"] for r in reps])
     assert server / sum(o.draft_n for o in outs) > 0.15
