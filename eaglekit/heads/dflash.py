@@ -373,7 +373,8 @@ class DFlashHead(ParallelHead):
         extra = self.block_extra_loss(hidden, prev, logits, teacher_k, weight, row_w, loss, want)
         with torch.no_grad():
             stats = self._stats(self.block_picks(hidden, prev, logits), want, valid, per_depth)
-            stats.recalled = self.block_recalled(logits, want, valid)
+            if not train:  # held-out only: the trainer logs recall from its evaluations
+                stats.recalled = self.block_recalled(logits, want, valid)
         for k in range(D + 1, steps + 1):  # depths past the block: misses, so every kind reports `steps` depths
             past = keep & (anchors + 1 + k < S) & loss_mask.gather(1, (anchors + 1 + k).clamp(max=S - 1)).bool()
             stats.loss.append(0.0), stats.correct.append(0), stats.chain.append(0)
