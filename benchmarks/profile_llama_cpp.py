@@ -39,7 +39,7 @@ HZ = 1000  # perf samples per CPU-second: one sample = 1 CPU-ms
 # first match wins; the order matters (a q8_0 dot product is the head's only where the target has no q8_0)
 PHASES = [
     ("kernel", r"^\[k\]"),
-    ("q8_0 matmul (the head; any q8_0 tensor of the target)", r"q8_0_q8_0|gemv_q8_0|gemm_q8_0|vec_dot_q8_0"),
+    ("q8_0 matmul (the head; any q8_0 tensor of the target)", r"q8_0_q8_0|gemv_q8_0|gemm_q8_0|vec_dot_q8_0|block_q8_0"),
     ("target matmul (q4_K/q5/q6_K)", r"q4_K|q5_K|q6_K|q5_0|q5_1|q4_0|q4_1|iq4|q8_K"),
     ("f32/f16 matmul (embeddings, norms' weights)", r"vec_dot_f16|vec_dot_f32|sgemm|tinyBLAS|mul_mat_f"),
     ("thread sync (ggml barrier, spin)", (r"barrier|ggml_graph_compute_thread|sched_yield|spin|futex|pthread_cond"
@@ -83,11 +83,16 @@ def sampled(pid: int, data: Path, work):
     report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "-q", "--sort", "sym", "-F", "sample,sym"],
                             capture_output=True, text=True, check=True).stdout
     data.unlink(missing_ok=True)
+    return result, symbol_samples(report)
+
+
+def symbol_samples(report: str) -> Counter:
+    """Samples per symbol from ``perf report --stdio -q --sort sym -F sample,sym`` (kernel symbols as ``[k] name``)."""
     samples = Counter()
     for line in report.splitlines():
         if m := re.match(r"\s*(\d+)\s+(\[.\])\s+(.*\S)", line):
             samples[("[k] " if m.group(2) == "[k]" else "") + m.group(3)] += int(m.group(1))
-    return result, samples
+    return samples
 
 
 def profile(server: llama_cpp.Server, prompts, tokens: int, out: Path) -> tuple[Counter, dict]:
