@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from eaglekit import assets
-from eaglekit.bench.llama_cpp import _TokenizerOnly
+from eaglekit.bench.llama_cpp import _tau, _TokenizerOnly
 from eaglekit.bench.prompts import load_questions
 from eaglekit.engines import llama_cpp
 
@@ -62,11 +62,16 @@ def phase(symbol: str) -> str:
     return "other"
 
 
+def by_phase(samples: Counter) -> Counter:
+    """Samples per phase from samples per symbol."""
+    out = Counter()
+    for sym, n in samples.items():
+        out[phase(sym)] += n
+    return out
+
+
 def target_has_q8_0(model: Path) -> bool:
     """Whether the target file holds q8_0 tensors (then a q8_0 dot product is not necessarily the head's)."""
-    import sys
-
-    sys.path.insert(0, str(llama_cpp.require() / "gguf-py"))
     from gguf import GGMLQuantizationType, GGUFReader
 
     return any(t.tensor_type == GGMLQuantizationType.Q8_0 for t in GGUFReader(str(model)).tensors)
@@ -108,7 +113,7 @@ def profile(server: llama_cpp.Server, prompts, tokens: int, out: Path) -> tuple[
     timings = {"tokens": sum(len(o.tokens) for o in done),
                "predicted_ms": sum(float(o.timings.get("predicted_ms", 0)) for o in done),
                "draft_n": sum(o.draft_n for o in done), "accepted": sum(o.accepted for o in done),
-               "steps": sum(o.steps for o in done), "tokens_list": [o.tokens for o in done]}
+               "steps": sum(o.steps for o in done), "tau": _tau(done), "tokens_list": [o.tokens for o in done]}
     return samples, timings
 
 
@@ -137,10 +142,7 @@ def main() -> None:
     for name, kw in confs.items():
         with llama_cpp.Server(model, root=root, threads=args.threads, **kw) as s:
             samples, timings = profile(s, prompts, args.tokens, out / name.replace(" ", "-"))
-        by_phase = Counter()
-        for sym, n in samples.items():
-            by_phase[phase(sym)] += n
-        results[name] = {"timings": timings, "phases": dict(by_phase), "top_symbols": samples.most_common(40)}
+        results[name] = {"timings": timings, "phases": dict(by_phase(samples)), "top_symbols": samples.most_common(40)}
         print(f"{name}: {timings['tokens']} tokens, {sum(samples.values())} samples", flush=True)
     plain_tokens = results["plain"]["timings"]["tokens_list"]
     names = list(results)
@@ -157,9 +159,7 @@ def main() -> None:
     walls = [results[n]["timings"]["predicted_ms"] / results[n]["timings"]["tokens"] for n in names]
     print("| wall ms per token (server's decode timings) | " + " | ".join(f"{v:.1f}" for v in walls) + " |")
     print("| τ (tokens per target step) | " + " | ".join(
-        f"{(results[n]['timings']['tokens'] - len(prompts)) / max(results[n]['timings']['steps'], 1):.2f}"
-        if n != "plain" else "1"
-        for n in names) + " |")
+        f"{results[n]['timings']['tau']:.2f}" if n != "plain" else "1" for n in names) + " |")
     print("| identical to plain | " + " | ".join(
         f"{sum(a == b for a, b in zip(results[n]['timings']['tokens_list'], plain_tokens))}/{len(plain_tokens)}"
         for n in names) + " |")

@@ -27,9 +27,7 @@ def test_perf_report_becomes_samples_per_symbol_and_phases():
     samples = profile.symbol_samples(REPORT)
     assert samples["ggml_gemm_q4_K_8x8_q8_K"] == 29047 and samples["[k] _raw_spin_unlock_irqrestore"] == 1725
     assert len(samples) == 10
-    phases = {}
-    for sym, n in samples.items():
-        phases[profile.phase(sym)] = phases.get(profile.phase(sym), 0) + n
+    phases = profile.by_phase(samples)
     head = "q8_0 matmul (the head; any q8_0 tensor of the target)"
     assert phases["target matmul (q4_K/q5/q6_K)"] == 29047 + 11755 + 15850
     assert phases[head] == 1802 + 1429  # the tinyBLAS q8_0 gemm too: a q8_0 weight, not the target's Q4_K
