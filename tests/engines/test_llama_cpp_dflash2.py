@@ -12,7 +12,7 @@ from eaglekit.export import load_head
 
 
 @pytest.mark.real
-@pytest.mark.slow  # ~3 min beside another 2-thread job, with a built llama.cpp (the head's fit most of it)
+@pytest.mark.slow  # ~1 min with a built llama.cpp (the head's fit: ~25 s)
 def test_llama_cpp_real_server_drafts_with_a_dflash2_head(smollm2, served, tmp_path):  # noqa: F811
     fitted = fit_head(smollm2, served[4], tmp_path / "fit", "head.kind=dflash2", "head.block_size=4",
                       "head.num_layers=1", f"head.draft_vocab_size={smollm2.vocab_size}", "head.selector_rank=64",
