@@ -5,7 +5,9 @@ request and then asked in turn, prompt by prompt and repeat by repeat (the order
 drift hits them alike:
 
 - ``plain``: no drafter — the baseline every speedup divides by;
-- ``head``: the eaglekit head exported to GGUF (``draft-eagle3``) at the settings the planner chose;
+- ``head``: the eaglekit head exported to GGUF at the settings the planner chose (an EAGLE-3 head,
+  ``draft-eagle3``); a DSpark or DFlash 2 head (``draft-dspark`` / ``draft-dflash``) drafts its block,
+  ``block_size - 1`` tokens or ``n_max``, unplanned;
 - ``head n=N p=P``: the sweep around it (``sweep_n_max``, ``sweep_p_min``), to show whether the choice is right;
 - llama.cpp's n-gram modes (``ngram_types``), a draft model (``draft=``, ``draft-simple``) and the head
   combined with an n-gram mode where llama.cpp takes two types.
@@ -40,6 +42,8 @@ from eaglekit.engines import llama_cpp
 from eaglekit.fileio import write_json
 
 PROBE = (3, 0.0)  # the head run that measures its cost per forward
+# llama-server's --spec-type for each head kind eaglekit exports to it (llama_cpp.refusal names the rest)
+SPEC_TYPES = {"eagle3": "draft-eagle3", "dspark": "draft-dspark", "dflash2": "draft-dflash"}
 
 
 # ---- eaglekit's head on llama-server's sequences ------------------------------------------------------
@@ -155,11 +159,11 @@ class _TokenizerOnly:
         self.chat_ids = Target.chat_ids.__get__(self)
 
 
-def configurations(cfg, head_gguf, draft_gguf, chosen) -> dict[str, dict]:
+def configurations(cfg, head_gguf, draft_gguf, chosen, spec: str = "draft-eagle3") -> dict[str, dict]:
     """name -> llama_cpp.Server keyword arguments (``model`` added by the caller)."""
     out = {"plain": {}}
     if head_gguf is not None:
-        eagle = {"draft": head_gguf, "spec_type": "draft-eagle3"}
+        eagle = {"draft": head_gguf, "spec_type": spec}
         # the planner's choice; n_max 0 = it predicts no setting beats plain, so the head is not loaded
         out["head"] = {**eagle, "n_max": chosen[0], "p_min": chosen[1]} if chosen[0] else {}
         picked, chosen = chosen[0], (chosen[0] or PROBE[0], chosen[1])  # the sweep still measures the head
@@ -170,7 +174,7 @@ def configurations(cfg, head_gguf, draft_gguf, chosen) -> dict[str, dict]:
             if p != chosen[1]:
                 out[f"head n={chosen[0]} p={p:g}"] = {**eagle, "n_max": chosen[0], "p_min": p}
         for t in cfg.combine_ngram:
-            out[f"head+{t}"] = {**eagle, "spec_type": f"draft-eagle3,{t}", "n_max": chosen[0], "p_min": chosen[1]}
+            out[f"head+{t}"] = {**eagle, "spec_type": f"{spec},{t}", "n_max": chosen[0], "p_min": chosen[1]}
     for t in cfg.ngram_types:
         out[t] = {"spec_type": t}
     if draft_gguf is not None:
@@ -191,6 +195,8 @@ def run_engine_bench(cfg) -> dict:
     target = load_target(cfg.target) if cfg.head else _TokenizerOnly(cfg.target)
     out_dir = Path(cfg.out)
     head = load_head(cfg.head, target) if cfg.head else None
+    spec = SPEC_TYPES.get(head.config.kind, "draft-eagle3") if head is not None else "draft-eagle3"
+    planned = spec == "draft-eagle3"  # a block drafter's cost is one forward per block: nothing to plan
     head_gguf = Path(cfg.head_gguf) if cfg.head_gguf else None
     if head is not None and head_gguf is None:
         head_gguf = export_head(head, out_dir / "head", "llama.cpp", gguf_type=cfg.gguf_type, overwrite=True)
@@ -204,15 +210,16 @@ def run_engine_bench(cfg) -> dict:
         refs = [plain.complete(ids, cfg.max_new_tokens, n_probs=2) for ids in bench]
         calib_refs = [plain.complete(ids, cfg.max_new_tokens) for ids in calib]
         fwd = forward_ms(plain, bench[0], range(1, max(cfg.sweep_n_max + [PROBE[0], 8]) + 2)) if head else {}
-    chosen = (cfg.n_max or PROBE[0], cfg.p_min if cfg.p_min >= 0 else 0.0)
-    if head is not None and head_gguf is not None:
+    block = head.config.block_size - 1 if head is not None and not planned else PROBE[0]
+    chosen = (cfg.n_max or block, cfg.p_min if cfg.p_min >= 0 else 0.0)
+    if head is not None and head_gguf is not None and planned:
         planner = _plan(cfg, root, model, head_gguf, target, head, calib, calib_refs, fwd, threads)
         if not cfg.n_max:
             chosen = (planner["n_max"], chosen[1] if cfg.p_min >= 0 else planner["p_min"])
         elif cfg.p_min < 0:
             chosen = (cfg.n_max, max((p for (n, p) in planner["predicted_tokens_per_s"] if n == cfg.n_max),
                                      key=lambda p: planner["predicted_tokens_per_s"][(cfg.n_max, p)]))
-    confs = configurations(cfg, head_gguf, _gguf(cfg.draft), chosen)
+    confs = configurations(cfg, head_gguf, _gguf(cfg.draft), chosen, spec)
     runs = measure(cfg, root, model, confs, bench, refs, threads)
     report = summarise(runs, refs)
     if head is not None:

@@ -228,8 +228,9 @@ def refusal(cfg) -> str | None:
         return _dflash2_refusal(cfg)
     if cfg.kind != "eagle3":
         return (f"llama.cpp serves EAGLE-3, DSpark and DFlash 2 heads through eaglekit; this is a {cfg.kind} head "
-                "(DFlash: llama.cpp's converter reads a draft vocabulary only for DSpark, and eaglekit has not "
-                "checked its draft-dflash against eaglekit's decoder; P-EAGLE has no llama.cpp loader)")
+                "(DFlash: the pinned draft-dflash gives plain's output with a full-vocabulary head, but drafts "
+                "other tokens than eaglekit's DFlash on some prompts, so the acceptance eaglekit trains for is not "
+                "what it serves; P-EAGLE has no llama.cpp loader)")
     if cfg.fc_norm:
         why.append("head.fc_norm=true (llama.cpp has one norm over all taps, norm_before_fc, not one per tap)")
     if cfg.norm_output:

@@ -50,6 +50,26 @@ def test_llama_cpp_refuses_what_it_cannot_serve(target, tmp_path, kind, flags, n
     assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
+def test_llama_cpp_bench_serves_each_servable_kind_with_its_spec_type(target):
+    """``eaglekit bench engine=llama.cpp`` knows a --spec-type for exactly the kinds export lets through, and a
+    block drafter's configurations carry it (alone and combined with an n-gram type, as llama.cpp spells it)."""
+    from pathlib import Path
+
+    from eaglekit.bench.cli import BenchConfig
+    from eaglekit.bench.llama_cpp import SPEC_TYPES, configurations
+    from eaglekit.config import load_config
+    from eaglekit.heads.config import KINDS
+
+    servable = {k for k in KINDS if llama_cpp.refusal(HeadConfig.from_target(
+        target, kind=k, **({"selector_top_k": 4} if k == "dflash2" else {}))) is None}
+    assert servable == set(SPEC_TYPES) == {"eagle3", "dspark", "dflash2"}
+    cfg = load_config(BenchConfig, None, ["engine=llama.cpp", "sweep_n_max=[2]", "sweep_p_min=[]"])
+    confs = configurations(cfg, Path("h.gguf"), None, (3, 0.0), SPEC_TYPES["dflash2"])
+    assert confs["head"] == {"draft": Path("h.gguf"), "spec_type": "draft-dflash", "n_max": 3, "p_min": 0.0}
+    assert confs["head n=2 p=0"]["spec_type"] == "draft-dflash"
+    assert confs["head+ngram-mod"]["spec_type"] == "draft-dflash,ngram-mod"
+
+
 def test_llama_cpp_serves_plain_and_norm_before_fc_heads(target, tmp_path):
     for flags in ({}, {"norm_before_fc": True}, {"norm_before_residual": True}):
         assert llama_cpp.refusal(HeadConfig.from_target(target, kind="eagle3", **flags)) is None
