@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from eaglekit import assets
-from eaglekit.bench.llama_cpp import _tau, _TokenizerOnly
+from eaglekit.bench.llama_cpp import TokenizerOnly, server_tau
 from eaglekit.bench.prompts import load_questions
 from eaglekit.engines import llama_cpp
 
@@ -113,7 +113,7 @@ def profile(server: llama_cpp.Server, prompts, tokens: int, out: Path) -> tuple[
     timings = {"tokens": sum(len(o.tokens) for o in done),
                "predicted_ms": sum(float(o.timings.get("predicted_ms", 0)) for o in done),
                "draft_n": sum(o.draft_n for o in done), "accepted": sum(o.accepted for o in done),
-               "steps": sum(o.steps for o in done), "tau": _tau(done), "tokens_list": [o.tokens for o in done]}
+               "steps": sum(o.steps for o in done), "tau": server_tau(done), "tokens_list": [o.tokens for o in done]}
     return samples, timings
 
 
@@ -132,7 +132,7 @@ def main() -> None:
         raise SystemExit("perf is not installed (linux-tools): this profile samples llama-server with it")
     root = llama_cpp.require()
     model = assets.asset_file(args.target)
-    tok = _TokenizerOnly(args.target)
+    tok = TokenizerOnly(args.target)
     prompts = [tok.chat_ids(text)[0].tolist() for _, text in load_questions(args.dataset, args.prompts, "spread")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -147,7 +147,7 @@ def _gguf(name_or_path: str | None) -> Path | None:
     raise FileNotFoundError(f"{name_or_path}: not a .gguf file nor an embedded model (engine=llama.cpp serves GGUF)")
 
 
-class _TokenizerOnly:
+class TokenizerOnly:
     """A target's chat template without its weights (the bench without a head)."""
 
     def __init__(self, name: str):
@@ -192,7 +192,7 @@ def run_engine_bench(cfg) -> dict:
     if cfg.head or cfg.head_gguf:  # before any model is loaded or server started
         llama_cpp.check_draft_target(model)
     # the head's replay needs the target; without a head its tokenizer's chat template is enough
-    target = load_target(cfg.target) if cfg.head else _TokenizerOnly(cfg.target)
+    target = load_target(cfg.target) if cfg.head else TokenizerOnly(cfg.target)
     out_dir = Path(cfg.out)
     head = load_head(cfg.head, target) if cfg.head else None
     spec = SPEC_TYPES.get(head.config.kind, "draft-eagle3") if head is not None else "draft-eagle3"
@@ -254,7 +254,7 @@ def _plan(cfg, root, model, head_gguf, target, head, calib, calib_refs, fwd, thr
                   / max(sum(r["forwards"] for r in rp), 1), 0.0)
     planned = plan(replays, step_ms, fwd, head_ms)
     planned["costs"] = {"plain_step_ms": step_ms, "forward_ms_by_tokens": fwd, "head_ms_per_forward": head_ms,
-                        "probe": {"n_max": PROBE[0], "p_min": PROBE[1], "tau_server": _tau(outs),
+                        "probe": {"n_max": PROBE[0], "p_min": PROBE[1], "tau_server": server_tau(outs),
                                   "tau_replay": _tau_replay(rp)}}
     return planned
 
@@ -283,7 +283,8 @@ def measure(cfg, root, model, confs: dict, prompts, refs, threads) -> dict:
     return runs
 
 
-def _tau(outs) -> float:
+def server_tau(outs) -> float:
+    """Tokens per step of llama-server completions (the prefill's token excluded), as eaglekit counts τ."""
     return sum(len(o.tokens) - 1 for o in outs) / max(sum(o.steps for o in outs), 1)
 
 
@@ -310,7 +311,7 @@ def summarise(runs: dict, refs) -> dict:
         results[name] = {
             "tokens_per_s": statistics.median(speeds), "repeats_tokens_per_s": speeds,
             "speedup_vs_plain": statistics.median(s / p for s, p in zip(speeds, plain)),
-            "tau": _tau(flat) if drafted else None, "draft_n": drafted,
+            "tau": server_tau(flat) if drafted else None, "draft_n": drafted,
             "acceptance": sum(o.accepted for o in flat) / drafted if drafted else None,
             "identical_to_plain": f"{sum(d is None for d in diffs[0])}/{len(refs)}",
             "first_differences": [d for d in diffs[0]],
