@@ -196,7 +196,9 @@ def run_engine_bench(cfg) -> dict:
     out_dir = Path(cfg.out)
     head = load_head(cfg.head, target) if cfg.head else None
     spec = SPEC_TYPES.get(head.config.kind, "draft-eagle3") if head is not None else "draft-eagle3"
-    planned = spec == "draft-eagle3"  # a block drafter's cost is one forward per block: nothing to plan
+    # the planner (its calibration answers, forward costs and probe) for an EAGLE-3 head only: a block drafter
+    # drafts its block in one forward, nothing to plan
+    planned = head is not None and spec == "draft-eagle3"
     head_gguf = Path(cfg.head_gguf) if cfg.head_gguf else None
     if head is not None and head_gguf is None:
         head_gguf = export_head(head, out_dir / "head", "llama.cpp", gguf_type=cfg.gguf_type, overwrite=True)
@@ -208,11 +210,11 @@ def run_engine_bench(cfg) -> dict:
         # the top-2 log-probabilities along plain's path: where another configuration's output leaves it,
         # how near a tie the target was there (llama.cpp's multi-token kernels round differently)
         refs = [plain.complete(ids, cfg.max_new_tokens, n_probs=2) for ids in bench]
-        calib_refs = [plain.complete(ids, cfg.max_new_tokens) for ids in calib]
-        fwd = forward_ms(plain, bench[0], range(1, max(cfg.sweep_n_max + [PROBE[0], 8]) + 2)) if head else {}
+        calib_refs = [plain.complete(ids, cfg.max_new_tokens) for ids in calib] if planned else []
+        fwd = forward_ms(plain, bench[0], range(1, max(cfg.sweep_n_max + [PROBE[0], 8]) + 2)) if planned else {}
     block = head.config.block_size - 1 if head is not None and not planned else PROBE[0]
     chosen = (cfg.n_max or block, cfg.p_min if cfg.p_min >= 0 else 0.0)
-    if head is not None and head_gguf is not None and planned:
+    if planned:
         planner = _plan(cfg, root, model, head_gguf, target, head, calib, calib_refs, fwd, threads)
         if not cfg.n_max:
             chosen = (planner["n_max"], chosen[1] if cfg.p_min >= 0 else planner["p_min"])
