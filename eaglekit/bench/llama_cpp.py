@@ -2,7 +2,8 @@
 
 Every configuration is its own llama-server (one slot, ``threads`` threads), all started before the first
 request and then asked in turn, prompt by prompt and repeat by repeat (the order rotated), so that machine
-drift hits them alike:
+drift hits them alike; a configuration with an n-gram type is restarted before each repeat, so that no repeat
+drafts from the answers of an earlier one:
 
 - ``plain``: no drafter — the baseline every speedup divides by;
 - ``head``: the eaglekit head exported to GGUF at the settings the planner chose (an EAGLE-3 head,
@@ -262,16 +263,27 @@ def _plan(cfg, root, model, head_gguf, target, head, calib, calib_refs, fwd, thr
 
 
 def measure(cfg, root, model, confs: dict, prompts, refs, threads) -> dict:
-    """Start every configuration's server, then ask each in turn (rotated per prompt) ``cfg.repeats`` times."""
-    servers = {name: llama_cpp.Server(model, root=root, threads=threads, **kw) for name, kw in confs.items()}
-    runs = {name: [] for name in servers}
+    """Start every configuration's server, then ask each in turn (rotated per prompt) ``cfg.repeats`` times.
+    A configuration with an n-gram type gets a fresh server for every repeat: llama.cpp's n-gram stores
+    (ngram-mod's hash, ngram-map's, ngram-cache's) learn from each answer their server gave, so a second repeat
+    would draft the benched answers from memory (HumanEval, 12-05: ngram-mod 1.84x in the first repeat, 2.6x in
+    the next two)."""
+    servers = {}
+
+    def start(name):
+        servers[name] = llama_cpp.Server(model, root=root, threads=threads, **confs[name]).__enter__()
+        servers[name].complete(prompts[0][:32], 8)  # warm-up: first-request allocations
+
+    runs = {name: [] for name in confs}
     try:
-        for s in servers.values():
-            s.__enter__()
-        for s in servers.values():  # warm-up: first-request allocations
-            s.complete(prompts[0][:32], 8)
-        names = list(servers)
+        for name in confs:
+            start(name)
+        names = list(confs)
         for rep in range(cfg.repeats):
+            for name in names if rep else ():
+                if "ngram" in (confs[name].get("spec_type") or ""):
+                    servers.pop(name).close()
+                    start(name)
             outs = {name: [] for name in names}
             for i, ids in enumerate(prompts):
                 k = (rep * len(prompts) + i) % len(names)

@@ -434,6 +434,40 @@ def test_llama_cpp_real_server_drafts_for_a_qwen2_target(qwen05, tmp_path):
     assert abs(server - ours) <= 0.05 * ours, ([o.accepted for o in outs["qwen2"]], [r["accepted"] for r in reps])
 
 
+def test_llama_cpp_bench_gives_an_ngram_configuration_a_fresh_server_each_repeat(monkeypatch):
+    """llama.cpp's n-gram stores learn from every answer their server gave: a configuration with an n-gram type
+    gets a new server before each repeat (else the second repeat drafts the benched answers from memory); the
+    others keep theirs. Every server is closed at the end."""
+    from types import SimpleNamespace
+
+    from eaglekit.bench.llama_cpp import measure
+
+    started, closed = [], []
+
+    class Fake:
+        def __init__(self, model, root=None, threads=None, **kw):
+            self.spec = kw.get("spec_type")
+
+        def __enter__(self):
+            started.append(self.spec)
+            return self
+
+        def complete(self, ids, n_predict):
+            return llama_cpp.Completion([1] * n_predict, {"predicted_n": n_predict, "predicted_ms": 1.0})
+
+        def close(self):
+            closed.append(self.spec)
+
+    monkeypatch.setattr(llama_cpp, "Server", Fake)
+    confs = {"plain": {}, "head": {"spec_type": "draft-eagle3"}, "ngram-mod": {"spec_type": "ngram-mod"},
+             "head+ngram-mod": {"spec_type": "draft-eagle3,ngram-mod"}}
+    runs = measure(SimpleNamespace(repeats=3, max_new_tokens=4), None, "m.gguf", confs, [[1, 2], [3, 4]], None, 2)
+    assert sorted(started, key=str) == sorted([None, "draft-eagle3", *["ngram-mod"] * 3,
+                                               *["draft-eagle3,ngram-mod"] * 3], key=str)
+    assert sorted(closed, key=str) == sorted(started, key=str)
+    assert all(len(reps) == 3 and all(len(rep) == 2 for rep in reps) for reps in runs.values())
+
+
 def test_llama_cpp_bench_reports_where_an_output_leaves_plain_and_how_near_a_tie():
     """A configuration whose output differs from plain llama-server's is reported with the first differing
     position and plain's top-2 log-probability gap there (a near-tie is llama.cpp's rounding, not a bug)."""
