@@ -22,7 +22,7 @@ LAUNCHING = {"test_data_prep_prepare.py", "test_decode_cli.py", "test_tensor_par
 # Real tests of the engines' servers need the llama.cpp build and the vLLM environment, which scripts/test.sh
 # starts making in the background as the suite starts (~5 CPU-minutes); run last, they find them made instead of
 # holding a worker idle on the build's lock.
-ENGINES = {"test_llama_cpp.py", "test_llama_cpp_dflash2.py", "test_gguf_relabel.py", "test_vllm_cpu.py",
+ENGINES = {"test_llama_cpp.py", "test_llama_cpp_dflash.py", "test_gguf_relabel.py", "test_vllm_cpu.py",
            "test_data_prep_engine.py"}
 
 

@@ -7,7 +7,7 @@ drafts from the answers of an earlier one:
 
 - ``plain``: no drafter — the baseline every speedup divides by;
 - ``head``: the eaglekit head exported to GGUF at the settings the planner chose (an EAGLE-3 head,
-  ``draft-eagle3``); a DSpark or DFlash 2 head (``draft-dspark`` / ``draft-dflash``) drafts its block,
+  ``draft-eagle3``); a DSpark, DFlash or DFlash 2 head (``draft-dspark`` / ``draft-dflash``) drafts its block,
   ``block_size - 1`` tokens or ``n_max``, unplanned;
 - ``head n=N p=P``: the sweep around it (``sweep_n_max``, ``sweep_p_min``), to show whether the choice is right;
 - llama.cpp's n-gram modes (``ngram_types``), a draft model (``draft=``, ``draft-simple``) and the head
@@ -41,10 +41,11 @@ from eaglekit import assets
 from eaglekit.bench.prompts import load_questions
 from eaglekit.engines import llama_cpp
 from eaglekit.fileio import write_json
+from eaglekit.heads.registry import HEADS
 
 PROBE = (3, 0.0)  # the head run that measures its cost per forward
 # llama-server's --spec-type for each head kind eaglekit exports to it (llama_cpp.refusal names the rest)
-SPEC_TYPES = {"eagle3": "draft-eagle3", "dspark": "draft-dspark", "dflash2": "draft-dflash"}
+SPEC_TYPES = {kind: cls.llama_cpp_spec_type for kind, cls in HEADS.items() if cls.llama_cpp_spec_type}
 
 
 # ---- eaglekit's head on llama-server's sequences ------------------------------------------------------

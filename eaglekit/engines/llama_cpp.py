@@ -226,11 +226,11 @@ def refusal(cfg) -> str | None:
         return f"llama.cpp cannot serve this dspark head: {why}" if why else None
     if cfg.kind == "dflash2":  # --spec-type draft-dflash; llama.cpp walks the selector greedily
         return _dflash2_refusal(cfg)
+    if cfg.kind == "dflash":  # --spec-type draft-dflash; no selector in the file: each slot's argmax
+        return _dflash_refusal(cfg)
     if cfg.kind != "eagle3":
-        return (f"llama.cpp serves EAGLE-3, DSpark and DFlash 2 heads through eaglekit; this is a {cfg.kind} head "
-                "(DFlash: the pinned draft-dflash gives plain's output with a full-vocabulary head, but drafts "
-                "other tokens than eaglekit's DFlash on some prompts, so the acceptance eaglekit trains for is not "
-                "what it serves; P-EAGLE has no llama.cpp loader)")
+        return (f"llama.cpp serves EAGLE-3, DSpark, DFlash and DFlash 2 heads through eaglekit; this is a {cfg.kind} "
+                "head, which llama.cpp has no loader for")
     if cfg.fc_norm:
         why.append("head.fc_norm=true (llama.cpp has one norm over all taps, norm_before_fc, not one per tap)")
     if cfg.norm_output:
@@ -263,6 +263,18 @@ def _dflash2_refusal(cfg) -> str | None:
     if cfg.hidden_size < k * (k + 1):  # the graph refuses: "hidden size is too small for the selector lattice"
         why.append(f"hidden size {cfg.hidden_size} < selector_top_k * (selector_top_k + 1) = {k * (k + 1)}")
     return "llama.cpp cannot serve this dflash2 head: " + "; ".join(why) if why else None
+
+
+def _dflash_refusal(cfg) -> str | None:
+    """What the pinned converter's DFlash class and src/models/dflash.cpp need of a DFlash head (None: all of it)."""
+    why = [taps] if (taps := _taps_refusal(cfg)) else []
+    if cfg.draft_vocab_size < cfg.target_vocab_size:  # its DSpark class maps d2t; its DFlash class has no such code
+        why.append(f"head.draft_vocab_size={cfg.draft_vocab_size} below the target's {cfg.target_vocab_size} (the "
+                   "converter writes no d2t table for DFlash: train with the full vocabulary)")
+    if cfg.mask_embedding:
+        why.append("head.mask_embedding=true (the converter would read mask_embedding.pt into an embedding of the "
+                   "draft's own; eaglekit has not checked that path)")
+    return "llama.cpp cannot serve this dflash head: " + "; ".join(why) if why else None
 
 
 # llama.cpp's EAGLE-3 and DSpark drafts read the target's layer inputs, which only some target graphs record

@@ -36,6 +36,7 @@ class DraftHead(nn.Module):
     reads: str = "taps"  # the TargetOutput field / batch key that fuse() takes
     has_draft_vocab: bool = True  # False: predicts over the whole target vocabulary
     parallel: bool = False  # True: one forward drafts several tokens (heads.base.ParallelHead)
+    llama_cpp_spec_type: str | None = None  # llama-server's --spec-type for it (None: llama.cpp has no loader)
 
     def __init__(self, config: HeadConfig):
         super().__init__()

@@ -138,6 +138,7 @@ class DFlashHead(ParallelHead):
     has_draft_vocab = True
     # the model card's name and the engines' DFlash proposers (docs/exports.md); no speculators layout
     display_name, vllm_method, sglang_algorithm, speculators_model = "DFlash", "dflash", "DFLASH", None
+    llama_cpp_spec_type = "draft-dflash"  # DFlash 2's too: llama.cpp tells them apart by the file's selector_top_k
     layer_class = DFlashLayer
 
     def __init__(self, config: HeadConfig):
@@ -494,7 +495,6 @@ class DFlash2Head(DFlashHead):
     vllm_refusal = ("vLLM 0.32.0's CPU backend cannot serve a DFlash 2 head: its candidate selector runs only on "
                     "the V2 model runner with Triton kernels, neither of which the CPU backend has; serve it with "
                     "llama.cpp (--spec-type draft-dflash) or with vLLM on a GPU (the --to vllm layout)")
-    llama_cpp_spec_type = "draft-dflash"  # llama-server's --spec-type (it detects DFlash 2 by selector_top_k)
     layer_class = DFlash2Layer
 
     def __init__(self, config: HeadConfig):

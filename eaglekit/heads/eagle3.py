@@ -58,6 +58,7 @@ class Eagle3Head(DraftHead):
     # how the model card names it and the engines serve it (eaglekit.export.hub)
     display_name, vllm_method, sglang_algorithm = "EAGLE-3", "eagle3", "EAGLE3"
     speculators_model = ("speculators.models.eagle3", "Eagle3DraftModel")
+    llama_cpp_spec_type = "draft-eagle3"
 
     def __init__(self, config: HeadConfig):
         if config.kind != EAGLE3:

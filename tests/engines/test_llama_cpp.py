@@ -34,7 +34,9 @@ def target():
     ("eagle3", {"num_layers": 2}, "head.num_layers=2"),
     ("eagle3", {"aux_layer_ids": [1, 4, 7, 9]}, "taps [1, 4, 7, 9]"),
     ("peagle", {}, "this is a peagle head"),
-    ("dflash", {}, "this is a dflash head"),
+    ("dflash", {"draft_vocab_size": 32}, "head.draft_vocab_size=32 below the target's 64"),
+    ("dflash", {"mask_embedding": True}, "head.mask_embedding=true"),
+    ("dflash", {"aux_layer_ids": [0, 4, 7]}, "taps [0, 4, 7]"),
     ("dspark", {"aux_layer_ids": [0, 4, 7]}, "taps [0, 4, 7]"),
     ("dflash2", {}, "hidden size 32 < selector_top_k * (selector_top_k + 1) = 272"),
     ("dflash2", {"selector_top_k": 4, "aux_layer_ids": [0, 4, 7]}, "taps [0, 4, 7]"),
@@ -62,7 +64,7 @@ def test_llama_cpp_bench_serves_each_servable_kind_with_its_spec_type(target):
 
     servable = {k for k in KINDS if llama_cpp.refusal(HeadConfig.from_target(
         target, kind=k, **({"selector_top_k": 4} if k == "dflash2" else {}))) is None}
-    assert servable == set(SPEC_TYPES) == {"eagle3", "dspark", "dflash2"}
+    assert servable == set(SPEC_TYPES) == {"eagle3", "dspark", "dflash", "dflash2"}
     cfg = load_config(BenchConfig, None, ["engine=llama.cpp", "sweep_n_max=[2]", "sweep_p_min=[]"])
     confs = configurations(cfg, Path("h.gguf"), None, (3, 0.0), SPEC_TYPES["dflash2"])
     assert confs["head"] == {"draft": Path("h.gguf"), "spec_type": "draft-dflash", "n_max": 3, "p_min": 0.0}
@@ -74,6 +76,7 @@ def test_llama_cpp_serves_plain_and_norm_before_fc_heads(target, tmp_path):
     for flags in ({}, {"norm_before_fc": True}, {"norm_before_residual": True}):
         assert llama_cpp.refusal(HeadConfig.from_target(target, kind="eagle3", **flags)) is None
     assert llama_cpp.refusal(HeadConfig.from_target(target, kind="dflash2", selector_top_k=4)) is None
+    assert llama_cpp.refusal(HeadConfig.from_target(target, kind="dflash", draft_vocab_size=64)) is None
     head = build_head(HeadConfig.from_target(target, kind="eagle3"), target)
     folder = save_tiny(tmp_path / "tiny")
     with pytest.raises(llama_cpp.LlamaCppError, match="gguf type 'q4_0'"):

@@ -113,7 +113,7 @@ def test_dflash2_layouts_without_a_reader_refuse(tiny, tmp_path):
 
 def test_dflash2_to_llama_cpp_converts_the_hf_layout(tiny, tmp_path, monkeypatch):
     """``--to llama.cpp`` hands llama.cpp's converter the HF / z-lab folder (the nested dflash_config it reads;
-    the converter and the target check stubbed here: tests/engines/test_llama_cpp_dflash2.py runs the real ones)."""
+    the converter and the target check stubbed here: tests/engines/test_llama_cpp_dflash.py runs the real ones)."""
     from pathlib import Path
 
     from eaglekit.engines import llama_cpp
