@@ -1,7 +1,7 @@
 """eaglekit.engines.gguf_relabel: a Qwen2 GGUF rewritten as a llama GGUF (keys renamed, q/k rows from NEOX to NORM rotary
 order, quantised rows moved whole). Fast: the file's contents, on a tiny random Qwen2 GGUF. Real: the same
 tiny model in llama-server, original and relabelled, gives the same greedy tokens and the same top
-log-probabilities (its tokenizer is the embedded Qwen2.5-Coder's), and without the row permutation it does not."""
+log-probabilities, and without the row permutation it does not."""
 import numpy as np
 import pytest
 
@@ -105,21 +105,21 @@ def test_relabelled_qwen2_gives_the_same_logits_in_llama_server(tmp_path, monkey
     tokens, top-5 log-probabilities equal within 1e-4 at every position (the same arithmetic in another order:
     the llama graph adds the biases and rotates pairs instead of halves); relabelled without the permutation
     they differ (the check can fail)."""
-    from gguf import GGUFReader
-
-    from eaglekit import assets
     from eaglekit.engines import llama_cpp
 
     root = llama_cpp.require()
-    qwen = GGUFReader(str(assets.asset_file("qwen2.5-coder-0.5b-instruct")))
-    tok = {k: qwen.fields[k].contents() for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
-                                                  "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                                                  "tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id")}
+    # a byte-level BPE vocabulary llama.cpp loads, of ASCII pieces (a piece that is part of a UTF-8 character
+    # would join the next token's log-probabilities in the server's answer); the prompt goes in as ids.
+    # (Qwen's own 151k-token vocabulary made this test ~50 s of GGUF parsing; the arithmetic is the same)
+    pieces = [f"t{i}" for i in range(512)]
+    tok = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": pieces,
+           "tokenizer.ggml.token_type": [1] * len(pieces), "tokenizer.ggml.merges": ["t 0"],
+           "tokenizer.ggml.eos_token_id": 511, "tokenizer.ggml.bos_token_id": 510}
     src = tiny_qwen2_gguf(tmp_path / "q.gguf", tokenizer=tok)
     relabelled = gguf_relabel.relabel_qwen2_as_llama(src, tmp_path / "l.gguf")
     monkeypatch.setattr(gguf_relabel, "neox_to_norm", lambda rows, heads: rows)
     unpermuted = gguf_relabel.relabel_qwen2_as_llama(src, tmp_path / "u.gguf")
-    prompt = [9707, 11, 1879, 0, 3555, 374, 264, 1273, 30, 1084]
+    prompt = [97, 11, 187, 0, 355, 374, 264, 127, 30, 108]
     outs = {}
     for name, model in (("qwen2", src), ("llama", relabelled), ("unpermuted", unpermuted)):
         with llama_cpp.Server(model, root=root, threads=1, ctx=128) as s:
@@ -132,4 +132,5 @@ def test_relabelled_qwen2_gives_the_same_logits_in_llama_server(tmp_path, monkey
 
     assert outs["llama"].tokens == ref.tokens
     assert gap(outs["llama"]) < 1e-4, gap(outs["llama"])
+    print("gaps: relabelled", gap(outs["llama"]), "unpermuted", gap(outs["unpermuted"]))
     assert gap(outs["unpermuted"]) > 1e-2
