@@ -224,9 +224,7 @@ def refusal(cfg) -> str | None:
     if cfg.kind == "dspark":  # --spec-type draft-dspark, through speculators' dspark layout
         why = _taps_refusal(cfg)
         return f"llama.cpp cannot serve this dspark head: {why}" if why else None
-    if cfg.kind == "dflash2":  # --spec-type draft-dflash; llama.cpp walks the selector greedily
-        return _dflash2_refusal(cfg)
-    if cfg.kind == "dflash":  # --spec-type draft-dflash; no selector in the file: each slot's argmax
+    if cfg.kind in ("dflash", "dflash2"):  # --spec-type draft-dflash (DFlash 2's selector walked greedily)
         return _dflash_refusal(cfg)
     if cfg.kind != "eagle3":
         return (f"llama.cpp serves EAGLE-3, DSpark, DFlash and DFlash 2 heads through eaglekit; this is a {cfg.kind} "
@@ -248,7 +246,7 @@ def refusal(cfg) -> str | None:
 
 
 def _taps_refusal(cfg) -> str | None:
-    """DSpark's and DFlash 2's converters write the taps as layer outputs (tap - 1) and llama.cpp extracts them
+    """DSpark's and DFlash's converters write the taps as layer outputs (tap - 1) and llama.cpp extracts them
     in order: each tap must be >= 1 and they must increase."""
     taps = list(cfg.aux_layer_ids)
     if min(taps) < 1 or taps != sorted(set(taps)):
@@ -256,17 +254,9 @@ def _taps_refusal(cfg) -> str | None:
     return None
 
 
-def _dflash2_refusal(cfg) -> str | None:
-    """What the pinned converter and src/models/dflash.cpp need of a DFlash 2 head (None: all of it)."""
-    why = [taps] if (taps := _taps_refusal(cfg)) else []
-    k = cfg.selector_top_k
-    if cfg.hidden_size < k * (k + 1):  # the graph refuses: "hidden size is too small for the selector lattice"
-        why.append(f"hidden size {cfg.hidden_size} < selector_top_k * (selector_top_k + 1) = {k * (k + 1)}")
-    return "llama.cpp cannot serve this dflash2 head: " + "; ".join(why) if why else None
-
-
 def _dflash_refusal(cfg) -> str | None:
-    """What the pinned converter's DFlash class and src/models/dflash.cpp need of a DFlash head (None: all of it)."""
+    """What the pinned converter's DFlash class and src/models/dflash.cpp need of a DFlash or DFlash 2 head (None:
+    all of it). DFlash 2's own config already refuses a draft vocabulary and head.mask_embedding."""
     why = [taps] if (taps := _taps_refusal(cfg)) else []
     if cfg.draft_vocab_size < cfg.target_vocab_size:  # its DSpark class maps d2t; its DFlash class has no such code
         why.append(f"head.draft_vocab_size={cfg.draft_vocab_size} below the target's {cfg.target_vocab_size} (the "
@@ -274,7 +264,10 @@ def _dflash_refusal(cfg) -> str | None:
     if cfg.mask_embedding:
         why.append("head.mask_embedding=true (the converter would read mask_embedding.pt into an embedding of the "
                    "draft's own; eaglekit has not checked that path)")
-    return "llama.cpp cannot serve this dflash head: " + "; ".join(why) if why else None
+    k = cfg.selector_top_k  # DFlash 2's graph refuses: "hidden size is too small for the selector lattice"
+    if cfg.kind == "dflash2" and cfg.hidden_size < k * (k + 1):
+        why.append(f"hidden size {cfg.hidden_size} < selector_top_k * (selector_top_k + 1) = {k * (k + 1)}")
+    return f"llama.cpp cannot serve this {cfg.kind} head: " + "; ".join(why) if why else None
 
 
 # llama.cpp's EAGLE-3 and DSpark drafts read the target's layer inputs, which only some target graphs record
