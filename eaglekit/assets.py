@@ -17,6 +17,7 @@ conversion left half done is deleted and redone by the next run.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
@@ -213,11 +214,15 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
     gguf = Path(gguf)
     kw = {"gguf_file": gguf.name}
-    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
-    model = AutoModelForCausalLM.from_config(src.config, dtype=torch.float32)
+    with _one_gguf_parse(gguf):
+        tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    with _no_init_weights():  # every weight is overwritten below: drawing random ones first only costs time
+        model = AutoModelForCausalLM.from_config(src.config, dtype=torch.float32)
+    model.tie_weights()  # no_init_weights also skips the tying: a tied lm_head would stay a separate, empty tensor
     missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and src.config.tie_word_embeddings)]
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    missing = [k for k in missing if not (k == "lm_head.weight" and tied)]  # unset weights would be garbage
     if missing or unexpected:
         raise AssetError(f"{gguf}: conversion lost weights: missing {missing}, unexpected {unexpected}")
     del src
@@ -227,18 +232,101 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
+@contextlib.contextmanager
+def _one_gguf_parse(gguf: Path):
+    """transformers parses the GGUF file once for the tokenizer and twice for the model (config, tensors) with
+    gguf-py's reader, ~7 s each for a 151k-token vocabulary: hand it one reader of this file instead."""
+    import gguf as gguf_py
+
+    made, cached = gguf_py.GGUFReader, {}
+
+    def reader(path, *args, **kw):
+        if Path(path).resolve() != gguf.resolve() or args or kw:
+            return made(path, *args, **kw)
+        if "r" not in cached:
+            cached["r"] = made(path)
+        return cached["r"]
+
+    gguf_py.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader = made
+
+
+def _no_init_weights():
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        try:
+            from transformers.modeling_utils import no_init_weights  # transformers 4
+        except ImportError:
+            return contextlib.nullcontext()
+    return no_init_weights()
+
+
+# GGUF's metadata value types (the file format's numbering) as struct formats; 8 is a string, 9 an array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_fields(path: Path, keys) -> dict:
+    """The scalar or string metadata ``keys`` of a GGUF file (those present), read from its header alone.
+
+    gguf-py's ``GGUFReader`` builds a numpy view per vocabulary entry (~7 s for a 151k-token vocabulary); this
+    walks the key-value section with ``struct`` and skips arrays (~0.1 s)."""
+    import mmap
+    import struct
+
+    want, out = set(keys), {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise AssetError(f"{path}: not a GGUF file (no GGUF magic)")
+        order = "<" if struct.unpack_from("<I", m, 4)[0] < 1 << 16 else ">"  # a big-endian file's version reads huge
+        n_kv = struct.unpack_from(order + "Q", m, 16)[0]
+        pos = 24
+
+        def take(fmt):
+            nonlocal pos
+            v = struct.unpack_from(order + fmt, m, pos)
+            pos += struct.calcsize(order + fmt)
+            return v[0]
+
+        def string():
+            nonlocal pos
+            n = take("Q")
+            pos += n
+            return m[pos - n:pos]
+
+        def value(kind):
+            nonlocal pos
+            if kind == 8:
+                return string().decode("utf-8")
+            if kind == 9:
+                item, count = take("I"), take("Q")
+                if item in _GGUF_SCALARS:  # fixed-size items: stepped over at once
+                    pos += count * struct.calcsize(order + _GGUF_SCALARS[item])
+                else:
+                    for _ in range(count):
+                        value(item)
+                return None  # arrays are skipped, not returned
+            return take(_GGUF_SCALARS[kind])
+
+        try:
+            for _ in range(n_kv):
+                key = string().decode("utf-8")
+                v = value(take("I"))
+                if key in want:
+                    out[key] = v
+        except (struct.error, KeyError, UnicodeDecodeError) as e:
+            raise AssetError(f"{path}: unreadable GGUF metadata ({e!r})") from e
+    return out
+
+
 def gguf_special_ids(gguf: Path) -> dict[str, int]:
     """The special token ids a GGUF file declares (``tokenizer.ggml.{bos,eos,padding,unknown}_token_id``)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf)).fields
-    out = {}
-    for role, key in [("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"),
-                      ("unk", "unknown_token_id")]:
-        f = fields.get(f"tokenizer.ggml.{key}")
-        if f is not None and f.data:
-            out[role] = int(f.parts[f.data[0]][0])
-    return out
+    roles = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id", "unk": "unknown_token_id"}
+    fields = gguf_fields(gguf, [f"tokenizer.ggml.{k}" for k in roles.values()])
+    return {role: int(fields[f"tokenizer.ggml.{k}"]) for role, k in roles.items() if f"tokenizer.ggml.{k}" in fields}
 
 
 def set_special_tokens(tok, model, ids: dict[str, int]) -> None:

@@ -107,3 +107,22 @@ def test_smollm2_gguf_special_ids_match_the_converted_tokenizer(smollm2):
     ids = assets.gguf_special_ids(assets.asset_file("smollm2-135m-instruct"))
     assert ids["eos"] == smollm2.tokenizer.eos_token_id == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert ids["bos"] == smollm2.tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+
+@pytest.mark.real
+def test_gguf_fields_read_the_header_as_gguf_py_does(tmp_path):
+    from gguf import GGUFReader
+
+    for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"):
+        path = assets.asset_file(name)
+        reader = GGUFReader(str(path))  # its GGUF.* entries are the header's counts, not metadata
+        ref = {k: f.contents() for k, f in reader.fields.items()
+               if not k.startswith("GGUF.") and f.types[0].value != 9}  # 9: an array (skipped by gguf_fields)
+        assert len(ref) > 20 and assets.gguf_fields(path, [*ref, "no.such.key"]) == ref, name
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(assets.AssetError, match=str(bad)):
+        assets.gguf_fields(bad, ["general.architecture"])
+    bad.write_bytes(path.read_bytes()[:4096])  # cut inside the vocabulary
+    with pytest.raises(assets.AssetError, match="unreadable GGUF metadata"):
+        assets.gguf_fields(bad, ["general.architecture"])

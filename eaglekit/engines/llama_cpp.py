@@ -41,15 +41,29 @@ SERVABLE = ("head.kind=eagle3 head.num_layers=1 head.fc_norm=false head.norm_out
             "(head.norm_before_fc=true for a norm over the taps) and three taps")
 
 
-# ggml (every kernel a token's arithmetic runs) builds at Release's -O3; the rest (llama's graph building and
-# sampler, the server, its HTTP and JSON code, the multimodal library it links) at -O1, a later flag GCC obeys.
-# Measured on 2 cores (2026-12-04): the build's CPU time 8.9 -> 5.7 min; SmolLM2 Q4_1 plain decoding 1.03x the
-# all -O3 build's tokens/s (median of 3 alternating runs: within noise), the same tokens.
+# ggml (every kernel a token's arithmetic runs) builds at Release's -O3; llama's graph building and sampler, the
+# server and its common library at -O1 (a later flag GCC obeys), those in unity batches of 16 files (each of their
+# files parses the same large JSON and server headers; common/json.cpp redefines a name its batch shares, so it is
+# compiled alone); the multimodal library llama-server links but text never runs, and the HTTP parser (once per
+# request), at -O0. Measured on 2 cores: (2026-12-04) all -O3 8.9 CPU-min -> 5.7 with -O1; (2026-12-05, AVX-512
+# EPYC) 6.3 -> 5.0 CPU-min with the unity batches and -O0 (3.2 -> 2.5 wall-min at -j2, quiet): SmolLM2 Q4_1 plain
+# decoding at 0.98x the previous build's tokens/s (medians of 3 alternating runs of 6 prompts; single runs spread
+# 0.97-1.03), the same tokens.
 LIGHT_OPTIMISATION = """include_guard(GLOBAL)
 function(_eaglekit_light_optimisation)
-  foreach(t llama llama-common mtmd cpp-httplib server-context llama-server-impl llama-server llama-quantize)
+  foreach(t llama llama-common server-context llama-server-impl llama-server llama-quantize)
     if(TARGET ${t})
       target_compile_options(${t} PRIVATE -O1)
+      set_target_properties(${t} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 16)
+    endif()
+  endforeach()
+  if(TARGET llama-common)
+    set_source_files_properties("${CMAKE_SOURCE_DIR}/common/json.cpp" TARGET_DIRECTORY llama-common
+                                PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+  endif()
+  foreach(t mtmd cpp-httplib)
+    if(TARGET ${t})
+      target_compile_options(${t} PRIVATE -O0)
     endif()
   endforeach()
 endfunction()
@@ -117,7 +131,7 @@ def _build(jobs: int | None, log) -> Path:
             raise LlamaCppError(f"building llama.cpp needs '{tool}' on PATH")
     root = install_dir()
     root.parent.mkdir(parents=True, exist_ok=True)
-    print(f"eaglekit: building llama.cpp from llama-cpp-python=={VERSION} into {root} (once; ~4-6 min on 2 cores)",
+    print(f"eaglekit: building llama.cpp from llama-cpp-python=={VERSION} into {root} (once; ~3 min on 2 cores)",
           file=log, flush=True)
     with tempfile.TemporaryDirectory(prefix="eaglekit-llama-cpp-") as work:
         work = Path(work)
@@ -332,10 +346,10 @@ def target_refusal(target_dir, root: Path | None = None) -> str | None:
 
 
 def gguf_architecture(model) -> str:
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(model)).fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
+    arch = assets.gguf_fields(model, ["general.architecture"]).get("general.architecture")
+    if arch is None:
+        raise LlamaCppError(f"{model}: the GGUF file names no general.architecture")
+    return arch
 
 
 def check_draft_target(model, root: Path | None = None) -> None:

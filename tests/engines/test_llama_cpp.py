@@ -3,7 +3,7 @@ that train a servable head), the build cache's stamp, and — slow, real — a h
 ``export_head(..., "llama.cpp")`` drafting in a real llama-server on the embedded Q4_1 SmolLM2 file: greedy
 output identical to plain llama-server, drafts accepted for a trained head and not for a random one.
 
-The slow test builds the pinned llama.cpp the first time (~4-6 min on 2 cores, cached in
+The slow test builds the pinned llama.cpp the first time (~3 min on 2 cores, cached in
 ~/.cache/eaglekit/llama.cpp-0.3.36; `bash scripts/llama_cpp.sh` does it ahead), then takes ~1 min."""
 import pytest
 import torch
