@@ -130,7 +130,10 @@ class Server(ServerProcess):
             cmd += ["--speculative-config", json.dumps(speculative)]
         self.cmd, self.timeout = [*cmd, *map(str, extra)], timeout
         threads = threads or os.cpu_count() or 1
-        self.env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        # PYTHONDONTWRITEBYTECODE (set on some machines) would keep the environment, installed --no-compile,
+        # compiling every module of vLLM, torch and transformers again at each start (~8 s of CPU per process)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        self.env = {**env, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
                     "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
                     "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
         self._plain = None

@@ -101,3 +101,12 @@ def test_vllm_real_server_drafts_with_an_exported_head(smollm2, tmp_path):
           f"{tau_vllm:.3f}; eaglekit's replay on its outputs: {tau_ours:.3f}")
     assert drafts > 0 and accepted > 0.1 * sum(o.draft_tokens for o in outs), (drafts, accepted)
     assert abs(tau_vllm - tau_ours) <= 0.03 * tau_ours, (tau_vllm, tau_ours)
+
+
+def test_vllm_server_keeps_the_bytecode_it_compiles(tmp_path, monkeypatch):
+    """The environment is installed without byte-compiling; its first server start compiles what vLLM imports and
+    keeps it, even where the machine sets PYTHONDONTWRITEBYTECODE (else every start compiles it all again)."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    s = vllm_cpu.Server(tmp_path / "model", threads=1, root=tmp_path)
+    assert "PYTHONDONTWRITEBYTECODE" not in s.env and s.env["OMP_NUM_THREADS"] == "1"
+    assert s.env["HF_HUB_OFFLINE"] == "1" and s.cmd[0] == str(tmp_path / "bin" / "vllm")
