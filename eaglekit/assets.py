@@ -282,6 +282,8 @@ def gguf_fields(path: Path, keys) -> dict:
         if m[:4] != b"GGUF":
             raise AssetError(f"{path}: not a GGUF file (no GGUF magic)")
         order = "<" if struct.unpack_from("<I", m, 4)[0] < 1 << 16 else ">"  # a big-endian file's version reads huge
+        if (version := struct.unpack_from(order + "I", m, 4)[0]) not in (2, 3):  # v1 counted in 32 bits
+            raise AssetError(f"{path}: GGUF version {version}; eaglekit reads versions 2 and 3")
         n_kv = struct.unpack_from(order + "Q", m, 16)[0]
         pos = 24
 

@@ -123,6 +123,9 @@ def test_gguf_fields_read_the_header_as_gguf_py_does(tmp_path):
     bad.write_bytes(b"GGML" + bytes(20))
     with pytest.raises(assets.AssetError, match=str(bad)):
         assets.gguf_fields(bad, ["general.architecture"])
+    bad.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(assets.AssetError, match="GGUF version 1"):
+        assets.gguf_fields(bad, ["general.architecture"])
     bad.write_bytes(path.read_bytes()[:4096])  # cut inside the vocabulary
     with pytest.raises(assets.AssetError, match="unreadable GGUF metadata"):
         assets.gguf_fields(bad, ["general.architecture"])
