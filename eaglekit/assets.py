@@ -269,22 +269,24 @@ def _no_init_weights():
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-def gguf_fields(path: Path, keys) -> dict:
-    """The scalar or string metadata ``keys`` of a GGUF file (those present), read from its header alone.
+def gguf_layout(path: Path) -> dict:
+    """Where a GGUF file keeps what it declares, read from its header alone: ``fields`` {key: (offset of the
+    key's string, offset of its value, the value: scalar or str; None for arrays)}, ``tensors`` {name: (dims,
+    ggml type, offset of its bytes in the file)}, and the byte ``order`` ("<" or ">").
 
     gguf-py's ``GGUFReader`` builds a numpy view per vocabulary entry (~7 s for a 151k-token vocabulary); this
-    walks the key-value section with ``struct`` and skips arrays (~0.1 s)."""
+    walks the header with ``struct`` and steps over arrays (~0.1 s)."""
     import mmap
     import struct
 
-    want, out = set(keys), {}
+    fields, infos = {}, []
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         if m[:4] != b"GGUF":
             raise AssetError(f"{path}: not a GGUF file (no GGUF magic)")
         order = "<" if struct.unpack_from("<I", m, 4)[0] < 1 << 16 else ">"  # a big-endian file's version reads huge
         if (version := struct.unpack_from(order + "I", m, 4)[0]) not in (2, 3):  # v1 counted in 32 bits
             raise AssetError(f"{path}: GGUF version {version}; eaglekit reads versions 2 and 3")
-        n_kv = struct.unpack_from(order + "Q", m, 16)[0]
+        n_tensors, n_kv = struct.unpack_from(order + "QQ", m, 8)
         pos = 24
 
         def take(fmt):
@@ -297,12 +299,12 @@ def gguf_fields(path: Path, keys) -> dict:
             nonlocal pos
             n = take("Q")
             pos += n
-            return m[pos - n:pos]
+            return m[pos - n:pos].decode("utf-8")
 
         def value(kind):
             nonlocal pos
             if kind == 8:
-                return string().decode("utf-8")
+                return string()
             if kind == 9:
                 item, count = take("I"), take("Q")
                 if item in _GGUF_SCALARS:  # fixed-size items: stepped over at once
@@ -315,13 +317,25 @@ def gguf_fields(path: Path, keys) -> dict:
 
         try:
             for _ in range(n_kv):
-                key = string().decode("utf-8")
-                v = value(take("I"))
-                if key in want:
-                    out[key] = v
+                at = pos
+                key, kind = string(), take("I")
+                fields[key] = (at, pos, value(kind))
+            for _ in range(n_tensors):
+                name = string()
+                dims = [take("Q") for _ in range(take("I"))]
+                infos.append((name, dims, take("I"), take("Q")))
         except (struct.error, KeyError, UnicodeDecodeError) as e:
-            raise AssetError(f"{path}: unreadable GGUF metadata ({e!r})") from e
-    return out
+            raise AssetError(f"{path}: unreadable GGUF header ({e!r})") from e
+        align = fields.get("general.alignment", (0, 0, 32))[2]
+        data = -(-pos // align) * align  # the tensor data start at the next multiple of the alignment
+    return {"order": order, "fields": fields,
+            "tensors": {name: (dims, kind, data + off) for name, dims, kind, off in infos}}
+
+
+def gguf_fields(path: Path, keys) -> dict:
+    """The scalar or string metadata ``keys`` of a GGUF file (those present), read from its header alone."""
+    fields = gguf_layout(path)["fields"]
+    return {k: fields[k][2] for k in keys if k in fields}
 
 
 def gguf_special_ids(gguf: Path) -> dict[str, int]:

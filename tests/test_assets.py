@@ -110,15 +110,19 @@ def test_smollm2_gguf_special_ids_match_the_converted_tokenizer(smollm2):
 
 
 @pytest.mark.real
-def test_gguf_fields_read_the_header_as_gguf_py_does(tmp_path):
+def test_gguf_layout_reads_the_header_as_gguf_py_does(tmp_path):
+    """Every scalar and string field, and every tensor's dims, type and data offset, as gguf-py's reader reads them
+    (the embedded SmolLM2 file: 49k vocabulary strings stepped over); a file that is not GGUF v2/v3, or is cut,
+    refused naming it."""
     from gguf import GGUFReader
 
-    for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"):
-        path = assets.asset_file(name)
-        reader = GGUFReader(str(path))  # its GGUF.* entries are the header's counts, not metadata
-        ref = {k: f.contents() for k, f in reader.fields.items()
-               if not k.startswith("GGUF.") and f.types[0].value != 9}  # 9: an array (skipped by gguf_fields)
-        assert len(ref) > 20 and assets.gguf_fields(path, [*ref, "no.such.key"]) == ref, name
+    path = assets.asset_file("smollm2-135m-instruct")
+    reader = GGUFReader(str(path))  # its GGUF.* entries are the header's counts, not metadata
+    ref = {k: f.contents() for k, f in reader.fields.items()
+           if not k.startswith("GGUF.") and f.types[0].value != 9}  # 9: an array (skipped by gguf_fields)
+    assert len(ref) > 20 and assets.gguf_fields(path, [*ref, "no.such.key"]) == ref
+    tensors = {t.name: ([int(d) for d in t.shape], int(t.tensor_type), int(t.data_offset)) for t in reader.tensors}
+    assert len(tensors) > 200 and assets.gguf_layout(path)["tensors"] == tensors
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"GGML" + bytes(20))
     with pytest.raises(assets.AssetError, match=str(bad)):
@@ -127,5 +131,5 @@ def test_gguf_fields_read_the_header_as_gguf_py_does(tmp_path):
     with pytest.raises(assets.AssetError, match="GGUF version 1"):
         assets.gguf_fields(bad, ["general.architecture"])
     bad.write_bytes(path.read_bytes()[:4096])  # cut inside the vocabulary
-    with pytest.raises(assets.AssetError, match="unreadable GGUF metadata"):
+    with pytest.raises(assets.AssetError, match="unreadable GGUF header"):
         assets.gguf_fields(bad, ["general.architecture"])

@@ -52,26 +52,34 @@ SPEC_TYPES = {kind: cls.llama_cpp_spec_type for kind, cls in HEADS.items() if cl
 @torch.no_grad()
 def head_drafts(target, head, prompt: list[int], tokens: list[int], depth: int):
     """(drafts [S, depth] target ids, top-prob [S, depth]) of chain drafting from every anchor of the sequence
-    ``prompt + tokens``: row t holds what the head drafts when the last known token is at t + 1 (an EAGLE
-    head: the TTT unroll, which equals sequential drafting; a parallel head — DFlash, DSpark — one block per
-    element, fed one element at a time; probabilities are softmax over the top 10, llama.cpp's draft sampler)."""
+    ``prompt + tokens`` a server drafts from: row t holds what the head drafts when the last known token is at
+    t + 1, for t >= len(prompt) - 1 (the rows before, anchors inside the prompt, hold -1 / 0.0; ``replay`` never
+    reads them). An EAGLE head: the TTT unroll, which equals sequential drafting; a parallel head — DFlash,
+    DSpark — the prompt's context in one call, then one block per output element, fed one element at a time
+    (each block reads the whole draft vocabulary's rows: drafting from every prompt anchor too cost a DFlash head
+    on SmolLM2 3x the time). Probabilities are softmax over the top 10, llama.cpp's draft sampler."""
     from eaglekit.heads.objectives import ttt_unroll
 
     seq = torch.tensor([list(prompt) + list(tokens)], device=target.device)
     g = head.fuse(target.forward(seq, layer_ids=head.taps, logits=False).taps)
+    S, first = seq.shape[1], max(len(prompt) - 1, 0)
+    drafts, probs = torch.full((S, depth), -1), torch.zeros(S, depth)
+    if first >= S - 1:  # no output token: nothing is drafted from
+        return drafts, probs
     if getattr(head, "parallel", False):
-        cache, S = head.new_cache(), seq.shape[1]
+        cache = head.new_cache()
+        if first > 0:  # the prompt's context, whose drafts no server uses
+            head.draft(cache, seq[:, 1:first + 1], g[:, :first], torch.arange(first)[None])
         blocks = [head.draft(cache, seq[:, t + 1:t + 2], g[:, t:t + 1], torch.tensor([[t]]))[0, :depth]
-                  for t in range(S - 1)]
-        steps = [d[None] for d in torch.stack(blocks + [blocks[-1]]).unbind(1)]  # [1, S, Vd] per depth (last row unused)
+                  for t in range(first, S - 1)]
+        steps = [d[None] for d in torch.stack(blocks + [blocks[-1]]).unbind(1)]  # [1, S - first, Vd] per depth
     else:
-        steps = [logits for _, _, logits in ttt_unroll(head, seq, g, depth)]
-    drafts, probs = [], []
-    for logits in steps:
+        steps = [logits[:, first:] for _, _, logits in ttt_unroll(head, seq, g, depth)]
+    for k, logits in enumerate(steps):
         top = logits[0].float().topk(min(10, logits.shape[-1]), dim=-1)
-        drafts.append(top.indices[:, 0] + head.d2t[top.indices[:, 0]])
-        probs.append(top.values.softmax(-1)[:, 0])
-    return torch.stack(drafts, -1).cpu(), torch.stack(probs, -1).cpu()
+        drafts[first:, k] = (top.indices[:, 0] + head.d2t[top.indices[:, 0]]).cpu()
+        probs[first:, k] = top.values.softmax(-1)[:, 0].cpu()
+    return drafts, probs
 
 
 def replay(sequence: list[int], start: int, drafts, probs, n_max: int, p_min: float = 0.0) -> dict:

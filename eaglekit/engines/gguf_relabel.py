@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eaglekit import assets
 from eaglekit.fileio import atomic_write
 
 ROTATED = {"attn_q": "head_count", "attn_k": "head_count_kv"}
@@ -33,39 +34,41 @@ def neox_to_norm(rows, heads: int):
 
 
 def relabel_qwen2_as_llama(src, dst) -> Path:
-    """Write the Qwen2 GGUF ``src`` as a llama GGUF ``dst`` (atomically); see the module docstring."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    """Write the Qwen2 GGUF ``src`` as a llama GGUF ``dst`` (atomically); see the module docstring. "qwen2" and
+    "llama" have the same length, so the file keeps its layout byte for byte: a copy whose key names, architecture
+    string and q/k rows are rewritten in place, each found from the header (``assets.gguf_layout``), never by
+    parsing the vocabulary arrays."""
+    import mmap
+    import shutil
+
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     src, dst = Path(src), Path(dst)
-    reader = GGUFReader(str(src))
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field else None
+    layout = assets.gguf_layout(src)
+    fields = layout["fields"]
+    arch = fields.get("general.architecture", (0, 0, None))[2]
     if arch != "qwen2":
         raise ValueError(f"{src}: general.architecture is {arch!r}; `eaglekit relabel` rewrites qwen2 GGUF files")
-    heads = {k: int(reader.fields[f"qwen2.attention.{v}"].contents()) for k, v in ROTATED.items()}
+    heads = {k: int(fields[f"qwen2.attention.{v}"][2]) for k, v in ROTATED.items()}
 
     def write(tmp: str) -> None:
-        writer = GGUFWriter(tmp, "llama", endianess=reader.endianess)
-        for name, f in reader.fields.items():
-            if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment"):
-                continue  # the writer writes these itself
-            vtype = f.types[0]
-            sub = f.types[-1] if vtype == GGUFValueType.ARRAY else None
-            key = "llama." + name[len("qwen2."):] if name.startswith("qwen2.") else name
-            writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
-        tensors = []
-        for t in reader.tensors:
-            data = t.data
-            if (kind := t.name.split(".")[-2]) in ROTATED and t.name.startswith("blk."):
-                data = neox_to_norm(data, heads[kind])
-            tensors.append(data)
-            writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for data in tensors:
-            writer.write_tensor_data(data, tensor_endianess=reader.endianess)
-        writer.close()
+        shutil.copyfile(src, tmp)
+        with open(tmp, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+            for key, (at, value_at, _) in fields.items():
+                if key.startswith("qwen2."):  # the key's bytes follow its 8-byte length
+                    m[at + 8:at + 8 + len("qwen2")] = b"llama"
+            value_at = fields["general.architecture"][1]  # a string: its 8-byte length, then its bytes
+            m[value_at + 8:value_at + 8 + len("qwen2")] = b"llama"
+            for name, (dims, kind, offset) in layout["tensors"].items():
+                if (part := name.split(".")[-2]) not in ROTATED or not name.startswith("blk."):
+                    continue
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+                rows = int(np.prod(dims[1:])) if len(dims) > 1 else dims[0]  # a bias: each element a row
+                row_bytes = dims[0] // block * size if len(dims) > 1 else size
+                view = np.frombuffer(m, np.uint8, rows * row_bytes, offset).reshape(rows, row_bytes)
+                m[offset:offset + rows * row_bytes] = neox_to_norm(view, heads[part]).tobytes()
+                del view  # an exported buffer keeps the map from closing
 
     return atomic_write(dst, write)
 

@@ -45,10 +45,12 @@ SERVABLE = ("head.kind=eagle3 head.num_layers=1 head.fc_norm=false head.norm_out
 # server and its common library at -O1 (a later flag GCC obeys), those in unity batches of 16 files (each of their
 # files parses the same large JSON and server headers; common/json.cpp redefines a name its batch shares, so it is
 # compiled alone); the multimodal library llama-server links but text never runs, and the HTTP parser (once per
-# request), at -O0. Measured on 2 cores: (2026-12-04) all -O3 8.9 CPU-min -> 5.7 with -O1; (2026-12-05, AVX-512
-# EPYC) 6.3 -> 5.0 CPU-min with the unity batches and -O0 (3.2 -> 2.5 wall-min at -j2, quiet): SmolLM2 Q4_1 plain
-# decoding at 0.98x the previous build's tokens/s (medians of 3 alternating runs of 6 prompts; single runs spread
-# 0.97-1.03), the same tokens.
+# request), at -O0, the multimodal library's files in one unity file (its helpers, a public library that may not
+# see its internals, apart). Measured on 2 cores: (2026-12-04) all -O3 8.9 CPU-min -> 5.7 with -O1; (2026-12-05,
+# AVX-512 EPYC) 6.3 -> 5.0 CPU-min with the unity batches and -O0 (3.2 -> 2.5 wall-min at -j2, quiet): SmolLM2
+# Q4_1 plain decoding at 0.98x the previous build's tokens/s (medians of 3 alternating runs of 6 prompts; single
+# runs spread 0.97-1.03), the same tokens; then 4.9 -> 4.2 CPU-min (2.5 -> 2.1 wall-min) with the multimodal
+# library in one file (53 -> 12 CPU-s; text never runs it).
 LIGHT_OPTIMISATION = """include_guard(GLOBAL)
 function(_eaglekit_light_optimisation)
   foreach(t llama llama-common server-context llama-server-impl llama-server llama-quantize)
@@ -60,6 +62,12 @@ function(_eaglekit_light_optimisation)
   if(TARGET llama-common)
     set_source_files_properties("${CMAKE_SOURCE_DIR}/common/json.cpp" TARGET_DIRECTORY llama-common
                                 PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+  endif()
+  if(TARGET mtmd)  # its ~50 small model files, each parsing the same headers, as one unity file
+    set_target_properties(mtmd PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 0)
+    set_source_files_properties("${CMAKE_SOURCE_DIR}/tools/mtmd/mtmd-helper.cpp"
+                                "${CMAKE_SOURCE_DIR}/tools/mtmd/mtmd-helper-gen.cpp"
+                                TARGET_DIRECTORY mtmd PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
   endif()
   foreach(t mtmd cpp-httplib)
     if(TARGET ${t})

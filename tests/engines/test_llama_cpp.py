@@ -307,6 +307,32 @@ def served(smollm2):
     return root, model, prompts, refs, convs
 
 
+@pytest.mark.parametrize("kind", ["dflash2", "dspark", "eagle3"])
+def test_head_drafts_from_each_output_anchor_as_a_fresh_draft_does(target, kind):
+    """``head_drafts`` feeds a parallel head the prompt's context in one call, then one element at a time: each
+    output anchor's row is what a fresh cache fed the whole prefix drafts (an EAGLE head's rows come from one
+    unroll); rows inside the prompt, which no server drafts from, hold -1 / 0."""
+    torch.manual_seed(0)
+    opts = {"dflash2": {"selector_top_k": 4, "block_size": 4}, "dspark": {"block_size": 4}, "eagle3": {}}[kind]
+    head = build_head(HeadConfig.from_target(target, kind=kind, **opts), target)
+    prompt, tokens = torch.randint(0, 64, (9,)).tolist(), torch.randint(0, 64, (5,)).tolist()
+    drafts, probs = head_drafts(target, head, prompt, tokens, 3)
+    assert drafts.shape == (14, 3) and (drafts[:8] == -1).all() and (probs[:8] == 0).all()
+    seq = torch.tensor([prompt + tokens])
+    g = head.fuse(target.forward(seq, layer_ids=head.taps, logits=False).taps)
+    if kind == "eagle3":  # the TTT unroll over the whole sequence: every anchor's chain at once
+        from eaglekit.heads.objectives import ttt_unroll
+        unrolled = torch.stack([lg[0] for _, _, lg in ttt_unroll(head, seq, g, 3)], 1)  # [S, 3, Vd]
+    for t in range(8, 13):
+        if kind == "eagle3":
+            want = unrolled[t]
+        else:  # a fresh cache fed the whole prefix, then one block
+            want = head.draft(head.new_cache(), seq[:, 1:t + 2], g[:, :t + 1], torch.arange(t + 1)[None])[0, :3]
+        top = want.float().topk(10, dim=-1)
+        assert drafts[t].tolist() == (top.indices[:, 0] + head.d2t[top.indices[:, 0]]).tolist(), t
+        torch.testing.assert_close(probs[t], top.values.softmax(-1)[:, 0], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.real
 @pytest.mark.slow  # ~1 min with a built llama.cpp (a few minutes more the first time: it is built)
 def test_llama_cpp_real_server_drafts_with_an_exported_head(smollm2, served, tmp_path):
