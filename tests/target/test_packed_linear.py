@@ -84,20 +84,21 @@ def test_greedy_decode_on_a_packed_tiny_target_equals_hf():
 
 @pytest.mark.real
 def test_packed_smollm2_greedy_matches_unpacked_hf(smollm2):
-    """A second SmolLM2, packed, decoding 4 MT-bench prompts (plain and with a random EAGLE-3 head) must
-    match transformers' greedy decoding on the unpacked fixture (near-tie rule of test_decode_real)."""
+    """The session's SmolLM2 (packed, as every real test decodes it: tests/conftest.py) decoding 4 MT-bench
+    prompts, plain and with a random packed EAGLE-3 head, must match transformers' greedy decoding on a second,
+    unpacked SmolLM2 (near-tie rule of test_decode_real)."""
     from decode.test_decode_real import assert_same_or_near_tie, hf_greedy, mt_bench_prompts, random_head
 
     from eaglekit.target import load_target
 
-    packed = load_target("smollm2-135m-instruct")
-    head = random_head(packed)
-    assert pack_linears(packed.model) == n_linears(packed.model)
+    unpacked = load_target("smollm2-135m-instruct")
+    assert packed_count(unpacked.model) == 0 and packed_count(smollm2.model) == n_linears(smollm2.model)
+    head = random_head(smollm2)
     pack_linears(head)
     ties = 0
-    for i, ids in enumerate(mt_bench_prompts(smollm2, 4)):
-        ref = hf_greedy(smollm2, ids, 24)
+    for i, ids in enumerate(mt_bench_prompts(unpacked, 4)):
+        ref = hf_greedy(unpacked, ids, 24)
         for name, drafter in (("plain", None), ("eagle3", head)):
-            out = decode.generate(packed, drafter, ids, 24, tree=TreeSpec(depth=3, top_k=4, total_tokens=10))
-            ties += assert_same_or_near_tie(smollm2, ref, out.sequences, f"packed {name} prompt {i}")
+            out = decode.generate(smollm2, drafter, ids, 24, tree=TreeSpec(depth=3, top_k=4, total_tokens=10))
+            ties += assert_same_or_near_tie(unpacked, ref, out.sequences, f"packed {name} prompt {i}")
     assert ties <= 1, f"{ties} near-tie divergences in 8 decodes"
