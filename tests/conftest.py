@@ -33,30 +33,37 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name in ENGINES and item.get_closest_marker("real") is not None)
 
 
-def packed_target(name: str):
-    """The real target ``name``, fp32, its linears packed as ``eaglekit generate`` and ``bench`` pack them on a CPU
-    (``cpu_linear=packed``, their default): aten's linear multiplies 2-5 rows (a small verify pass) up to 4x
-    slower than one on this machine's MKL, and the real decoding tests ran ~25% longer unpacked. transformers'
-    greedy references decode the same packed model; tests/target/test_packed_linear.py checks packed decoding
-    against an unpacked model's."""
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct target, fp32 (converted once into the asset cache), its linears packed as
+    ``eaglekit generate`` and ``bench`` pack them on a CPU (``cpu_linear=packed``, their default): aten's linear
+    multiplies 2-5 rows (a small verify pass) up to 4x slower than one row on this machine's MKL, and the real
+    decoding tests ran ~25% longer unpacked. transformers' greedy references decode the same packed model;
+    tests/target/test_packed_linear.py checks packed decoding against an unpacked model's."""
     from eaglekit.target import load_target
     from eaglekit.target.packed_linear import pack_linears
 
-    target = load_target(name)
+    target = load_target("smollm2-135m-instruct")
     pack_linears(target.model)
     return target
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    """The real SmolLM2-135M-Instruct target, fp32 (converted once into the asset cache), packed."""
-    return packed_target("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="session")
 def qwen05():
-    """The real Qwen2.5-Coder-0.5B-Instruct target, fp32, packed."""
-    return packed_target("qwen2.5-coder-0.5b-instruct")
+    """The real Qwen2.5-Coder-0.5B-Instruct target, fp32 (unpacked: a packed copy is 2 GB more per worker)."""
+    from eaglekit.target import load_target
+
+    return load_target("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture(scope="module")
+def qwen05_packed(qwen05):
+    """``qwen05`` with its linears packed for one module's decoding tests (as ``smollm2`` is), unpacked after."""
+    from eaglekit.target.packed_linear import pack_linears, unpack_linears
+
+    pack_linears(qwen05.model)
+    yield qwen05
+    unpack_linears(qwen05.model)
 
 
 @pytest.fixture

@@ -72,8 +72,8 @@ def test_decode_batch_real_smollm2(smollm2):
     assert max(max(r.tree_sizes, default=0) for r in stats["head"].rows) == 10
 
 
-def test_decode_batch_real_qwen05(qwen05):
-    t, gamma = qwen05, 3
+def test_decode_batch_real_qwen05(qwen05_packed):
+    t, gamma = qwen05_packed, 3
     prompts = mt_bench_prompts(t, 3)
     stats = run_batch_checks(t, prompts, 8, {"plain": None, "head": random_head(t, "eagle3"), "self": t,
                                               "lookup": {"drafter": None, "prompt_lookup": 5}},

@@ -56,5 +56,5 @@ def test_decode_parallel_real_greedy_smollm2(smollm2, kind):
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("dspark", "dflash2")])  # their DFlash backbone is
 # run here (SmolLM2 covers both)
-def test_decode_parallel_real_greedy_qwen05(qwen05, kind):
-    assert check(qwen05, kind, mt_bench_prompts(qwen05, 2), 8, "qwen05", singles=1) <= 1
+def test_decode_parallel_real_greedy_qwen05(qwen05_packed, kind):
+    assert check(qwen05_packed, kind, mt_bench_prompts(qwen05_packed, 2), 8, "qwen05", singles=1) <= 1

@@ -109,8 +109,8 @@ def test_decode_real_greedy_smollm2_prompt_lookup(smollm2):
     assert ties <= 1 and min(accepted.values()) > 0, (ties, accepted)
 
 
-def test_decode_real_greedy_qwen05_head_and_self_draft(qwen05):
-    t, n, gamma = qwen05, 8, 3
+def test_decode_real_greedy_qwen05_head_and_self_draft(qwen05_packed):
+    t, n, gamma = qwen05_packed, 8, 3
     head = random_head(t, "eagle3")
     tree = TreeSpec(depth=2, top_k=2, total_tokens=3)
     self_tree = decode.ModelTreeDrafter(t, t, TreeSpec(depth=3, top_k=2, total_tokens=6))
