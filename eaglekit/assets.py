@@ -272,7 +272,7 @@ _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
 def gguf_layout(path: Path) -> dict:
     """Where a GGUF file keeps what it declares, read from its header alone: ``fields`` {key: (offset of the
     key's string, offset of its value, the value: scalar or str; None for arrays)}, ``tensors`` {name: (dims,
-    ggml type, offset of its bytes in the file)}, and the byte ``order`` ("<" or ">").
+    ggml type, offset of its bytes in the file)}.
 
     gguf-py's ``GGUFReader`` builds a numpy view per vocabulary entry (~7 s for a 151k-token vocabulary); this
     walks the header with ``struct`` and steps over arrays (~0.1 s)."""
@@ -328,8 +328,7 @@ def gguf_layout(path: Path) -> dict:
             raise AssetError(f"{path}: unreadable GGUF header ({e!r})") from e
         align = fields.get("general.alignment", (0, 0, 32))[2]
         data = -(-pos // align) * align  # the tensor data start at the next multiple of the alignment
-    return {"order": order, "fields": fields,
-            "tensors": {name: (dims, kind, data + off) for name, dims, kind, off in infos}}
+    return {"fields": fields, "tensors": {name: (dims, kind, data + off) for name, dims, kind, off in infos}}
 
 
 def gguf_fields(path: Path, keys) -> dict:

@@ -55,7 +55,7 @@ def relabel_qwen2_as_llama(src, dst) -> Path:
     def write(tmp: str) -> None:
         shutil.copyfile(src, tmp)
         with open(tmp, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-            for key, (at, value_at, _) in fields.items():
+            for key, (at, _, _) in fields.items():
                 if key.startswith("qwen2."):  # the key's bytes follow its 8-byte length
                     m[at + 8:at + 8 + len("qwen2")] = b"llama"
             value_at = fields["general.architecture"][1]  # a string: its 8-byte length, then its bytes
