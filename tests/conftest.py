@@ -8,6 +8,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
+# every process a test launches starts with subprocess_site/sitecustomize.py (no DeepSpeed shm-op compile)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(Path(__file__).parent / "subprocess_site"), *filter(None, [os.environ.get("PYTHONPATH")])])
 # One torch thread for every test (not only those using one_thread): the models here are tiny or small,
 # and 2 OpenMP threads spin-wait on a 2-core machine (15 files without the fixture: 162 s -> 62 s wall).
 torch.set_num_threads(1)
