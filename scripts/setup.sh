@@ -23,13 +23,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "eaglekit setup: installing into .venv (first time only, a few minutes)..."
   .venv/bin/python -m pip install -q -U pip
   # setuptools' "Editable installation" notice is information, not a warning about this project: not shown.
-  # --no-compile: byte-compiling every installed file (torch's thousands) took ~25 of this install's ~50 s;
-  # Python compiles and caches the modules a run imports on first import instead
+  # Byte-compiled at install (~25 of its ~50 s): where PYTHONDONTWRITEBYTECODE is set, an environment installed
+  # --no-compile compiles every module it imports again in every process (a suite measured 240 CPU-s slower)
   PYTHONWARNINGS="ignore:Editable installation" \
-    .venv/bin/python -m pip install -q --no-compile -c constraints-cpu.txt -e '.[dev,bench,serving,speculators-runtime,llama-cpp]'
+    .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,bench,serving,speculators-runtime,llama-cpp]'
   # the speculators extra without its dependencies (they would pull torchvision and an older transformers)
   if .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-    .venv/bin/python -m pip install -q --no-compile --no-deps $(.venv/bin/python -c 'import tomllib
+    .venv/bin/python -m pip install -q --no-deps $(.venv/bin/python -c 'import tomllib
 print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["speculators"])')
   else
     echo "eaglekit setup: speculators needs Python >= 3.11; tests/export/test_export_speculators.py will skip"
