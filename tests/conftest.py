@@ -16,8 +16,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 torch.set_num_threads(1)
 
 # scripts/test.sh runs the suite on 2 pytest-xdist workers (--dist loadgroup), so both cores work while each
-# test keeps its one thread. The files below launch several processes through torch.distributed, which all
-# rendezvous on its default port (29500): they run one after another, on one worker.
+# test keeps its one thread. The files below launch several processes through torch.distributed (each launch on a
+# free port, never the default 29500): they run one after another, on one worker, so launches do not share 2 cores.
 LAUNCHING = {"test_data_prep_prepare.py", "test_decode_cli.py", "test_tensor_parallel.py",
              "test_train_distributed.py", "test_train_reliability.py"}
 

@@ -25,6 +25,7 @@ from helpers import save_tiny, tiny_config, tiny_conversations, tiny_tokenizer
 from safetensors.torch import load_file
 
 from eaglekit.data_prep.capture import capture_features, compute_features
+from eaglekit.engines.server import free_port
 from eaglekit.target import load_target
 from eaglekit.target import tensor_parallel as tp
 
@@ -124,11 +125,13 @@ def _torchrun(processes: int, out: Path, *checks: str, timeout: int = 400, deeps
     """One launch of tests/tp_checks.py running ``checks``: torchrun (training: DDP over gloo), or with
     ``deepspeed`` accelerate launch with the ZeRO-2 CPU config (training: DeepSpeed ZeRO-2, client AdamW)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TP": "2", "ACCELERATE_USE_CPU": "1"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    # --standalone: a rendezvous on a free port, not the default 29500 that anything else may hold
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     if deepspeed:  # ACCELERATE_USE_CPU would silently turn DeepSpeed into plain DDP
         del env["ACCELERATE_USE_CPU"]
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                    str(ROOT / "configs/accelerate/cpu-zero2-2proc.yaml"), "--num_processes", str(processes)]
+                    str(ROOT / "configs/accelerate/cpu-zero2-2proc.yaml"), "--num_processes", str(processes),
+                    "--main_process_port", str(free_port())]
     cmd = [*launcher, str(ROOT / "tests/tp_checks.py"), str(out), *checks]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
