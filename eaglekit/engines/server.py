@@ -96,8 +96,10 @@ def exit_status(code: int) -> str:
 
 
 def free_port() -> int:
+    """A TCP port nothing holds on any address (a port bound on one interface only still blocks a wildcard bind,
+    such as torch.distributed's store's, and a loopback connect does not see it)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
