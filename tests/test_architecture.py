@@ -1,5 +1,5 @@
-"""The package's shape: imports run one way (no cycle, function-local imports counted), no module over 600
-lines, and the EAGLE-1 / EAGLE-3 difference lives in eaglekit/heads/ and the exports' layouts (at most 3 kind
+"""The package's shape: imports run one way (no cycle, function-local imports counted; each part imports only
+the parts in the layers below it, ``LAYERS``), no module over 600 lines, and the EAGLE-1 / EAGLE-3 difference lives in eaglekit/heads/ and the exports' layouts (at most 3 kind
 comparisons outside them).
 
 600 rather than less: fewer, fuller files that a reader does not hop between, so a decode step's code sits
@@ -21,6 +21,10 @@ PACKAGE = ROOT / "eaglekit"
 MAX_LINES = 600
 MAX_KIND_BRANCHES_OUTSIDE_HEADS = 3
 KIND_NAMES = {"eagle1", "eagle3", "EAGLE1", "EAGLE3"}
+# The parts (eaglekit's top-level modules and packages), lowest first: a part imports only parts of lower layers.
+# ``cli`` is the entry point's dispatcher (commands by name, its error line), imported by the subcommands.
+LAYERS = [{"fileio", "timing", "cli", "vllm_connector"}, {"assets"}, {"config", "assets_cli"},
+          {"target", "engines"}, {"heads"}, {"export"}, {"decode", "data_prep"}, {"train", "bench"}, {"demo"}]
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -89,6 +93,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def layer_violations(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """Each import of one part by another that is not below it (a part missing from ``layers`` is one too)."""
+    rank = {part: i for i, layer in enumerate(layers) for part in layer}
+
+    def part(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    return sorted(f"{m} -> {d}" for m, ds in graph.items() for d in ds if part(m) != part(d)
+                  and rank.get(part(d), len(layers)) >= rank.get(part(m), -1))
+
+
 def is_kind(node) -> bool:
     if isinstance(node, ast.Constant):
         return node.value in KIND_NAMES
@@ -108,6 +123,12 @@ def kind_branches(path: Path) -> list[int]:
 # ---- the package ---------------------------------------------------------------------------------------
 def test_eaglekit_imports_have_no_cycle():
     assert cycles(import_graph()) == []
+
+
+def test_parts_import_only_lower_layers():
+    graph = import_graph()
+    assert {m.split(".")[1] for m in graph if "." in m} <= set().union(*LAYERS), "a new part: give it a layer"
+    assert layer_violations(graph, LAYERS) == []
 
 
 def test_no_module_over_600_lines():
@@ -143,6 +164,14 @@ def test_graph_sees_function_local_imports_and_package_inits(probe):
     # a module the package's __init__ pulls in, importing (inside a function) a module that imports the package
     (probe / "sub" / "low.py").write_text("def g():\n    import eaglekit.top\n")
     assert cycles(import_graph(probe)) == [["eaglekit.sub", "eaglekit.sub.low", "eaglekit.top"]]
+
+
+def test_layer_violations_are_found():
+    graph = {"eaglekit.target": {"eaglekit.heads.base"}, "eaglekit.heads.base": {"eaglekit.target"},
+             "eaglekit.decode.loop": {"eaglekit.data_prep.capture", "eaglekit.decode.cost"}}
+    layers = [{"target"}, {"heads"}, {"decode", "data_prep"}]
+    assert layer_violations(graph, layers) == ["eaglekit.decode.loop -> eaglekit.data_prep.capture",
+                                               "eaglekit.target -> eaglekit.heads.base"]
 
 
 def test_kind_branches_are_found(tmp_path):
