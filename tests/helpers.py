@@ -78,20 +78,26 @@ def tiny_conversations(path: Path, n: int = 40, seed: int = 0) -> Path:
     return Path(path)
 
 
-def train_command(*overrides: str, processes: int = 1, accelerate_config: str | None = None) -> list[str]:
-    """``python train_head.py key=value...`` (1 process) or ``accelerate launch --config_file ...`` on a free
-    port: a launch left on torch.distributed's default port (29500) fails when anything else holds it (CI saw
-    a ZeRO-3 launch refused with EADDRINUSE)."""
+def accelerate_launcher(config: str, processes: int) -> list[str]:
+    """``accelerate launch --config_file config --num_processes N`` on a free port: a launch left on
+    torch.distributed's default port (29500) fails when anything else holds it (CI saw a ZeRO-3 launch refused
+    with EADDRINUSE)."""
     import sys
 
     from eaglekit.engines.server import free_port
 
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+            "--num_processes", str(processes), "--main_process_port", str(free_port())]
+
+
+def train_command(*overrides: str, processes: int = 1, accelerate_config: str | None = None) -> list[str]:
+    """``python train_head.py key=value...`` (1 process) or the same under ``accelerate_launcher``."""
+    import sys
+
     root = Path(__file__).resolve().parents[1]
     if processes == 1:
         return [sys.executable, str(root / "train_head.py"), *overrides]
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config,
-                "--num_processes", str(processes), "--main_process_port", str(free_port())]
-    return [*launcher, str(root / "train_head.py"), *overrides]
+    return [*accelerate_launcher(accelerate_config, processes), str(root / "train_head.py"), *overrides]
 
 
 _GREEDY_REFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {prompt ids: (n, sequence)}

@@ -21,11 +21,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import save_tiny, tiny_config, tiny_conversations, tiny_tokenizer
+from helpers import accelerate_launcher, save_tiny, tiny_config, tiny_conversations, tiny_tokenizer
 from safetensors.torch import load_file
 
 from eaglekit.data_prep.capture import capture_features, compute_features
-from eaglekit.engines.server import free_port
 from eaglekit.target import load_target
 from eaglekit.target import tensor_parallel as tp
 
@@ -129,9 +128,7 @@ def _torchrun(processes: int, out: Path, *checks: str, timeout: int = 400, deeps
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     if deepspeed:  # ACCELERATE_USE_CPU would silently turn DeepSpeed into plain DDP
         del env["ACCELERATE_USE_CPU"]
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                    str(ROOT / "configs/accelerate/cpu-zero2-2proc.yaml"), "--num_processes", str(processes),
-                    "--main_process_port", str(free_port())]
+        launcher = accelerate_launcher(str(ROOT / "configs/accelerate/cpu-zero2-2proc.yaml"), processes)
     cmd = [*launcher, str(ROOT / "tests/tp_checks.py"), str(out), *checks]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
