@@ -1,6 +1,6 @@
 """The package's shape: imports run one way (no cycle, function-local imports counted; each part imports only
-the parts in the layers below it, ``LAYERS``), no module over 600 lines, and the EAGLE-1 / EAGLE-3 difference lives in eaglekit/heads/ and the exports' layouts (at most 3 kind
-comparisons outside them).
+the parts in the layers below it, ``LAYERS``), no module over 600 lines, and the EAGLE-1 / EAGLE-3 difference
+lives in eaglekit/heads/ and the exports' layouts (at most 3 kind comparisons outside them).
 
 600 rather than less: fewer, fuller files that a reader does not hop between, so a decode step's code sits
 in a few files (gpt-fast style), while a module still fits in one reading.
@@ -93,13 +93,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def part(module: str) -> str:
+    """The part a module belongs to: ``eaglekit.decode.loop`` -> ``decode``."""
+    return module.split(".")[1] if "." in module else module
+
+
 def layer_violations(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
     """Each import of one part by another that is not below it (a part missing from ``layers`` is one too)."""
-    rank = {part: i for i, layer in enumerate(layers) for part in layer}
-
-    def part(module: str) -> str:
-        return module.split(".")[1] if "." in module else module
-
+    rank = {p: i for i, layer in enumerate(layers) for p in layer}
     return sorted(f"{m} -> {d}" for m, ds in graph.items() for d in ds if part(m) != part(d)
                   and rank.get(part(d), len(layers)) >= rank.get(part(m), -1))
 
@@ -127,7 +128,7 @@ def test_eaglekit_imports_have_no_cycle():
 
 def test_parts_import_only_lower_layers():
     graph = import_graph()
-    assert {m.split(".")[1] for m in graph if "." in m} <= set().union(*LAYERS), "a new part: give it a layer"
+    assert {part(m) for m in graph if "." in m} <= set().union(*LAYERS), "a new part: give it a layer"
     assert layer_violations(graph, LAYERS) == []
 
 
