@@ -1,8 +1,8 @@
 """Write (or --check) docs/inputs.md's table of supported architectures from the test matrix (tests/arch_matrix.py).
 
 The table's rows are the matrix's: each supported row is a tiny model that tests/target/test_model_architectures.py
-decodes exactly, the engine columns come from eaglekit.export.engines, the refused rows are the recurrent
-models the tests see refused. ``python scripts/arch_table.py`` rewrites the block between its two markers in
+decodes exactly, each family row one that tests/target/test_families.py trains with every kind and decodes plainly
+(speculative decoding refused, the refusal's reason shortened); the engine columns come from eaglekit.export.engines. ``python scripts/arch_table.py`` rewrites the block between its two markers in
 docs/inputs.md; ``--check`` exits 1 if its block differs.
 """
 from __future__ import annotations

@@ -51,6 +51,10 @@ ENGINE_ARCHITECTURES = frozenset({
     "Phi3ForCausalLM", "Plamo3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "SarvamMLAForCausalLM",
     "Step1ForCausalLM", "TeleChat2ForCausalLM", "TeleChat3ForCausalLM", "TeleFLMForCausalLM",
+    # subclasses of DeepseekV2ForCausalLM (vllm/models/deepseek_v32, deepseek_v2.py:2009) and the VL classes whose
+    # language model implements it (qwen3_5.py:473 on qwen3_vl.py:1938, mllama4.py:728)
+    "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration", "Llama4ForConditionalGeneration",
 })
 
 

@@ -128,7 +128,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     # every check comes before the first write (regenerated.jsonl, the vocabulary, the shards)
     taps = resolve_taps(target, cfg.kind, cfg.layer_ids)
     if cfg.capture and cfg.capture_engine == "vllm":
-        check_engine_target(target.config, taps, target.num_layers)
+        check_engine_target(target.model_config, taps, target.num_layers)
     bpt = feature_bytes_per_token(target.hidden_size, len(taps), cfg.feature_dtype)
     shard_tokens = max(1, int(cfg.shard_mb * 2**20 // bpt))
     _check_output_dir(out, cfg, target, taps, shard_tokens)

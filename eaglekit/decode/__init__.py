@@ -21,7 +21,7 @@ Modules, each importing only modules on the lines below it:
                             (a parallel head: one forward per step); Tree, TreeSpec and the EAGLE-2 expand
     stats, stops            DecodeStats, BatchStats; what ends a row (EOS, stop strings, max tokens)
 
-The target's KV cache (RowsCache, keep_accepted, row_output) lives beside the target, in eaglekit/target/__init__.py.
+The target's KV cache (RowsCache, keep_accepted) lives beside the target, in eaglekit/target/cache.py.
 """
 from eaglekit.decode.api import generate, make_drafter
 from eaglekit.decode.cost import Plan, auto_plan

@@ -15,6 +15,9 @@ from eaglekit.decode.draft_model import ModelDrafter
 from eaglekit.decode.drafters import Drafter, EagleDrafter, ParallelDrafter, PlainDrafter, TreeSpec
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput, Sampling, run
+from eaglekit.decode.stats import BatchStats
+from eaglekit.target import CompileError
+from eaglekit.target.architectures import check_decodable
 
 
 @torch.no_grad()
@@ -50,6 +53,11 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     tokens are the same as eager decoding's. A model torch.compile cannot compile raises ``CompileError``.
     """
     batch = _is_batch(input_ids, attention_mask)
+    if drafter is not None or prompt_lookup:  # before any token: a target the loop cannot verify drafts on
+        check_decodable(target.config, where=target.name or type(target.model).__name__)
+    if compile and getattr(target, "own_cache", False):
+        raise CompileError(f"compile=True: {target.name} decodes on its model's own cache ({target.decode_refusal}); "
+                           "the compiled verify writes eaglekit's static cache: decode it with compile=False")
     if batch and streamer is not None:
         raise ValueError("a streamer takes one sequence: decode a batch without one (or one prompt at a time)")
     pad_id = _pad_id(target, pad_token_id) if batch else 0  # one sequence has no pads
@@ -61,9 +69,33 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     drafters = make_row_drafters(target, drafter, ids.shape[0], sampling, generator, tree=tree, gamma=gamma,
                                  prompt_lookup=prompt_lookup)
     stop = [stop] if isinstance(stop, str) else stop
+    if batch and ids.shape[0] > 1 and getattr(target, "own_cache", False):
+        # the model's own cache (recurrent, indexed or chunked layers) takes no ragged rows: each row alone
+        return _rows_alone(target, drafters, ids, starts, max_new_tokens, sampling, generator,
+                           eos_ids(target, eos_token_id), stop, pad_id)
     # a list of drafters is run's batch layout (BatchStats, rows padded to T + max_new_tokens), even for one row
     return run(target, drafters if batch else drafters[0], ids, max_new_tokens, sampling, generator,
                eos_ids(target, eos_token_id), stop, streamer, starts=starts, pad_id=pad_id, compile=compile)
+
+
+def _rows_alone(target, drafters, ids, starts, max_new_tokens, sampling, generator, eos, stop,
+                pad_id) -> GenerateOutput:
+    """A batch decoded one row at a time (each as it would decode alone), returned in the batch's layout."""
+    B, T = ids.shape
+    out = torch.full((B, T + max_new_tokens), pad_id, dtype=ids.dtype, device=ids.device)
+    out[:, :T] = ids
+    total = BatchStats()
+    for b in range(B):
+        one = run(target, drafters[b], ids[b:b + 1, starts[b]:], max_new_tokens, sampling, generator, eos, stop)
+        new = one.sequences[0, T - starts[b]:]
+        out[b, T:T + len(new)] = new
+        total.rows.append(one.stats)
+        total.pool(one.stats)
+        total.new_tokens += one.stats.new_tokens
+        total.forwards += len(one.stats.accept_lengths)
+        for f in ("prefill_s", "draft_s", "verify_s", "total_s"):
+            setattr(total, f, getattr(total, f) + getattr(one.stats, f))
+    return GenerateOutput(out, total)
 
 
 def _is_batch(input_ids, attention_mask) -> bool:

@@ -83,7 +83,10 @@ class Decoder:
         B, T = ids.shape
         self.starts, self.lengths = list(starts), [T] * B
         dev = self.target.device
-        self.cache = new_cache(self.target.model, capacity(T, self.max_new_tokens))
+        # a target whose layers keep more than keys and values (Target.own_cache) decodes plainly on the cache its
+        # model makes in this prefill
+        own = getattr(self.target, "own_cache", False)
+        self.cache = None if own else new_cache(self.target.model, capacity(T, self.max_new_tokens))
         mask = pos = None  # no pad: the model's own causal mask and positions
         if any(starts):
             s = torch.tensor(starts)[:, None, None]
@@ -94,7 +97,9 @@ class Decoder:
             mask, pos = layer_masks(self.target, allowed, pos, pos), pos.to(dev)
         # logits of the last row only: [S, V] logits of a long prompt cost seconds
         out = self.target.forward(ids.to(dev), attention_mask=mask, position_ids=pos, past_key_values=self.cache,
-                                  layer_ids=self.layer_ids, logits_to_keep=1)
+                                  layer_ids=self.layer_ids, logits_to_keep=1, use_cache=True)
+        if own:
+            self.cache = out.past_key_values
         last = out.logits[:, -1]
         if self.compile:
             self.static = StaticVerify(self.target, self.cache)

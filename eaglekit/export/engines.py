@@ -58,7 +58,11 @@ VLLM = "vLLM 0.33.0 (vllm-project/vllm, PyPI wheel vllm==0.33.0)"
 # target classes that implement vLLM's SupportsEagle3 (the runner refuses any other, gpu_model_runner.py:5173);
 # Mistral and Phi-3 subclass its Llama, OLMo-2 runs on its Transformers backend (which implements it)
 VLLM_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM")
+                "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
+                # the 2026 families: hybrids (one recurrent-state slot per speculative position, chains), DSA, Llama 4
+                "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+                "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
+                "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 # target classes with SGLang's set_eagle3_layers_to_capture (else refused, attention_backend_setup.py:55-60);
 # Mistral and Phi-3 subclass its Llama
 SGLANG_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -68,6 +72,11 @@ VLLM_TARGET_SOURCES = {
     "EAGLE-3 targets = SupportsEagle3 classes": "vllm/model_executor/models/llama.py:464, qwen2.py:458, qwen3.py:280, "
     "qwen3_moe.py:543, gpt_oss.py:1369, deepseek_v2.py:2005, mistral.py:236, phi3.py:10, transformers/base.py:109-117",
     "OLMo-2 on the Transformers backend": "vllm/model_executor/models/registry.py:762",
+    "the 2026 families (read in eaglekit's vLLM 0.32.0 CPU environment)": "qwen3_5.py:298-305 (Qwen3_5ForCausalLMBase, "
+    "taps (2, n//2, n-3) at :369-371), qwen3_5.py:473 + qwen3_vl.py:1938-1946 (the VL classes), qwen3_next.py:813-821, "
+    "nemotron_h.py:720-726, llama4.py:708 (a LlamaForCausalLM), mllama4.py:728-735, deepseek_v2.py:1872-1879 and "
+    ":2009 (GlmMoeDsa), "
+    "vllm/models/deepseek_v32/nvidia/model.py:427 (a DeepseekV2ForCausalLM)",
     "others refused": "vllm/v1/worker/gpu_model_runner.py:5173-5177",
 }
 SGLANG = "SGLang 0.5.23 (sgl-project/sglang, PyPI wheel sglang==0.5.23)"

@@ -287,6 +287,6 @@ def export_to(src, dst, layout: str, target, dtype=None, overwrite: bool = False
         kw.pop("speculative_tokens", None)
         return export_head(head, dst, layout, overwrite=overwrite, target_dir=resolve(target.name)[0], **kw)
     kw.pop("gguf_type", None)
-    archs = list(getattr(target.config, "architectures", None) or [])
+    archs = list(getattr(getattr(target, "model_config", target.config), "architectures", None) or [])
     return export_head(head, dst, layout, dtype=dtype, overwrite=overwrite, verifier_architectures=archs,
                        verifier=verifier, **kw)

@@ -36,6 +36,21 @@ def target_rope(cfg) -> tuple[float, dict | None]:
     return theta, (params if kind != "default" else None)
 
 
+def _read(config, name: str):
+    """``config.name`` or None: missing, or a per-layer attribute a config refuses to read globally (Gemma 4)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute errors are not AttributeErrors
+        return None
+
+
+def _number(value) -> int | None:
+    """A config's size as one int: per-layer lists (some configs size each layer) give their largest."""
+    if isinstance(value, (list, tuple)):
+        value = max(value, default=None)
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
 @dataclass
 class HeadConfig:
     kind: str = EAGLE3
@@ -117,21 +132,28 @@ class HeadConfig:
                     aux_layer_ids=None, block_size: int | None = None, **overrides) -> HeadConfig:
         """A head shaped like one of the target's decoder layers (heads, kv heads, head_dim, MLP, RoPE).
         ``block_size``: a parallel drafter's block (default ``DEFAULT_BLOCK`` of its kind; 1 otherwise)."""
-        tc = target.config
-        heads = tc.num_attention_heads
+        tc, H = target.config, target.hidden_size
+        # a target without attention heads (Mamba) or with per-layer shapes still gets a head shaped like a
+        # decoder layer of its width: 64-wide heads, a 4x MLP, where the config names none
+        heads = _number(_read(tc, "num_attention_heads")) or max(1, H // 64)
+        head_dim = _number(_read(tc, "head_dim")) or H // heads
         theta, scaling = target_rope(tc)
         vocab = target.vocab_size
         if kind != EAGLE1:  # every kind but EAGLE-1 reads taps and predicts over a draft vocabulary
-            aux = list(aux_layer_ids if aux_layer_ids is not None else target.default_taps)
+            default = target.default_taps
+            if kind == DFLASH and hasattr(target, "attention_taps"):  # on a hybrid: attention layers' outputs
+                default = target.attention_taps(default)
+            aux = list(aux_layer_ids if aux_layer_ids is not None else default)
             dv = draft_vocab_size if draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, vocab)
         else:
             aux, dv = [], vocab
         cfg = {
-            "kind": kind, "num_layers": num_layers, "hidden_size": target.hidden_size, "target_vocab_size": vocab,
+            "kind": kind, "num_layers": num_layers, "hidden_size": H, "target_vocab_size": vocab,
             "draft_vocab_size": dv, "target_num_layers": target.num_layers, "aux_layer_ids": aux,
-            "num_attention_heads": heads, "num_key_value_heads": getattr(tc, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(tc, "head_dim", None) or target.hidden_size // heads,
-            "intermediate_size": tc.intermediate_size, "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
+            "num_attention_heads": heads,
+            "num_key_value_heads": _number(_read(tc, "num_key_value_heads")) or heads, "head_dim": head_dim,
+            "intermediate_size": _number(_read(tc, "intermediate_size")) or 4 * H,
+            "rms_norm_eps": float(_read(tc, "rms_norm_eps") or 1e-6),
             "rope_theta": theta, "rope_scaling": scaling,
             "max_position_embeddings": getattr(tc, "max_position_embeddings", 2048),
             "target_name": getattr(target, "name", ""), "target_fingerprint": target.fingerprint()}

@@ -1,12 +1,15 @@
-"""What eaglekit needs from a target's architecture, read from its config: which attention each layer runs
-(full, or a sliding window of W tokens), which attention backend to load it with, and a refusal for the
-models it cannot decode exactly.
+"""What eaglekit needs from a target's architecture, read from its config: the language model's config (a VL
+checkpoint's ``text_config``), which attention each layer runs (full, or a sliding window of W tokens), which
+attention backend to load it with, and which targets the decode loop cannot yet verify drafts on exactly.
 
-Speculative decoding appends the draft tree to the target's cache and then drops the rejected nodes. A
-key/value cache can drop them (rollback is truncation); a recurrent state cannot: once a Mamba / linear-
-attention / short-convolution layer has folded a rejected token into its state, the state no longer
-equals the one the accepted tokens alone would give, and the output silently drifts from the target's own
-decoding. Such models are refused before any weight is loaded.
+Nothing here stops capture, training or plain decoding: they need a forward with hooks, which every causal LM has.
+What ``refusal`` names stops *speculative* decoding, when it starts and before any token. Speculative decoding
+appends the draft tree to the target's cache and then drops the rejected nodes. A key/value cache can drop them
+(rollback is truncation); a recurrent state cannot: once a Mamba / linear-attention / short-convolution layer has
+folded a rejected token into its state, the state no longer equals the one the accepted tokens alone would give,
+and the output silently drifts from the target's own decoding. Indexed (DSA), chunked and compressed attention
+need masks and caches the loop does not build for a tree yet. Such targets decode plainly on the cache their own
+model makes (``Target.own_cache``).
 """
 from __future__ import annotations
 
@@ -22,11 +25,19 @@ STATELESS_LAYER_TYPES = {"mlp", "moe"}
 
 
 class UnsupportedArchitecture(ValueError):
-    """A target eaglekit cannot decode exactly; raised before any work."""
+    """A target the decode loop cannot verify drafts on exactly; raised when speculative decoding starts."""
+
+
+def text_config(config):
+    """The language model's config: a VL checkpoint's ``text_config``, else ``config`` itself."""
+    get = getattr(config, "get_text_config", None)
+    sub = get() if callable(get) else getattr(config, "text_config", None)
+    return sub if sub is not None else config
 
 
 def layer_types(config) -> list[str]:
     """Each decoder layer's type as the config names it; models that name none run one kind everywhere."""
+    config = text_config(config)
     for key in ("layer_types", "block_types", "layers_block_type"):
         types = getattr(config, key, None)
         if types:
@@ -46,7 +57,8 @@ def attention_windows(config) -> dict[str, int | None]:
 
 
 def refusal(config) -> str | None:
-    """Why eaglekit cannot decode this target exactly, or None when it can."""
+    """Why the decode loop cannot verify drafts on this target exactly, or None when it can."""
+    config = text_config(config)
     name = getattr(config, "model_type", "?")
     types = set(layer_types(config))
     recurrent = sorted(types & RECURRENT_LAYER_TYPES)
@@ -65,11 +77,13 @@ def refusal(config) -> str | None:
     return None
 
 
-def check_supported(config, where: str = "") -> None:
-    """Raise ``UnsupportedArchitecture`` for a target eaglekit cannot decode exactly (see ``refusal``)."""
+def check_decodable(config, where: str = "") -> None:
+    """Raise ``UnsupportedArchitecture`` for a target the decode loop cannot verify drafts on exactly (see
+    ``refusal``): asked when speculative decoding starts, before any token."""
     reason = refusal(config)
     if reason:
-        raise UnsupportedArchitecture(f"{where + ': ' if where else ''}unsupported target architecture: {reason}")
+        raise UnsupportedArchitecture(f"{where + ': ' if where else ''}speculative decoding refused: {reason}. "
+                                      "Capture, training and plain decoding (no drafter) work on it.")
 
 
 def attention_implementation(model_cls: type, wanted: str = "sdpa") -> str:

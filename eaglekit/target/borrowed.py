@@ -23,36 +23,50 @@ INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
 def borrowed_modules(model: nn.Module, norm: nn.Module) -> dict[str, nn.Module]:
     """The modules a head borrows, by their names in ``model`` (input embedding, final norm, lm_head)."""
-    wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings()), id(norm)}
+    wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())} | ({id(norm)} if norm else set())
     return {name: m for name, m in model.named_modules() if id(m) in wanted}
 
 
-def checkpoint_files(path: str, keys: list[str], revision: str | None = None) -> dict[str, str]:
-    """Which local safetensors file holds each of ``keys`` (a missing key is left out): the checkpoint's
-    index when it has one, else its single file; a Hub id fetches only the files named."""
+def checkpoint_files(path: str, keys: list[str], revision: str | None = None) -> dict[str, tuple[str, str]]:
+    """Which local safetensors file holds each of ``keys``, and under which name (``stored_name``; a missing key
+    is left out): the checkpoint's index when it has one, else its single file; a Hub id fetches only the files
+    named."""
     kw = {"revision": revision, "_raise_exceptions_for_missing_entries": False}
     index = cached_file(path, INDEX, **kw)
     if index:
         weight_map = json.loads(Path(index).read_text())["weight_map"]
-        shards = {weight_map[k] for k in keys if k in weight_map}
-        local = {s: cached_file(path, s, revision=revision) for s in shards}
-        return {k: local[weight_map[k]] for k in keys if k in weight_map}
-    single = cached_file(path, SINGLE, **kw)
-    if not single:
-        raise FileNotFoundError(f"{path}: no {SINGLE} or {INDEX}: a target without its decoder is read from "
-                                "safetensors (load the whole target instead)")
-    with safe_open(single, "pt") as f:
-        have = set(f.keys())
-    return {k: single for k in keys if k in have}
+    else:
+        single = cached_file(path, SINGLE, **kw)
+        if not single:
+            raise FileNotFoundError(f"{path}: no {SINGLE} or {INDEX}: a target without its decoder is read from "
+                                    "safetensors (load the whole target instead)")
+        with safe_open(single, "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), SINGLE)
+    names = {k: stored_name(k, weight_map) for k in keys}
+    local = {s: cached_file(path, s, revision=revision) if index else single
+             for s in {weight_map[n] for n in names.values() if n}}
+    return {k: (local[weight_map[n]], n) for k, n in names.items() if n}
+
+
+def stored_name(key: str, stored) -> str | None:
+    """The checkpoint's name for the model's parameter ``key``: the same, or the one stored name that is ``key``
+    with one more part (a VL checkpoint keeps ``model.language_model.embed_tokens.weight`` where its causal-LM
+    class has ``model.embed_tokens.weight``)."""
+    if key in stored:
+        return key
+    parts = key.split(".")
+    found = [k for k in stored if len(k.split(".")) == len(parts) + 1 and
+             any(k.split(".")[:i] + k.split(".")[i + 1:] == parts for i in range(len(parts)))]
+    return found[0] if len(found) == 1 else None
 
 
 def load_without_decoder(path: str, config, dtype: torch.dtype, device, attn_implementation: str, norm_of,
-                         revision: str | None = None) -> nn.Module:
+                         revision: str | None = None, auto=AutoModelForCausalLM) -> nn.Module:
     """``config``'s causal LM with only the borrowed modules' tensors, on ``device`` in ``dtype``; every other
     tensor stays on the meta device. ``norm_of(model)`` finds the final norm. A tied lm_head shares the
     embedding's tensor, as in the whole model."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        model = auto.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     params = {f"{name}.{attr}": (m, attr, p) for name, m in borrowed_modules(model, norm_of(model)).items()
               for attr, p in m.named_parameters(recurse=False)}
     files = checkpoint_files(path, list(params), revision)
@@ -60,10 +74,11 @@ def load_without_decoder(path: str, config, dtype: torch.dtype, device, attn_imp
     for key, (_, _, p) in params.items():
         if id(p) in real or key not in files:
             continue
-        with safe_open(files[key], "pt", device="cpu") as f:
-            t = f.get_tensor(key)
+        file, stored = files[key]
+        with safe_open(file, "pt", device="cpu") as f:
+            t = f.get_tensor(stored)
         if tuple(t.shape) != tuple(p.shape):
-            raise ValueError(f"{files[key]}: {key} has shape {tuple(t.shape)}, the config says {tuple(p.shape)}")
+            raise ValueError(f"{file}: {stored} has shape {tuple(t.shape)}, the config says {tuple(p.shape)}")
         real[id(p)] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
     for key, (m, attr, p) in params.items():
         if id(p) not in real:

@@ -69,10 +69,15 @@ def test_static_writes_land_at_a_tensor_offset_and_return_the_whole_buffer():
 
 
 def test_keep_refuses_a_cache_it_cannot_roll_back():
+    """The model's own cache (a target with recurrent or indexed layers decodes plainly on it) takes a step that
+    keeps everything it was fed, and refuses one that would drop an entry."""
     from transformers import DynamicCache
 
-    with pytest.raises(TypeError, match="RowsCache"):
-        keep_accepted(DynamicCache(), 0, [0], [torch.tensor([0])])
+    assert keep_accepted(DynamicCache(), 5, [5, 5], [torch.tensor([0]), torch.tensor([0])]) == [6, 6]
+    for lengths, rows in (([5], [torch.tensor([0, 2])]), ([4], [torch.tensor([0])]),
+                          ([5, 5], [torch.tensor([0, 1]), torch.tensor([0])])):
+        with pytest.raises(RuntimeError, match="cannot drop rejected draft entries.*RowsCache"):
+            keep_accepted(DynamicCache(), 5, lengths, rows)
 
 
 def test_decoding_never_reallocates_the_target_cache(monkeypatch):

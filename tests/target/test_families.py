@@ -1,0 +1,219 @@
+"""The families eaglekit trains for but does not yet verify drafts on (tests/arch_matrix.py ``FAMILIES``: Qwen3.5,
+Qwen3-Next, Nemotron-H, Llama 4, DeepSeek-V3.2 / V4, GLM-5, Kimi-Linear, the Mamba / convolution hybrids) and VL
+checkpoints of Qwen3.5's class, each a tiny random model run by transformers' own forward:
+
+- nothing is refused at load: the taps are the layer inputs transformers lists (``output_hidden_states``), ``last``
+  is what the lm_head reads (its logits are the model's);
+- every head kind trains on the captured features (finite loss, the parameters move);
+- plain decoding, one row and a batch, is transformers' own greedy decoding (the model's own cache);
+- speculative decoding is refused when it starts, before any token, naming why;
+- a VL checkpoint loads for text (its language model's layers), with and without its decoder, and a head trains on
+  text conversations end to end (capture, every kind, held-out τ_sim);
+- DFlash's default taps on a hybrid read attention layers' outputs; an encoder built as a decoder gets one error.
+"""
+import pytest
+import torch
+from arch_matrix import FAMILIES, tiny_model, tiny_vl_model
+from helpers import tiny_conversations, tiny_tokenizer
+
+from eaglekit import decode
+from eaglekit.heads import KINDS, HeadConfig, build_head
+from eaglekit.heads.objectives import Teacher
+from eaglekit.target import Target, load_target
+from eaglekit.target.architectures import UnsupportedArchitecture, refusal
+from eaglekit.train.config import LossConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TRAINED_KINDS = [k for k in KINDS if k != "eagle1"]  # every kind that reads taps (EAGLE-1 reads `last` only)
+NEW = 10
+_gen = torch.Generator().manual_seed(1)
+PROMPTS = [torch.randint(7, 512, (n,), generator=_gen).tolist() for n in (20, 13)]  # longer than every chunk
+_TARGETS: dict = {}
+
+
+def target(name: str) -> Target:
+    if name not in _TARGETS:
+        _TARGETS[name] = Target(tiny_model(name), tiny_tokenizer(512), name=f"tiny-{name}")
+    return _TARGETS[name]
+
+
+def layer_inputs(t: Target, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each decoder layer's input as transformers lists it (``output_hidden_states``): embeddings first. Mamba
+    lists layer outputs only, so its embeddings are put first; hyper-connection streams are averaged, as taps are."""
+    hs = list(t.model(ids, output_hidden_states=True).hidden_states)
+    if len(hs) == t.num_layers + 1 and type(t.model).__name__ == "MambaForCausalLM":
+        hs = [t.model.get_input_embeddings()(ids)] + hs
+    return [h.mean(-2) if h.dim() == 4 else h for h in hs[:t.num_layers]]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_loads_and_taps_its_layer_inputs(name):
+    t = target(name)
+    assert t.decode_refusal and t.own_cache, name  # the loop does not verify drafts on it yet
+    ids = torch.tensor([PROMPTS[0]])
+    feats = t.features(ids, layer_ids=range(t.num_layers))
+    H = t.hidden_size
+    for k, ref in enumerate(layer_inputs(t, ids)):
+        torch.testing.assert_close(feats.taps[..., k * H:(k + 1) * H], ref, rtol=0, atol=0)
+    assert feats.taps.shape[-1] == t.num_layers * H
+    torch.testing.assert_close(t.lm_head(feats.last), t.model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_trains_every_kind(name):
+    """One capture of the taps every kind reads, then two optimizer steps of each kind's own objective."""
+    t = target(name)
+    ids = torch.tensor([PROMPTS[0][:16], PROMPTS[1] + PROMPTS[0][:3]])
+    heads = {}
+    for kind in TRAINED_KINDS:
+        torch.manual_seed(0)
+        heads[kind] = build_head(HeadConfig.from_target(t, kind=kind), t).train()
+    taps = sorted({i for h in heads.values() for i in h.taps})
+    out = t.features(ids, layer_ids=taps)
+    H = t.hidden_size
+    for kind, head in heads.items():
+        cols = [slice(taps.index(i) * H, (taps.index(i) + 1) * H) for i in head.taps]
+        batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "last": out.last,
+                 "taps": torch.cat([out.taps[..., c] for c in cols], dim=-1)}
+        teacher = Teacher.build(t.lm_head.weight, head.t2d)
+        opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+        before = [p.detach().clone() for p in head.parameters()]
+        for _ in range(2):
+            loss, stats = head.training_loss(teacher, batch, LossConfig(ttt_steps=2, anchors=4), steps=2)
+            assert torch.isfinite(loss) and loss > 0, (name, kind, loss)
+            opt.zero_grad()
+            (loss / max(1, sum(stats.total))).backward()
+            opt.step()
+        assert all(torch.isfinite(p).all() for p in head.parameters()), (name, kind)
+        assert any(not torch.equal(a, p) for a, p in zip(before, head.parameters())), (name, kind, "no change")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_plain_decoding_is_the_targets_own(name):
+    t = target(name)
+    for p in PROMPTS:
+        ref = t.model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist()
+        out = decode.generate(t, None, torch.tensor([p]), NEW, eos_token_id=False)
+        assert out.sequences[0, len(p):].tolist() == ref, name
+    batch = decode.generate(t, None, PROMPTS, NEW, eos_token_id=False)  # rows of two lengths
+    for b, p in enumerate(PROMPTS):
+        alone = decode.generate(t, None, torch.tensor([p]), NEW, eos_token_id=False).sequences[0, len(p):]
+        assert batch.sequences[b, max(map(len, PROMPTS)):].tolist() == alone.tolist(), (name, b)
+    assert len(batch.stats.rows) == 2 and batch.stats.new_tokens == 2 * NEW
+
+
+class Recorder:
+    """A streamer that records what it is given: the refusal must come before the prompt is even streamed."""
+
+    def __init__(self):
+        self.got = []
+
+    def put(self, x):
+        self.got.append(x)
+
+    def end(self):
+        self.got.append("end")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "nemotron_h", "llama4_text", "deepseek_v32", "deepseek_v4"])
+def test_family_speculative_decoding_is_refused_before_any_token(name):
+    t = target(name)
+    head = build_head(HeadConfig.from_target(t, kind="eagle3"), t)
+    why = refusal(t.config)
+    for drafter, lookup in ((head, 0), (None, 3), (t, 0)):  # a head, prompt lookup, a draft model
+        streamer = Recorder()
+        with pytest.raises(UnsupportedArchitecture, match="speculative decoding refused: " + why[:30]) as e:
+            decode.generate(t, drafter, torch.tensor([PROMPTS[0]]), NEW, streamer=streamer, prompt_lookup=lookup)
+        assert streamer.got == [] and "plain decoding" in str(e.value)
+
+
+def test_refusals_name_the_kind_of_layer():
+    assert "recurrent state (layer type linear_attention)" in refusal(target("qwen3_5_text").config)
+    assert "chunked_attention layers" in refusal(target("llama4_text").config)
+    assert "indexed_attention layers" in refusal(target("glm_moe_dsa").config)
+
+
+# ---- VL checkpoints of Qwen3.5's class -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen35-vl")
+    tiny_vl_model().save_pretrained(path)
+    tiny_tokenizer(512).save_pretrained(path)
+    return path
+
+
+def test_vl_class_in_memory_taps_its_language_model():
+    model = tiny_vl_model()
+    t = Target(model, tiny_tokenizer(512), name="tiny-qwen3.5-vl")
+    assert t.layers is model.model.language_model.layers and t.config is model.config.text_config
+    assert t.lm_head is model.lm_head and t.num_layers == 4
+    ids = torch.tensor([PROMPTS[0]])
+    hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    feats = t.features(ids, layer_ids=(0, 3))
+    torch.testing.assert_close(feats.taps[..., 64:], hs[3], rtol=0, atol=0)
+    torch.testing.assert_close(t.lm_head(feats.last), model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_vl_checkpoint_loads_for_text_whole_and_without_its_decoder(vl_dir):
+    whole = load_target(vl_dir)
+    assert whole.model_config.architectures == ["Qwen3_5ForConditionalGeneration"]
+    assert whole.config.model_type == "qwen3_5_text" and whole.num_layers == 4
+    ids = torch.tensor([PROMPTS[1]])
+    torch.testing.assert_close(whole.model(ids).logits, tiny_vl_model()(input_ids=ids).logits, rtol=0, atol=0)
+    borrowed = load_target(vl_dir, decoder=False)  # the checkpoint's model.language_model.* names, read by suffix
+    for a, b in ((whole.embed_tokens, borrowed.embed_tokens), (whole.lm_head, borrowed.lm_head)):
+        torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=0)
+    torch.testing.assert_close(whole.norm.weight, borrowed.norm.weight, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", TRAINED_KINDS)
+def test_vl_checkpoint_trains_every_kind_on_text_conversations(vl_dir, kind, tmp_path):
+    """The whole online path (load_target_from, capture in each step, held-out τ_sim, save, reload) on a VL
+    checkpoint of Qwen3.5's class, for every kind with its default taps."""
+    from eaglekit.export import load_head
+    from eaglekit.train.config import load_train_config
+    from eaglekit.train.trainer import train
+
+    tiny_conversations(tmp_path / "convs.jsonl", n=10)
+    cfg = load_train_config(None, [
+        f"target={vl_dir}", f"data.conversations={tmp_path / 'convs.jsonl'}", "data.eval_samples=3",
+        f"head.kind={kind}", "loss.ttt_steps=2", "data.batch_size=2", "optim.max_steps=2", "progress=false",
+        "trackers=[]", "eval_interval=0", "save_interval=0", f"output_dir={tmp_path / 'out'}"])
+    final = train(cfg)
+    assert final["step"] == 2 and 1.0 <= final["eval_tau_sim"] <= 1.0 + cfg.loss.ttt_steps, final
+    head = load_head(tmp_path / "out" / "final", load_target(vl_dir))
+    assert all(torch.isfinite(p).all() for p in head.parameters())
+
+
+# ---- defaults and errors ---------------------------------------------------------------------------------------
+def test_dflash_default_taps_read_attention_layers_on_a_hybrid():
+    """SpecForge's Qwen3.5 DFlash configs tap full-attention layers' outputs (target_layer_ids 3, 15, 31, 47, 59 of
+    64); eaglekit's DFlash default does the same (a tap is a layer input: the output of the layer before it).
+    EAGLE-3 keeps vLLM's (2, n//2, n-3), which vLLM's Qwen3.5 reads too."""
+    import transformers
+    from arch_matrix import BASE, GDN
+
+    types = (["linear_attention"] * 3 + ["full_attention"]) * 3  # 12 layers, attention at 3, 7, 11
+    cfg = transformers.Qwen3_5TextConfig(**{**BASE, **GDN, "num_hidden_layers": len(types), "layer_types": types})
+    torch.manual_seed(0)
+    t = Target(transformers.Qwen3_5ForCausalLM(cfg).eval(), tiny_tokenizer(512), name="tiny-12")
+    full = [i for i, k in enumerate(cfg.layer_types) if k == "full_attention"]  # 3, 7, 11
+    dflash = HeadConfig.from_target(t, kind="dflash").aux_layer_ids
+    assert dflash == [4, 8] and all(tap - 1 in full for tap in dflash)  # (2, 6, 9) moved to 4, 8, 8
+    assert HeadConfig.from_target(t, kind="eagle3").aux_layer_ids == [2, 6, 9]
+    assert HeadConfig.from_target(t, kind="dflash", aux_layer_ids=[1, 2]).aux_layer_ids == [1, 2]  # config wins
+    from helpers import tiny_target
+
+    assert tiny_target("llama", layers=6).attention_taps((2, 3)) == (2, 3)  # attention everywhere: unchanged
+
+
+def test_an_encoder_built_as_a_decoder_gets_one_clear_error():
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, is_decoder=True)
+    model = transformers.BertLMHeadModel(cfg)
+    with pytest.raises(ValueError, match=r"its layers are an encoder's \(.*encoder\.layer\).*decoder-only"):
+        Target(model, tiny_tokenizer(512), name="tiny-bert")
