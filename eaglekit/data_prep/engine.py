@@ -186,6 +186,9 @@ def engine_features(engine, target, taps, dtype=FEATURE_DTYPE):
     ids = engine_layer_ids(taps, target.num_layers)
     cols = [ids.index(k) for k in taps]
     norm = target.norm
+    if norm is None:  # the engine hands over the last layer's output; the final norm makes it what lm_head reads
+        raise ValueError(f"capture_engine=vllm: {target.name} has no final norm eaglekit can find to apply to the "
+                         "engine's last hidden state; use capture_engine=hooks")
     weight = next(norm.parameters(), None)
 
     def features(samples: list[dict]) -> list[dict]:

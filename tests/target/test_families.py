@@ -11,6 +11,8 @@ checkpoints of Qwen3.5's class, each a tiny random model run by transformers' ow
   text conversations end to end (capture, every kind, held-out τ_sim);
 - DFlash's default taps on a hybrid read attention layers' outputs; an encoder built as a decoder gets one error.
 """
+import json
+
 import pytest
 import torch
 from arch_matrix import FAMILIES, tiny_model, tiny_vl_model
@@ -192,13 +194,8 @@ def test_dflash_default_taps_read_attention_layers_on_a_hybrid():
     """SpecForge's Qwen3.5 DFlash configs tap full-attention layers' outputs (target_layer_ids 3, 15, 31, 47, 59 of
     64); eaglekit's DFlash default does the same (a tap is a layer input: the output of the layer before it).
     EAGLE-3 keeps vLLM's (2, n//2, n-3), which vLLM's Qwen3.5 reads too."""
-    import transformers
-    from arch_matrix import BASE, GDN
-
-    types = (["linear_attention"] * 3 + ["full_attention"]) * 3  # 12 layers, attention at 3, 7, 11
-    cfg = transformers.Qwen3_5TextConfig(**{**BASE, **GDN, "num_hidden_layers": len(types), "layer_types": types})
-    torch.manual_seed(0)
-    t = Target(transformers.Qwen3_5ForCausalLM(cfg).eval(), tiny_tokenizer(512), name="tiny-12")
+    t = hybrid_target()
+    cfg = t.config
     full = [i for i, k in enumerate(cfg.layer_types) if k == "full_attention"]  # 3, 7, 11
     dflash = HeadConfig.from_target(t, kind="dflash").aux_layer_ids
     assert dflash == [4, 8] and all(tap - 1 in full for tap in dflash)  # (2, 6, 9) moved to 4, 8, 8
@@ -217,3 +214,72 @@ def test_an_encoder_built_as_a_decoder_gets_one_clear_error():
     model = transformers.BertLMHeadModel(cfg)
     with pytest.raises(ValueError, match=r"its layers are an encoder's \(.*encoder\.layer\).*decoder-only"):
         Target(model, tiny_tokenizer(512), name="tiny-bert")
+
+
+@pytest.mark.slow
+def test_vl_checkpoint_prepare_offline_training_and_the_cli(vl_dir, tmp_path, capsys):
+    """`eaglekit prepare` captures a VL checkpoint's text features (hooks), a head trains offline on them with the
+    target read without its decoder, `eaglekit generate` decodes it plainly (transformers' greedy tokens) and refuses
+    the head with its reason (exit 2, one line)."""
+    from eaglekit.cli import main
+    from eaglekit.data_prep import FeatureDataset
+    from eaglekit.train.config import load_train_config
+    from eaglekit.train.trainer import train
+
+    tiny_conversations(tmp_path / "convs.jsonl", n=10)
+    prep = tmp_path / "prep"
+    assert main(["prepare", f"target={vl_dir}", f"data={tmp_path / 'convs.jsonl'}", f"output_dir={prep}",
+                 "num_conversations=0", "max_length=64", "draft_vocab_size=64", "progress=false"]) == 0
+    ds = FeatureDataset(prep)
+    assert len(ds) == 10 and ds[0]["taps"].shape[-1] == 3 * 64  # the default taps of a 4-layer target: (2, 2, 1)
+    cfg = load_train_config(None, [
+        f"target={vl_dir}", f"data.features_dir={prep}", "data.eval_samples=3", "data.batch_size=2",
+        "loss.ttt_steps=2", "optim.max_steps=2", "progress=false", "trackers=[]", "eval_interval=0",
+        "save_interval=0", f"output_dir={tmp_path / 'out'}"])
+    final = train(cfg)
+    assert final["step"] == 2 and 1.0 <= final["eval_tau_sim"] <= 3.0, final
+    capsys.readouterr()
+    assert main(["generate", f"target={vl_dir}", "prompt=abc", "max_new_tokens=6"]) == 0
+    t = load_target(vl_dir)
+    ids = t.chat_ids("abc")
+    ref = t.model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert decode.generate(t, None, ids, 6, eos_token_id=False).sequences.tolist() == ref.tolist()
+    assert main(["generate", f"target={vl_dir}", f"head={tmp_path / 'out' / 'final'}", "prompt=abc",
+                 "max_new_tokens=6"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eaglekit: error: ")]
+    assert len(err) == 1 and "speculative decoding refused: qwen3_5_text keeps a recurrent state" in err[0], err
+
+
+def hybrid_target(blocks: int = 3) -> Target:
+    """A tiny Qwen3.5 of ``blocks`` x (3 Gated DeltaNet layers, 1 full-attention layer): attention at 3, 7, 11."""
+    import transformers
+    from arch_matrix import BASE, GDN
+
+    types = (["linear_attention"] * 3 + ["full_attention"]) * blocks
+    cfg = transformers.Qwen3_5TextConfig(**{**BASE, **GDN, "num_hidden_layers": len(types), "layer_types": types,
+                                            "architectures": ["Qwen3_5ForConditionalGeneration"]})
+    torch.manual_seed(0)
+    return Target(transformers.Qwen3_5ForCausalLM(cfg).eval(), tiny_tokenizer(512), name="tiny-qwen3.5-12")
+
+
+def test_hybrid_exports_carry_the_taps_the_engines_read(tmp_path):
+    """vLLM's EAGLE-3 on Qwen3.5 reads the layers (2, n//2, n-3) it names; a DFlash export on a hybrid names its
+    attention layers' outputs as target_layer_ids, read back by each engine's rule as the head's taps."""
+    from eaglekit.export import load_head
+    from eaglekit.export.dflash_layout import DFLASH_ENGINES, engine_taps
+    from eaglekit.export.engines import ENGINES, read_taps
+    from eaglekit.export.formats import export_head
+
+    t = hybrid_target()
+    eagle3 = build_head(HeadConfig.from_target(t, kind="eagle3"), t)
+    out = export_head(eagle3, tmp_path / "e3", "vllm", verifier_architectures=t.config.architectures,
+                      verifier="org/tiny-qwen3.5")
+    config = json.loads((out / "config.json").read_text())
+    assert read_taps(config, ENGINES["vllm"]) == [2, 6, 9] == list(eagle3.taps)
+    dflash = build_head(HeadConfig.from_target(t, kind="dflash", num_layers=1, block_size=4), t)
+    for layout in ("vllm", "sglang"):
+        out = export_head(dflash, tmp_path / f"dflash-{layout}", layout)
+        config = json.loads((out / "config.json").read_text())
+        assert config["dflash_config"]["target_layer_ids"] == [3, 7]  # the full-attention layers
+        assert engine_taps(config, DFLASH_ENGINES[layout]) == list(dflash.taps) == [4, 8]
+        assert load_head(out, t).taps == dflash.taps
