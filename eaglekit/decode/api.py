@@ -55,6 +55,9 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     batch = _is_batch(input_ids, attention_mask)
     if drafter is not None or prompt_lookup:  # before any token: a target the loop cannot verify drafts on
         check_decodable(target.config, where=target.name or type(target.model).__name__)
+    for d in drafter if isinstance(drafter, (list, tuple)) else [drafter]:
+        if getattr(d, "decode_refusal", None):  # a draft model's cache is rolled back as the target's is
+            check_decodable(d.config, where=f"draft model {d.name}")
     if compile and getattr(target, "own_cache", False):
         raise CompileError(f"compile=True: {target.name} decodes on its model's own cache ({target.decode_refusal}); "
                            "the compiled verify writes eaglekit's static cache: decode it with compile=False")

@@ -90,12 +90,16 @@ class Target:
 
     @staticmethod
     def decoder_of(causal: nn.Module) -> nn.Module:
-        """The module that runs the decoder layers (a VL model's language model)."""
+        """The module that runs the decoder layers (a VL model's language model): ``get_decoder()``, else the base
+        model, the first of them that holds a module list (a BERT-style head's ``decoder`` is its output linear)."""
         try:
             decoder = causal.get_decoder()
         except (AttributeError, NotImplementedError):
             decoder = None
-        return decoder if isinstance(decoder, nn.Module) else getattr(causal, "model", causal)
+        for candidate in (decoder, getattr(causal, "model", None), getattr(causal, "base_model", None)):
+            if isinstance(candidate, nn.Module) and any(isinstance(m, nn.ModuleList) for m in candidate.modules()):
+                return candidate
+        return causal
 
     @staticmethod
     def final_norm(causal: nn.Module) -> nn.Module | None:
@@ -337,14 +341,16 @@ def layer_kinds(config, n: int) -> list[str]:
 
 def decoder_layers(decoder: nn.Module, config, where: str) -> nn.ModuleList:
     """The decoder's layer stack: the first module list under ``decoder`` (depth first, so a stack before the
-    experts inside its layers) as long as the config's layer count, else the longest. One under an ``encoder``
-    is an encoder's (BERT and kin built as decoders): refused."""
+    experts inside its layers) as long as the config's layer count, else the longest. One under an ``encoder`` of
+    a config with an ``is_decoder`` switch is an encoder's (BERT and kin built as decoders): refused."""
     n = getattr(config, "num_hidden_layers", None)
     lists = [(name, m) for name, m in decoder.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         raise ValueError(f"{where}: cannot find the decoder layers ({type(decoder).__name__} holds no module list)")
     name, layers = next(((nm, m) for nm, m in lists if len(m) == n), max(lists, key=lambda x: len(x[1])))
-    if "encoder" in name.split(".") or "Encoder" in type(decoder).__name__:
+    # BERT and kin switch a bidirectional encoder to causal with ``is_decoder``; CPM-Ant's decoder stack is merely
+    # named ``encoder`` and has no such switch
+    if "is_decoder" in vars(config) and ("encoder" in name.split(".") or "Encoder" in type(decoder).__name__):
         raise ValueError(f"{where}: its layers are an encoder's ({type(decoder).__name__}.{name}), a BERT-style "
                          "model built as a decoder: eaglekit trains heads for decoder-only causal LMs")
     return layers

@@ -130,6 +130,17 @@ def test_family_speculative_decoding_is_refused_before_any_token(name):
         assert streamer.got == [] and "plain decoding" in str(e.value)
 
 
+def test_a_hybrid_draft_model_is_refused_before_any_token():
+    """A draft model's cache is rolled back after each step as the target's is: a hybrid one is refused too."""
+    from helpers import tiny_target
+
+    llama = tiny_target("llama", layers=2, vocab_size=512)
+    streamer = Recorder()
+    with pytest.raises(UnsupportedArchitecture, match="draft model tiny-qwen3_5_text: speculative decoding refused"):
+        decode.generate(llama, target("qwen3_5_text"), torch.tensor([PROMPTS[0]]), NEW, streamer=streamer)
+    assert streamer.got == []
+
+
 def test_refusals_name_the_kind_of_layer():
     assert "recurrent state (layer type linear_attention)" in refusal(target("qwen3_5_text").config)
     assert "chunked_attention layers" in refusal(target("llama4_text").config)
