@@ -18,10 +18,9 @@ saying so with ``shorthand = "name"``. ``parse_dtype`` is the one reader of dtyp
 flags, a saved head's config.json), ``Dtype`` the names it takes.
 """
 # Why dataclasses bridged to pydantic, not plain pydantic models (as vllm-project/speculators has): a
-# prototype (2026-12-01) made every config class a BaseModel and dropped the mirror models below. It kept
-# every one-line error and override, but saved 26 of this file's 391 lines (30 net over the 8 files it
-# touched): what is left here (overrides, shorthands, unknown-key hints, the errors in words) pydantic has
-# no form of. In exchange: the config classes of seven other modules rewritten, a plain ``int`` / ``float``
+# prototype made every config class a BaseModel and dropped the mirror models below. It kept every one-line
+# error and override, but saved few lines (benchmarks/RESULTS.md has the count): what is left here (overrides,
+# shorthands, unknown-key hints, the errors in words) pydantic has no form of. In exchange: the config classes of seven other modules rewritten, a plain ``int`` / ``float``
 # field silently taking True and refusing "1e4" (only new ``Int`` / ``Float`` types convert: a trap a
 # guard test must catch), ``dataclasses.asdict`` on a config (bench) broken. Not adopted.
 from __future__ import annotations

@@ -140,7 +140,7 @@ def run(args) -> int:
             f"draft model, tree {cfg.draft_tree}" if cfg.draft_tree else f"draft model, gamma={cfg.gamma}"
         kind += f" + prompt lookup {cfg.prompt_lookup}" if cfg.prompt_lookup else ""
         print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, tau={s.tau:.2f} ({kind}), "
-              f"acceptance per depth {[round(a, 2) for a in s.acceptance_per_depth]}]", file=sys.stderr)
+              f"acceptance per depth {s.depth_summary()}]", file=sys.stderr)
 
 
 # ---- options as the CLIs (generate, bench) and the demo spell them -------------------------------------

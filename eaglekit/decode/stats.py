@@ -34,6 +34,21 @@ class DecodeStats:
             rates.append(ok / tried if tried else float("nan"))
         return rates
 
+    def depth_summary(self) -> str:
+        """``acceptance_per_depth`` for people: the rates of the depths some accepted path reached, then which
+        drafted depths none reached (their rate has no trials: not a failure), or "none drafted"."""
+        rates = self.acceptance_per_depth
+        if not rates:
+            return "none drafted"
+        reached = [f"{r:.2f}" for r in rates if r == r]  # NaN: no path reached that depth
+        text = ", ".join(reached) or "-"
+        unreached = len(rates) - len(reached)
+        if unreached:
+            first = len(reached) + 1
+            span = f"depth {first}" if unreached == 1 else f"depths {first}-{len(rates)}"
+            text += f" ({span} drafted, never reached: no path accepted that deep)"
+        return text
+
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s else 0.0

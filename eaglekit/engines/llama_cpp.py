@@ -46,12 +46,9 @@ SERVABLE = ("head.kind=eagle3 head.num_layers=1 head.fc_norm=false head.norm_out
 # files parses the same large JSON and server headers; common/json.cpp redefines a name its batch shares, so it is
 # compiled alone); the multimodal library llama-server links but text never runs, and the HTTP parser (once per
 # request), at -O0, the multimodal library's files in one unity file (its helpers, a public library that may not
-# see its internals, apart). Measured on 2 cores: (2026-12-04) all -O3 8.9 CPU-min -> 5.7 with -O1; (2026-12-05,
-# AVX-512 EPYC) 6.3 -> 5.0 CPU-min with the unity batches and -O0 (3.2 -> 2.5 wall-min at -j2, quiet): SmolLM2
-# Q4_1 plain decoding at 0.98x the previous build's tokens/s (medians of 3 alternating runs of 6 prompts; single
-# runs spread 0.97-1.03), the same tokens; then 4.9 -> 4.2 CPU-min (2.5 -> 2.1 wall-min) with the multimodal
-# library in one file (53 -> 12 CPU-s; text never runs it); then llama's core files in its unity batches too
-# (upstream leaves them out; they compile together, 93 -> 64 CPU-s).
+# see its internals, apart). Why: the build is most of a cold suite's CPU on 2 cores, and each step cut its CPU
+# time without changing decoding speed or tokens (the figures: benchmarks/RESULTS.md, "Figures the code's comments
+# used to carry"). llama's core files join its unity batches too (upstream leaves them out; they compile together).
 LIGHT_OPTIMISATION = """include_guard(GLOBAL)
 function(_eaglekit_light_optimisation)
   foreach(t llama llama-common server-context llama-server-impl llama-server llama-quantize)
@@ -91,7 +88,7 @@ cmake_language(DEFER DIRECTORY "${CMAKE_SOURCE_DIR}" CALL _eaglekit_light_optimi
 #
 # 1. No ggml AMX kernels. On an Intel Xeon with AMX, -march=native compiles ggml-cpu/amx (a buffer type that
 #    repacks quantised weights at load for AMX tile matmuls), and llama-server dies with SIGSEGV in its first
-#    decode, inside ggml_backend_amx_mul_mat (seen 2026-12-05 on a 2-core AMX VM; upstream #20824, closed stale
+#    decode, inside ggml_backend_amx_mul_mat (seen on an AMX VM: benchmarks/RESULTS.md; upstream #20824, closed stale
 #    without a fix, and open PR #26954: ggml_amx_init asks the kernel for tile-data permission on the main thread
 #    only while worker threads run the tile instructions, and the tile configuration built on the stack can be
 #    optimised away). The tile kernels are an optional faster path: without them the same quantised matmuls run

@@ -59,6 +59,7 @@ from eaglekit.heads.io import (
     CONFIG,
     WEIGHTS,
     check_finite,
+    check_vocab_maps,
     instantiate,
     is_native,
     load_native,
@@ -249,6 +250,7 @@ def load_export(path, target, dtype=None, device=None):
         state.pop("embed_tokens.weight", None)
     if "mask_hidden" in state:  # P-EAGLE: speculators' [1, 1, taps * H] -> the head's [taps * H]
         state["mask_hidden"] = state["mask_hidden"].reshape(-1)
+    check_vocab_maps(state, cfg, path / WEIGHTS)  # before the maps index anything
     if cfg.kind == DFLASH:  # vLLM's layout carries the shared lm_head rows: checked, not loaded
         shared_lm_head(state, cfg, target, path / WEIGHTS)
         if cfg.mask_embedding or (path / MASK_FILE).is_file():  # a trained mask vector beside the weights

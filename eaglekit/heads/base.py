@@ -97,16 +97,9 @@ class DraftHead(nn.Module):
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft vocabulary: ``target_id = i + d2t[i]``, ``t2d[t]`` = t is in the draft vocab."""
         # checked on the CPU (the maps may come from a CUDA head or file); copied to the buffers' device below
-        d2t, t2d = torch.as_tensor(d2t).long().flatten().cpu(), torch.as_tensor(t2d).bool().flatten().cpu()
-        vd, v = self.config.draft_vocab_size, self.config.target_vocab_size
-        if d2t.shape != (vd,) or t2d.shape != (v,):
-            raise ValueError(f"set_draft_vocab: expected d2t [{vd}] and t2d [{v}], got {list(d2t.shape)} "
-                             f"and {list(t2d.shape)}")
-        ids = torch.arange(vd) + d2t
-        if ids.min() < 0 or ids.max() >= v or ids.unique().numel() != vd:
-            raise ValueError("set_draft_vocab: d2t maps draft ids outside the target vocab or onto duplicates")
-        if int(t2d.sum()) != vd or not bool(t2d[ids].all()):
-            raise ValueError("set_draft_vocab: t2d does not mark exactly the target ids that d2t maps to")
+        d2t, t2d = torch.as_tensor(d2t).flatten().cpu(), torch.as_tensor(t2d).flatten().cpu()
+        check_draft_vocab(d2t, t2d, self.config.draft_vocab_size, self.config.target_vocab_size, "set_draft_vocab")
+        d2t, t2d = d2t.long(), t2d.bool()
         self.d2t.copy_(d2t.to(self.d2t.device))
         self.t2d.copy_(t2d.to(self.t2d.device))
 
@@ -256,3 +249,45 @@ class ParallelHead(DraftHead):
         if position_ids is None or tuple(position_ids.shape) not in ((B, P), (1, P)):
             got = None if position_ids is None else list(position_ids.shape)
             raise ValueError(f"{type(self).__name__}.draft: position_ids must be [{B}, {P}], got {got}")
+
+
+def check_draft_vocab(d2t: torch.Tensor, t2d: torch.Tensor, vd: int, v: int, where) -> None:
+    """Refuse a draft-vocabulary map an engine would misread, naming ``where`` and the tensor: ``d2t`` [vd] of
+    integer offsets (target id = draft id + d2t[draft id]) landing inside the target vocabulary [v], one target id
+    per draft id, and ``t2d`` [v] marking exactly those target ids. Absolute ids written where offsets belong are
+    named as such."""
+    if d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise ValueError(f"{where}: tensor 'd2t' is {d2t.dtype}, expected integer offsets")
+    if t2d.is_floating_point() or not bool(((t2d == 0) | (t2d == 1)).all()):
+        raise ValueError(f"{where}: tensor 't2d' must be a boolean mask (0/1), got {t2d.dtype}")
+    if tuple(d2t.shape) != (vd,):
+        raise ValueError(f"{where}: tensor 'd2t' has shape {list(d2t.shape)}, but the draft vocabulary has {vd} "
+                         "ids (draft_vocab_size)")
+    if tuple(t2d.shape) != (v,):
+        raise ValueError(f"{where}: tensor 't2d' has shape {list(t2d.shape)}, but the target vocabulary is {v}")
+    d2t, t2d = d2t.long().cpu(), t2d.bool().cpu()
+    ids = torch.arange(vd) + d2t
+    marked = int(t2d.sum())
+    if ids.min() < 0 or ids.max() >= v or not bool(t2d[ids.clamp(0, v - 1)].all()):
+        absolute = d2t.min() >= 0 and d2t.max() < v and d2t.unique().numel() == vd and bool(t2d[d2t].all())
+        if absolute and vd > 1:
+            raise ValueError(f"{where}: tensor 'd2t' holds absolute target ids, not offsets (target id = draft id "
+                             "+ d2t[draft id]): write d2t[i] = target_id[i] - i")
+        bad = ((ids < 0) | (ids >= v)).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"{where}: tensor 'd2t' maps {bad.numel()} draft id(s) outside the target vocabulary "
+                             f"0..{v - 1} (draft id {i} -> target id {int(ids[i])})")
+        i = int((~t2d[ids]).nonzero().flatten()[0])
+        raise ValueError(f"{where}: tensor 't2d' is not d2t's inverse: draft id {i} maps to target id {int(ids[i])}, "
+                         "which t2d does not mark")
+    if ids.unique().numel() != vd:
+        seen: dict = {}
+        for i, t in enumerate(ids.tolist()):
+            if t in seen:
+                raise ValueError(f"{where}: tensor 'd2t' maps two draft ids ({seen[t]} and {i}) to one target id "
+                                 f"{t}: a draft vocabulary is one-to-one")
+            seen[t] = i
+    if marked != vd:
+        raise ValueError(f"{where}: tensor 't2d' marks {marked} target ids, but d2t maps {vd} draft ids: they are "
+                         "not inverses of each other")

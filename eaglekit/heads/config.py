@@ -144,7 +144,9 @@ class HeadConfig:
             if kind == DFLASH and hasattr(target, "attention_taps"):  # on a hybrid: attention layers' outputs
                 default = target.attention_taps(default)
             aux = list(aux_layer_ids if aux_layer_ids is not None else default)
-            dv = draft_vocab_size if draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, vocab)
+            # DFlash 2's candidate selector scores the whole vocabulary: its default is the target's
+            full = kind == DFLASH2
+            dv = draft_vocab_size if draft_vocab_size is not None else vocab if full else min(DEFAULT_DRAFT_VOCAB, vocab)
         else:
             aux, dv = [], vocab
         cfg = {
@@ -224,6 +226,9 @@ def check_target(config: HeadConfig, target, where: str = "head") -> None:
         diffs.append(f"vocab size: head {config.target_vocab_size} vs target {target.vocab_size}")
     if config.target_num_layers != target.num_layers:
         diffs.append(f"layer count: head {config.target_num_layers} vs target {target.num_layers}")
+    beyond = [i for i in config.aux_layer_ids if not 0 <= i < target.num_layers]
+    if beyond:
+        diffs.append(f"taps {beyond} outside the target's layers 0..{target.num_layers - 1}")
     if config.target_fingerprint and config.target_fingerprint != target.fingerprint():
         diffs.append(f"fingerprint (config + tokenizer): head {config.target_fingerprint} "
                      f"(trained for {config.target_name or '?'}) vs target {target.fingerprint()} "

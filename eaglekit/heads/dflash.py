@@ -216,8 +216,8 @@ class DFlashHead(ParallelHead):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # as rows [*, H]: training's hidden [B, N, D, H] is a strided slice (the blocks' slots 1..D), which a
-        # batched matmul multiplies block by block against the weight expanded per block: 13x slower forward
-        # and backward on CPU (SmolLM2's 49k rows, 41 blocks of 3; 2026-12-05)
+        # batched matmul multiplies block by block against the weight expanded per block: far slower forward
+        # and backward on CPU (measured: benchmarks/RESULTS.md)
         z = hidden.reshape(-1, hidden.shape[-1]) @ self.draft_lm_head().T
         z, bias = z.view(*hidden.shape[:-1], -1), self.draft_lm_bias()
         return z if bias is None else z + bias  # the target's logits add it: so do drafts through its lm_head

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from eaglekit.config import parse_dtype
 from eaglekit.fileio import write_json, write_safetensors
-from eaglekit.heads.base import DraftHead
+from eaglekit.heads.base import DraftHead, check_draft_vocab
 from eaglekit.heads.config import HeadConfig, check_target
 from eaglekit.heads.registry import head_class
 
@@ -118,8 +118,19 @@ def read_weights(f: Path) -> dict:
     return state
 
 
+def check_vocab_maps(state: dict, config: HeadConfig, where) -> None:
+    """Refuse a file's draft-vocabulary maps an engine would misread (``check_draft_vocab``), naming the file."""
+    if "d2t" not in state and "t2d" not in state:
+        return
+    if ("d2t" in state) != ("t2d" in state):
+        raise ValueError(f"{where}: holds only one of d2t / t2d (the draft vocabulary needs both)")
+    check_draft_vocab(state["d2t"], state["t2d"], config.draft_vocab_size, config.target_vocab_size, where)
+
+
 def instantiate(config: HeadConfig, state: dict, target, dtype, device, where) -> DraftHead:
-    """A head of ``config`` holding exactly ``state`` (names and shapes checked), bound to ``target``."""
+    """A head of ``config`` holding exactly ``state`` (names, shapes and vocabulary maps checked), bound to
+    ``target``."""
+    check_vocab_maps(state, config, where)
     head = head_class(config.kind)(config)
     expected = head.state_dict()
     missing = sorted(set(expected) - set(state))

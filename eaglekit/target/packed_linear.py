@@ -6,9 +6,8 @@ bound. With each weight reordered once into oneDNN's blocked layout (the kernels
 freezing pass emits) these few-row forwards run faster, with outputs equal up to float rounding
 (benchmarks/bench_packed_linear.py; figures in benchmarks/RESULTS.md, "Where the time goes").
 Plain decoding gets faster and a verify forward costs less relative to one token, which is what
-speculative decoding lives on. (torch 2.13's MKL on an AVX-512 EPYC, 2026-12-05, one thread: Qwen2.5-0.5B's
-lm_head over 1 / 3 / 16 rows took 43 / 155 / 123 ms with aten's linear, 44 / 36 / 57 ms packed: a verify pass of
-2-5 tokens cost aten up to 4x one token's product.)
+speculative decoding lives on: on MKL, aten's linear over a verify pass's 2-5 rows can cost several times one
+row's product (the measurement: benchmarks/RESULTS.md, "Figures the code's comments used to carry").
 
 Decoding only: the packed copy is made once and does not follow later edits of the weight, and calls
 that need autograd (training) run aten's linear on the live weight. ``unpack_linears`` undoes it.

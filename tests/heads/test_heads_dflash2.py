@@ -55,6 +55,19 @@ def naive_conv(conv, x, delta, side, block):
     return out
 
 
+def test_from_target_defaults_what_each_kind_needs():
+    """DFlash 2's selector needs the full vocabulary: its default is the target's, where the other kinds default to
+    DEFAULT_DRAFT_VOCAB (a target larger than that is what used to contradict the kind)."""
+    from helpers import tiny_target
+
+    from eaglekit.heads.config import DEFAULT_DRAFT_VOCAB
+
+    big = tiny_target("llama", layers=2, hidden=16, vocab_size=DEFAULT_DRAFT_VOCAB + 8)
+    assert HeadConfig.from_target(big, kind="dflash2").draft_vocab_size == big.vocab_size
+    for kind in ("eagle3", "dflash", "dspark"):
+        assert HeadConfig.from_target(big, kind=kind).draft_vocab_size == DEFAULT_DRAFT_VOCAB
+
+
 def test_dflash2_config_defaults_and_refusals(target):
     cfg = HeadConfig.from_target(target, kind="dflash2", draft_vocab_size=V)
     assert (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k, cfg.block_size) == \

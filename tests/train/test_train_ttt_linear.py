@@ -90,6 +90,61 @@ def test_ttt_attention_equals_the_masked_softmax_value_and_gradient(monkeypatch,
             close_to_scale(a, b, f"grad {name}")
 
 
+def anchored_reference(q, keys, values, anchors):
+    """The anchored step by its definition, one masked softmax: query n of row b (anchor a = anchors[b, n]) sees the
+    step-0 keys at indices <= a and, of each later step, its own key n (those steps cover the anchors only)."""
+    B, _, N, _ = q.shape
+    S, steps = keys[0].shape[2], len(keys) - 1
+    rep = q.shape[1] // keys[0].shape[1]
+    k = torch.cat([keys[0]] + [x[:, :, :N] for x in keys[1:]], dim=2).repeat_interleave(rep, dim=1)
+    v = torch.cat([values[0]] + [x[:, :, :N] for x in values[1:]], dim=2).repeat_interleave(rep, dim=1)
+    seen = torch.zeros(B, 1, N, S + steps * N, dtype=torch.bool)
+    seen[:, 0, :, :S] = torch.arange(S)[None, None, :] <= anchors[:, :, None]
+    for j in range(steps):
+        seen[:, 0, :, S + j * N:S + (j + 1) * N] = torch.eye(N, dtype=torch.bool)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=seen)
+
+
+def anchored_inputs(S, N, steps, seed=3):
+    """q over N anchors (distinct indices in 0..S-1, in a shuffled order, as COD's draws give them), the step-0 keys
+    over S positions, the later steps' over the N anchors."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, N, 8, generator=gen).requires_grad_()
+    keys = [torch.randn(2, 2, S if j == 0 else N, 8, generator=gen).mul(2).requires_grad_() for j in range(steps + 1)]
+    values = [torch.randn(2, 2, S if j == 0 else N, 8, generator=gen).requires_grad_() for j in range(steps + 1)]
+    anchors = torch.stack([torch.randperm(S, generator=gen)[:N] for _ in range(2)])
+    return q, keys, values, anchors
+
+
+@pytest.mark.parametrize("S,N,steps,chunk_elements", [(12, 5, 1, 2**23), (12, 12, 2, 2**23), (40, 17, 3, 120),
+                                                      (40, 1, 2, 2**23)])
+def test_anchored_ttt_attention_equals_its_definition_value_and_gradient(monkeypatch, path, S, N, steps,
+                                                                         chunk_elements):
+    """COD's anchored steps (TTTCache.rows) on each path — the CPU flash kernel, the chunked softmax (small
+    chunk_elements: several chunks, a ragged last one) — against the masked softmax that defines them."""
+    monkeypatch.setattr(ttt_attention, "CHUNK_ELEMENTS", chunk_elements)
+    q, keys, values, anchors = anchored_inputs(S, N, steps)
+    w = torch.randn(2, 4, N, 8, generator=torch.Generator().manual_seed(9))
+    expand = ttt_attention._expand
+    ours = ttt_attention._attend(q, [expand(q, k) for k in keys], [expand(q, v) for v in values], anchors)
+    ref = anchored_reference(q, keys, values, anchors)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    inputs = [q, *keys, *values]
+    for a, b, name in zip(torch.autograd.grad((ours * w).sum(), inputs), torch.autograd.grad((ref * w).sum(), inputs),
+                          ["q"] + [f"k{j}" for j in range(steps + 1)] + [f"v{j}" for j in range(steps + 1)]):
+        close_to_scale(a, b, f"grad {name}")
+
+
+def test_anchored_ttt_attention_differs_when_an_anchor_sees_one_key_less(path):
+    """The comparison above can fail: the step-0 pattern with ``<`` for ``<=`` (a query blind to its own anchor's
+    key) is far outside its tolerance."""
+    q, keys, values, anchors = anchored_inputs(12, 5, 1)
+    expand = ttt_attention._expand
+    ours = ttt_attention._attend(q, [expand(q, k) for k in keys], [expand(q, v) for v in values], anchors)
+    blind = anchored_reference(q, keys, values, anchors - 1)  # sees indices <= a - 1
+    assert (ours - blind).abs().max() > 1e-2
+
+
 def test_the_cpu_flash_path_runs_on_this_torch():
     """The fast path is the one the CPU takes (a torch without its ops would silently fall back)."""
     assert ttt_attention.uses_cpu_flash(torch.zeros(1))
