@@ -1,6 +1,7 @@
 """What one decode run measured: accepted lengths per verify forward, tree shapes, seconds per phase."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -40,7 +41,7 @@ class DecodeStats:
         rates = self.acceptance_per_depth
         if not rates:
             return "none drafted"
-        reached = [f"{r:.2f}" for r in rates if r == r]  # NaN: no path reached that depth
+        reached = [f"{r:.2f}" for r in rates if not math.isnan(r)]  # NaN: no path reached that depth
         text = ", ".join(reached) or "-"
         unreached = len(rates) - len(reached)
         if unreached:

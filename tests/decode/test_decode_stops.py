@@ -74,10 +74,12 @@ def test_decode_ending_eos_and_max_new():
 def test_acceptance_per_depth_summary_names_depths_never_reached():
     """`eaglekit generate` prints the rates of the depths some path reached, and names the drafted depths none did
     (their rate has no trials: NaN in ``acceptance_per_depth``), never a bare nan."""
+    import math
+
     from eaglekit.decode.stats import DecodeStats
 
     s = DecodeStats(tree_depths=[5, 5], path_lengths=[2, 3], accept_lengths=[2, 3])
-    assert s.acceptance_per_depth[:3] == [1.0, 0.5, 0.0] and all(r != r for r in s.acceptance_per_depth[3:])
+    assert s.acceptance_per_depth[:3] == [1.0, 0.5, 0.0] and all(math.isnan(r) for r in s.acceptance_per_depth[3:])
     assert s.depth_summary() == "1.00, 0.50, 0.00 (depths 4-5 drafted, never reached: no path accepted that deep)"
     assert DecodeStats(tree_depths=[2], path_lengths=[3], accept_lengths=[3]).depth_summary() == "1.00, 1.00"
     assert DecodeStats().depth_summary() == "none drafted"
