@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 SHRINK = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
           "intermediate_size": 128, "vocab_size": 512, "head_dim": 16, "moe_intermediate_size": 32,
           "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-          "max_position_embeddings": 256, "shared_expert_intermediate_size": 32}
+          "max_position_embeddings": 256, "shared_expert_intermediate_size": 32, "word_embed_proj_dim": 64}
 LAYERS = 4
 
 

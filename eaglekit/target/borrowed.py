@@ -49,15 +49,19 @@ def checkpoint_files(path: str, keys: list[str], revision: str | None = None) ->
 
 
 def stored_name(key: str, stored) -> str | None:
-    """The checkpoint's name for the model's parameter ``key``: the same, or the one stored name that is ``key``
+    """The checkpoint's name for the model's parameter ``key``: the same, else the one stored name that is ``key``
     with one more part (a VL checkpoint keeps ``model.language_model.embed_tokens.weight`` where its causal-LM
-    class has ``model.embed_tokens.weight``)."""
+    class has ``model.embed_tokens.weight``), else the one with another first part (Nemotron-H's checkpoints keep
+    ``backbone.embeddings.weight``, renamed ``model.embeddings.weight`` on load)."""
     if key in stored:
         return key
     parts = key.split(".")
-    found = [k for k in stored if len(k.split(".")) == len(parts) + 1 and
-             any(k.split(".")[:i] + k.split(".")[i + 1:] == parts for i in range(len(parts)))]
-    return found[0] if len(found) == 1 else None
+    for same in (lambda k: len(k) == len(parts) + 1 and any(k[:i] + k[i + 1:] == parts for i in range(len(k))),
+                 lambda k: len(k) == len(parts) > 1 and k[1:] == parts[1:]):
+        found = [k for k in stored if same(k.split("."))]
+        if len(found) == 1:
+            return found[0]
+    return None
 
 
 def load_without_decoder(path: str, config, dtype: torch.dtype, device, attn_implementation: str, norm_of,

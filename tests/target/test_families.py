@@ -62,6 +62,19 @@ def test_family_loads_and_taps_its_layer_inputs(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_family_checkpoint_loads_without_its_decoder(name, tmp_path):
+    """Offline training reads only the embedding, final norm and lm_head from the safetensors, by the names the
+    checkpoint stores (Nemotron-H's ``backbone.*``, renamed on a whole load) — equal to the whole model's."""
+    tiny_model(name).save_pretrained(tmp_path)
+    tiny_tokenizer(512).save_pretrained(tmp_path)
+    whole, borrowed = load_target(tmp_path), load_target(tmp_path, decoder=False)
+    for a, b in ((whole.embed_tokens, borrowed.embed_tokens), (whole.lm_head, borrowed.lm_head)):
+        torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=0)
+    if whole.norm is not None:
+        torch.testing.assert_close(whole.norm.weight, borrowed.norm.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_family_trains_every_kind(name):
     """One capture of the taps every kind reads, then two optimizer steps of each kind's own objective."""
     t = target(name)
