@@ -170,18 +170,24 @@ def table() -> str:
         rows.append([f"`{a.model_class}`", a.examples, a.features, "exact"] + engines)
     for name, a in FAMILIES.items():
         engines = ["yes" if a.model_class in ENGINES[e].targets else "refused" for e, _ in ENGINE_COLUMNS]
-        rows.append([f"`{a.model_class}`", a.examples, a.features, f"trains, plain decoding; {family_decoding(name)}"]
+        rows.append([f"`{a.model_class}`", a.examples, a.features, f"trains, plain; {family_decoding(name)}"]
                     + engines)
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
 
 def family_decoding(name: str) -> str:
-    """What speculative decoding says of a family, from the refusal: its reason, shortened to its kind."""
-    from eaglekit.target.architectures import refusal
+    """What speculative decoding does on a family's tiny model: chains verified exactly (trees refused), or refused
+    with the kind of its reason (``Target.chain_refusal``: from the config, then a check of the model)."""
+    from helpers import tiny_tokenizer
 
-    why = refusal(config(FAMILIES[name]))
-    kind = "recurrent state" if "recurrent" in why else why.split("its ", 1)[-1].split(" layers")[0] + " layers"
+    from eaglekit.target import Target
+
+    why = Target(tiny_model(name), tiny_tokenizer(BASE["vocab_size"]), name=name).chain_refusal()
+    if why is None:
+        return "chains exact (trees refused)"
+    kind = ("indexer chunks" if "indexed_attention" in why else "cache not croppable" if "cannot be rolled back" in why
+            else "cache rollback failed" if "rolling its cache back" in why else "chunk forward is not its decoding")
     return f"speculative refused ({kind})"
 
 

@@ -11,13 +11,13 @@ import warnings
 import torch
 
 from eaglekit.decode.cost import Plan, auto_plan
-from eaglekit.decode.draft_model import ModelDrafter
+from eaglekit.decode.draft_model import ModelDrafter, ModelTreeDrafter
 from eaglekit.decode.drafters import Drafter, EagleDrafter, ParallelDrafter, PlainDrafter, TreeSpec
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput, Sampling, run
 from eaglekit.decode.stats import BatchStats
 from eaglekit.target import CompileError
-from eaglekit.target.architectures import check_decodable
+from eaglekit.target.architectures import UnsupportedArchitecture, check_decodable
 
 
 @torch.no_grad()
@@ -53,11 +53,8 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     tokens are the same as eager decoding's. A model torch.compile cannot compile raises ``CompileError``.
     """
     batch = _is_batch(input_ids, attention_mask)
-    if drafter is not None or prompt_lookup:  # before any token: a target the loop cannot verify drafts on
-        check_decodable(target.config, where=target.name or type(target.model).__name__)
-    for d in drafter if isinstance(drafter, (list, tuple)) else [drafter]:
-        if getattr(d, "decode_refusal", None):  # a draft model's cache is rolled back as the target's is
-            check_decodable(d.config, where=f"draft model {d.name}")
+    if drafter is not None or prompt_lookup:  # before any token: what the loop cannot verify exactly on it
+        tree = check_speculative(target, drafter, tree, prompt_lookup)
     if compile and getattr(target, "own_cache", False):
         raise CompileError(f"compile=True: {target.name} decodes on its model's own cache ({target.decode_refusal}); "
                            "the compiled verify writes eaglekit's static cache: decode it with compile=False")
@@ -79,6 +76,41 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     # a list of drafters is run's batch layout (BatchStats, rows padded to T + max_new_tokens), even for one row
     return run(target, drafters if batch else drafters[0], ids, max_new_tokens, sampling, generator,
                eos_ids(target, eos_token_id), stop, streamer, starts=starts, pad_id=pad_id, compile=compile)
+
+
+def check_speculative(target, drafter, tree, prompt_lookup):
+    """Refuse, before any token, speculative decoding the loop cannot verify exactly on ``target``; returns the
+    tree to draft. A target on eaglekit's cache verifies any tree. One on its model's own cache (``own_cache``:
+    recurrent, indexed, chunked or compressed layers) verifies chains, its recurrent states recorded and the
+    rejected tail cropped (``Target.chain_refusal`` says where that is not exact): a head drafts a chain of the
+    tree's depth (``tree`` None or "auto"; a tree with more than one child per node is refused), prompt lookup and a
+    draft model's chain as they are; a head with a lookup branch and a draft model's tree are trees."""
+    where = target.name or type(target.model).__name__
+    drafters = drafter if isinstance(drafter, (list, tuple)) else [drafter]
+    for d in drafters:
+        if getattr(d, "decode_refusal", None):  # a draft model's cache is rolled back on eaglekit's cache
+            check_decodable(d.config, where=f"draft model {d.name}")
+    if not getattr(target, "own_cache", False):
+        return tree
+    refuse = f"{where}: speculative decoding refused: "
+    why = target.chain_refusal()
+    if why:
+        raise UnsupportedArchitecture(f"{refuse}{why}. Capture, training and plain decoding (no drafter) work on it.")
+    trees = ("a tree (only chains are verified on its recurrent state, one state per position: a tree needs one "
+             "per node)")
+    heads = [d for d in drafters if _is_head(d)]
+    if heads and prompt_lookup:
+        raise UnsupportedArchitecture(f"{refuse}a head with a prompt-lookup branch drafts {trees}; drop one of them")
+    if any(isinstance(d, ModelTreeDrafter) for d in drafters):
+        raise UnsupportedArchitecture(f"{refuse}a draft model's tree is {trees}; use its chain (gamma)")
+    if not heads:
+        return tree
+    if tree is None or tree == "auto":
+        return TreeSpec(depth=TreeSpec().depth, top_k=1, total_tokens=TreeSpec().depth)
+    spec = tree.spec if isinstance(tree, Plan) else tree if isinstance(tree, TreeSpec) else TreeSpec(**tree)
+    if spec.top_k > 1:
+        raise UnsupportedArchitecture(f"{refuse}tree top_k={spec.top_k} is {trees}; pass top_k=1 for a chain")
+    return spec
 
 
 def _rows_alone(target, drafters, ids, starts, max_new_tokens, sampling, generator, eos, stop,

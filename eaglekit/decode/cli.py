@@ -100,7 +100,8 @@ def run(args) -> int:
     if cfg.prompt is not None and not cfg.prompt.strip():
         raise ValueError("prompt= is empty: give the turn's text (prompt=\"...\"), or leave prompt out to chat "
                          "on stdin")
-    if cfg.prompt_lookup == "auto":
+    lookup_by_default = cfg.prompt_lookup == "auto"
+    if lookup_by_default:
         from eaglekit.decode.lookup import BY_MATCH
 
         cfg.prompt_lookup = ",".join(map(str, BY_MATCH)) if cfg.head or cfg.draft_tree else 0
@@ -112,6 +113,8 @@ def run(args) -> int:
             raise ValueError(f"prompt_lookup={cfg.prompt_lookup} with draft= and no draft_tree=: {SAMPLED}")
     check_split(cfg)
     target, drafter, _ = load_models(cfg)
+    if lookup_by_default and getattr(target, "own_cache", False):  # a lookup branch beside a head is a tree,
+        cfg.prompt_lookup = 0  # which a recurrent target does not verify: its head drafts a chain alone
     drafter = with_draft_tree(cfg, target, drafter)
     tree = parse_tree(cfg.tree)
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eaglekit.decode.drafters import Tree, additive, ancestors, catch_up_rows, fetch
+from eaglekit.decode.drafters import PlainDrafter, Tree, additive, ancestors, catch_up_rows, fetch
 from eaglekit.decode.stats import BatchStats, DecodeStats
 from eaglekit.decode.stops import Ending
 from eaglekit.target import (
@@ -77,6 +77,9 @@ class Decoder:
         self.layer_ids = tuple(getattr(drafters[0], "layer_ids", None) or ())
         self.max_new_tokens, self.compile = max_new_tokens, compile
         self.cache = self.static = None  # made by prefill, sized from the prompt
+        # the model's own cache under drafts (api.check_speculative let only chains through): its recurrent
+        # states are recorded during each verify and the rejected tail cropped (target.keep_own)
+        self.rollback = getattr(target, "own_cache", False) and not all(isinstance(d, PlainDrafter) for d in drafters)
 
     def prefill(self, ids: torch.Tensor, starts: list[int]) -> list[int]:
         """Run the left-padded prompts ``ids`` [B, T] into the cache; returns each row's first new token."""
@@ -120,6 +123,8 @@ class Decoder:
         catch_up_rows(self.drafters)  # heads: every row's accepted tokens in one head forward
         trees = [d.draft(m) for d, m in zip(self.drafters, max_depths)]
         drafted = synced_clock(self.target.device)
+        if self.rollback:
+            record_chains(self.cache, trees)
         out, past = verify(self.target, self.cache, roots, trees, self.starts, self.lengths, self.layer_ids,
                            self.static)
         # one read from the device for every row: the trees' nodes and (greedy) the verify rows' argmax
@@ -130,7 +135,7 @@ class Decoder:
                                       argmax=None if best is None else best[b])
             steps.append(Step(tree, path, next_token))
         rows = [accepted_rows(s.path) for s in steps]
-        self.lengths = keep_accepted(self.cache, past, self.lengths, rows)
+        self.lengths = keep_accepted(self.cache, past, self.lengths, rows, written=out.logits.shape[1])
         for b, (drafter, s) in enumerate(zip(self.drafters, steps)):
             drafter.commit(s.tree, s.path, s.next_token, row_output(out, b, slice(0, 1 + len(s.tree))), rows[b])
         return steps, drafted - start, synced_clock(self.target.device) - drafted
@@ -144,6 +149,14 @@ class Decoder:
         self.starts = [self.starts[b] - start for b in rows]
         self.lengths = [self.lengths[b] - start for b in rows]
         self.drafters = [self.drafters[b] for b in rows]
+
+
+def record_chains(cache, trees: list[Tree]) -> None:
+    """Before a verify over the model's own cache: each drafted tree must be a chain, and the cache records the
+    recurrent state after each of its tokens so the rejected tail can be undone."""
+    if not all(t.is_chain for t in trees):
+        raise RuntimeError("the target's own cache verifies chains only, and a drafter drafted a tree")
+    cache.activate_past_recording(recurrent_states_to_keep=1 + max(len(t) for t in trees))
 
 
 def synced_clock(device: torch.device) -> float:

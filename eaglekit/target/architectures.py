@@ -3,13 +3,16 @@ checkpoint's ``text_config``), which attention each layer runs (full, or a slidi
 attention backend to load it with, and which targets the decode loop cannot yet verify drafts on exactly.
 
 Nothing here stops capture, training or plain decoding: they need a forward with hooks, which every causal LM has.
-What ``refusal`` names stops *speculative* decoding, when it starts and before any token. Speculative decoding
-appends the draft tree to the target's cache and then drops the rejected nodes. A key/value cache can drop them
-(rollback is truncation); a recurrent state cannot: once a Mamba / linear-attention / short-convolution layer has
-folded a rejected token into its state, the state no longer equals the one the accepted tokens alone would give,
-and the output silently drifts from the target's own decoding. Indexed (DSA), chunked and compressed attention
-need masks and caches the loop does not build for a tree yet. Such targets decode plainly on the cache their own
-model makes (``Target.own_cache``).
+Speculative decoding appends the draft tree to the target's cache and then drops the rejected nodes. A key/value
+cache can drop any of them (rollback is truncation, eaglekit's ``RowsCache``, trees of any shape); a recurrent
+state cannot: once a Mamba / linear-attention / short-convolution layer has folded a rejected token into its state,
+the state no longer equals the one the accepted tokens alone would give. What ``refusal`` names (recurrent state;
+indexed, chunked or compressed attention, whose masks and caches the loop does not build for a tree) puts a target
+on the cache its own model makes (``Target.own_cache``): plain decoding, and *chains* of drafts verified with the
+recurrent state recorded after each position and the rejected tail cropped (transformers'
+``activate_past_recording`` / ``crop``). ``chain_refusal`` (and ``Target.chain_refusal``'s check of the model)
+names where even that is not the model's own decoding; it stops speculative decoding when it starts, before any
+token.
 """
 from __future__ import annotations
 
@@ -74,6 +77,25 @@ def refusal(config) -> str | None:
                 "tree (supported: full and sliding-window attention)")
     if SLIDING in types and not getattr(config, "sliding_window", None):
         return f"{name}: sliding-window layers without a sliding_window size in the config"
+    return None
+
+
+# layer types whose multi-token forward over a cache is not their one-token decoding in transformers (measured on
+# tiny DeepSeek-V3.2 / GLM-5: a 5-token chunk's logits 0.1 from decoding them one by one, past index_topk keys)
+INEXACT_CHUNK_LAYER_TYPES = {"indexed_attention"}
+
+
+def chain_refusal(config) -> str | None:
+    """Why a chain of drafts cannot be verified in one forward over this target's own cache even with its states
+    recorded and rolled back (transformers' ``activate_past_recording`` / ``crop``), as far as the config tells;
+    ``Target.chain_refusal`` adds what a check of the model's own forward finds."""
+    config = text_config(config)
+    name = getattr(config, "model_type", "?")
+    inexact = sorted(set(layer_types(config)) & INEXACT_CHUNK_LAYER_TYPES)
+    if inexact:
+        return (f"{name}: its {', '.join(inexact)} layers score keys for a chunk of queries otherwise than for one "
+                "query at a time in transformers (their multi-token forward over the cache is not the model's own "
+                "decoding), so no verify forward reproduces its output")
     return None
 
 

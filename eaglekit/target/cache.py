@@ -164,7 +164,8 @@ def static_writes(cache, at: torch.Tensor | None, capacity: int | None = None) -
 # ---- rows: row b's valid slots are [start_b, length_b); every other slot is masked -------------------------
 # One sequence is a batch of one whose slots are all valid (start 0, length = the cache's).
 
-def keep_accepted(cache, past_len: int, lengths: list[int], rows: list[torch.Tensor]) -> list[int]:
+def keep_accepted(cache, past_len: int, lengths: list[int], rows: list[torch.Tensor], written: int | None = None
+                  ) -> list[int]:
     """After a verify forward wrote its tokens at slots ``past_len``.., move row b's kept verify rows
     ``rows[b]`` (0 = its root) to slots ``lengths[b]``.. in place and set the cache's length to the longest
     row's. Returns the new lengths. Slots past a row's length hold stale entries that its masks never read.
@@ -172,10 +173,8 @@ def keep_accepted(cache, past_len: int, lengths: list[int], rows: list[torch.Ten
     prefix)."""
     new = [n + len(r) for n, r in zip(lengths, rows)]
     in_place = all(n == past_len and torch.equal(r, torch.arange(len(r))) for n, r in zip(lengths, rows))
-    if not isinstance(cache, RowsCache):  # the model's own cache (Target.own_cache): it holds what it was fed
-        if not (in_place and all(len(r) == len(rows[0]) for r in rows)):
-            raise RuntimeError(f"keep_accepted: a {type(cache).__name__} (the model's own cache) cannot drop "
-                               "rejected draft entries; speculative decoding needs a RowsCache")
+    if not isinstance(cache, RowsCache):  # the model's own cache (Target.own_cache)
+        keep_own(cache, in_place and all(len(r) == len(rows[0]) for r in rows), len(rows[0]), written)
         return new
     if not in_place:
         width = max(len(r) for r in rows)
@@ -193,6 +192,22 @@ def keep_accepted(cache, past_len: int, lengths: list[int], rows: list[torch.Ten
                 x.scatter_(2, i_dst, x.gather(2, i_src))
     set_cache_length(cache, max(new))
     return new
+
+
+def keep_own(cache, prefix: bool, kept: int, written: int | None) -> None:
+    """After a verify forward wrote ``written`` tokens into the model's own cache: keep the first ``kept``, which
+    must be a prefix of them (a chain's accepted path), by transformers' ``crop``: keys and values cut, recorded
+    recurrent and convolution states rolled back (``activate_past_recording`` before the forward). Every step of a
+    recording cache crops, 0 tokens too: that is what trims its recorded states."""
+    written = kept if written is None else written
+    if not prefix or kept > written:
+        raise RuntimeError(f"keep_accepted: a {type(cache).__name__} (the model's own cache) keeps a prefix of what a "
+                           "forward wrote (a chain's accepted path), not the nodes of a tree")
+    recording = any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", []))
+    if written > kept or recording:
+        if not hasattr(cache, "crop"):
+            raise RuntimeError(f"keep_accepted: a {type(cache).__name__} cannot drop rejected draft entries")
+        cache.crop(-(written - kept))
 
 
 def select_cache_rows(cache, index: list[int], start: int, end: int) -> None:

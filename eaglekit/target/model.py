@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from eaglekit.target import tensor_parallel as tp
-from eaglekit.target.architectures import attention_windows, refusal, text_config
+from eaglekit.target.architectures import attention_windows, chain_refusal, refusal, text_config
 from eaglekit.target.borrowed import RowSubset
 
 
@@ -71,8 +71,9 @@ class Target:
         self.config = text_config(causal.config)  # the language model's: layers, widths, layer types
         where = name or type(causal).__name__
         self.attention_windows = attention_windows(self.config)  # layer type -> sliding window (None: full)
-        # why the decode loop cannot yet verify drafts on it exactly (None: it can); capture, training and plain
-        # decoding never ask. Such a target decodes plainly on the model's own cache (``own_cache``).
+        # why the decode loop cannot verify trees on it (None: it can, on eaglekit's cache); capture, training and
+        # plain decoding never ask. Such a target decodes on the model's own cache (``own_cache``): plainly, and
+        # chains of drafts where ``chain_refusal`` finds nothing against it
         self.decode_refusal = refusal(self.config)
         self.own_cache = self.decode_refusal is not None
         self.decoder = self.decoder_of(causal)
@@ -97,7 +98,8 @@ class Target:
         except (AttributeError, NotImplementedError):
             decoder = None
         for candidate in (decoder, getattr(causal, "model", None), getattr(causal, "base_model", None)):
-            if isinstance(candidate, nn.Module) and any(isinstance(m, nn.ModuleList) for m in candidate.modules()):
+            if (isinstance(candidate, nn.Module) and candidate is not causal  # Llama 4's get_decoder() is itself
+                    and any(isinstance(m, nn.ModuleList) for m in candidate.modules())):
                 return candidate
         return causal
 
@@ -105,6 +107,59 @@ class Target:
     def final_norm(causal: nn.Module) -> nn.Module | None:
         """The decoder's final norm (heads copy its weight as a warm start), or None where it has none."""
         return final_norm(Target.decoder_of(causal))
+
+    def chain_refusal(self) -> str | None:
+        """Why chains of drafts cannot be verified exactly on this own-cache target (None: they can; always None
+        for a target on eaglekit's own cache, whose trees are verified too). A chain is verified in one forward
+        over the model's own cache with its recurrent states recorded, and the rejected tail cropped
+        (transformers' ``activate_past_recording`` / ``crop``): the config's refusal (``architectures.
+        chain_refusal``), else a check of the model itself, once per target — its cache croppable, and a
+        4-token chunk over a cache, cropped back, giving the logits of decoding those tokens one at a time."""
+        if not self.own_cache:
+            return None
+        if "_chain_refusal" not in self.__dict__:
+            self._chain_refusal = chain_refusal(self.config) or self._check_chunk_rollback()
+        return self._chain_refusal
+
+    @torch.no_grad()
+    def _check_chunk_rollback(self) -> str | None:
+        vocab = min(self.vocab_size, 512)
+        ids = (torch.arange(12, device=self.device) * 37 + 11) % vocab
+        prefix, chunk = ids[None, :8], ids[None, 8:]
+
+        name = cache_kwarg(type(self.model))
+
+        def run(x, cache=None):
+            out = self.model(input_ids=x, use_cache=True, **({name: cache} if cache is not None else {}))
+            return out.logits[0].float(), getattr(out, name)
+
+        _, cache = run(prefix)
+        if not hasattr(cache, "activate_past_recording") or not getattr(cache, "is_croppable", False):
+            kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])
+                            if not getattr(layer, "is_croppable", True)})
+            return (f"{self.config.model_type}: its cache{' layers ' + ', '.join(kinds) if kinds else ''} cannot be "
+                    "rolled back (transformers marks them not croppable), so a rejected draft's state stays")
+        one = [run(chunk[:, :1], cache)[0][-1]]
+        for j in range(1, chunk.shape[1]):
+            one.append(run(chunk[:, j:j + 1], cache)[0][-1])
+        _, cache = run(prefix)
+        cache.activate_past_recording(recurrent_states_to_keep=chunk.shape[1])
+        try:
+            together = run(chunk, cache)[0]
+            cache.crop(-(chunk.shape[1] - 1))  # keep the first token, as a step that accepted nothing would
+            again = run(chunk[:, 1:2], cache)[0][-1]
+        except Exception as e:  # noqa: BLE001 - a layer that records no past: any failure means no rollback
+            return (f"{self.config.model_type}: rolling its cache back after a chunk failed "
+                    f"({type(e).__name__}: {str(e)[:160]})")
+        want = torch.stack(one)
+        err = max(float((together - want).abs().max()), float((again - want[1]).abs().max()))
+        # float rounding differs between a chunk and single tokens; a wrong state differs by the logits' own scale
+        tol = (1e-4 if self.dtype in (torch.float32, torch.float64) else 2e-2) * max(1.0, float(want.abs().max()))
+        if err > tol:
+            return (f"{self.config.model_type}: its forward over a chunk of tokens (or after rolling one back) gives "
+                    f"other logits than decoding them one at a time (max difference {err:.3g}), so a verify "
+                    "forward would not reproduce its own decoding")
+        return None
 
     def attention_taps(self, taps) -> tuple[int, ...]:
         """``taps`` moved to the nearest tap that reads an attention layer's output (the input of the layer after
@@ -180,7 +235,8 @@ class Target:
             return hook
 
         def decoder_output(_mod, _args, out):
-            seen["last"] = _last_hidden(out)
+            if _last_hidden(out) is not None:
+                seen["last"] = _last_hidden(out)
 
         def lm_head_input(_mod, args, kwargs):
             if "last" not in seen:  # a decoder that is not the module the forward ran: what the lm_head reads
@@ -308,11 +364,14 @@ class CompileError(RuntimeError):
     """``compile=True`` asked for a model torch.compile cannot compile."""
 
 
-def _last_hidden(out) -> torch.Tensor:
+def _last_hidden(out) -> torch.Tensor | None:
     """The decoder's final hidden state from its output: what every causal-LM class hands its lm_head (at the
-    positions it keeps)."""
+    positions it keeps). None for an output with logits (a decoder that is the causal LM itself): the lm_head's
+    input is read instead."""
     if isinstance(out, torch.Tensor):
         return out
+    if getattr(out, "logits", None) is not None:
+        return None
     last = getattr(out, "last_hidden_state", None)
     return last if last is not None else out[0]
 

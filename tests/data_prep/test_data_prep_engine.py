@@ -257,6 +257,42 @@ def test_vllm_engine_features_equal_the_hook_capture_on_smollm2(tmp_path, capsys
     assert not list((tmp_path / "vllm" / "engine-states").rglob("*.safetensors"))  # every file read and removed
 
 
+@pytest.mark.slow
+def test_vllm_engine_captures_a_hybrid_target_as_the_hooks_do(tmp_path):
+    """A hybrid (a tiny random Nemotron-H: Mamba-2, attention and MLP blocks; widths in the multiples of 64 vLLM's
+    CPU kernels take) captured by a real `vllm serve` in fp32 and by the hooks: the same samples, tokens and masks,
+    taps and ``last`` within bf16 rounding (as on SmolLM2 above)."""
+    import transformers
+    from arch_matrix import BASE, FAMILIES, FAMILY_LAYERS
+    from helpers import tiny_conversations, tiny_tokenizer
+
+    from eaglekit.config import load_config
+    from eaglekit.data_prep.prepare import PrepareConfig, run_prepare
+    from eaglekit.engines import vllm_cpu
+
+    vllm_cpu.require()
+    arch = FAMILIES["nemotron_h"]
+    cfg = transformers.NemotronHConfig(**{**BASE, "num_hidden_layers": FAMILY_LAYERS, **arch.kw, "head_dim": 64,
+                                          "ssm_state_size": 32, "architectures": [arch.model_class]})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "target")
+    tiny_tokenizer(512).save_pretrained(tmp_path / "target")
+    tiny_conversations(tmp_path / "convs.jsonl", n=4)
+    common = [f"target={tmp_path / 'target'}", f"data={tmp_path / 'convs.jsonl'}", "num_conversations=0",
+              "max_length=64", "progress=false", "draft_vocab_size=64", "engine_threads=1"]
+    for engine in ("hooks", "vllm"):
+        run_prepare(load_config(PrepareConfig, None, [*common, f"output_dir={tmp_path / engine}",
+                                                      f"capture_engine={engine}"]))
+    hooks, vllm = _shards(tmp_path / "hooks"), _shards(tmp_path / "vllm")
+    assert hooks.keys() == vllm.keys() and hooks
+    for name, ref in hooks.items():
+        for key in ("input_ids", "loss_mask", "offsets"):
+            assert torch.equal(vllm[name][key], ref[key]), key
+        for key in ("taps", "last"):
+            torch.testing.assert_close(vllm[name][key].float(), ref[key].float(), rtol=2**-7, atol=2e-3,
+                                       msg=f"{name} {key}")
+
+
 def test_a_file_the_engine_never_writes_is_an_error_not_a_hang(tmp_path):
     import fcntl
 

@@ -111,7 +111,7 @@ def test_decode_batch_kv_check_can_fail(monkeypatch):
     t = tiny_target(vocab_size=64, layers=2)
     watch_cache(monkeypatch, t, 1e-5)
 
-    def lazy_keep(cache, past_len, lengths, rows):
+    def lazy_keep(cache, past_len, lengths, rows, written=None):
         crop_cache(cache, past_len)
         return [n + len(r) for n, r in zip(lengths, rows)]
     monkeypatch.setattr(loop, "keep_accepted", lazy_keep)  # loop.Decoder.step calls it by that name

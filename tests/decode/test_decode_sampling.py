@@ -92,3 +92,50 @@ def test_decode_sampling_with_lookup_matches_target_distribution(setup):
     assert p > ALPHA, p
     # lookup proposed at every step with room to draft (the last step of a run has none)
     assert dr.matches > len(lengths) // 2 and dr.accepted > 50, (dr.matches, len(lengths), dr.accepted)
+
+
+class ArgmaxChain:
+    """Drafts the target's own most likely continuation, ``depth`` tokens (a deterministic chain: the one-hot rule
+    accepts node x with probability p(x), so on a peaky target the walk often descends the whole chain)."""
+
+    layer_ids = None
+
+    def __init__(self, t, depth: int = 2):
+        self.t, self.depth = t, depth
+
+    def prefill(self, prompt, out, root):
+        self.ctx = prompt[0].tolist() + [root]
+
+    def commit(self, tree, path, next_token, out, rows):
+        self.ctx += tree.path_tokens(path) + [next_token]
+
+    @torch.no_grad()
+    def draft(self, max_depth: int):
+        ctx, tokens = list(self.ctx), []
+        for _ in range(min(self.depth, max_depth)):
+            tokens.append(int(self.t.model(torch.tensor([ctx])).logits[0, -1].argmax()))
+            ctx.append(tokens[-1])
+        return decode.drafters.Tree.chain(torch.tensor(tokens, dtype=torch.long), torch.ones(len(tokens)))
+
+
+@pytest.mark.slow
+def test_decode_sampling_on_a_recurrent_target_keeps_its_law():
+    """Sampling on a tiny peaky Qwen3.5 (Gated DeltaNet layers: its recurrent state recorded per verified position,
+    the rejected tail rolled back) with a deterministic chain (the one-hot rule; the rollback is the same for a
+    draft model's sampled chain): the joint law of the first 3 tokens over 1000 seeded runs against the target's,
+    enumerated; the chain accepted to depth 2, so rollbacks of 0, 1 and 2 nodes all happen."""
+    import transformers
+    from arch_matrix import BASE, GDN
+    from helpers import tiny_tokenizer
+
+    from eaglekit.target import Target
+
+    config = transformers.Qwen3_5TextConfig(**{**BASE, **GDN, "num_hidden_layers": 4, "vocab_size": V})
+    torch.manual_seed(0)
+    t = Target(transformers.Qwen3_5ForCausalLM(config).eval(), tiny_tokenizer(V), name="peaky-qwen3.5")
+    t.lm_head.weight.data.mul_(40.0)
+    assert t.own_cache and t.chain_refusal() is None
+    exact = exact_joint(t, CONFIG, PROMPT)
+    counts, lengths = sample_runs(t, ArgmaxChain(t), CONFIG, runs=1000, seed=1)
+    assert chi2_pvalue([(counts, exact)]) > ALPHA
+    assert {1, 2, 3} <= set(lengths), sorted(set(lengths))

@@ -68,16 +68,20 @@ def test_static_writes_land_at_a_tensor_offset_and_return_the_whole_buffer():
     assert cache.update(*kv_pair(1, start=99), 0)[0].shape[-2] == 4  # eager again: appended at the length
 
 
-def test_keep_refuses_a_cache_it_cannot_roll_back():
-    """The model's own cache (a target with recurrent or indexed layers decodes plainly on it) takes a step that
-    keeps everything it was fed, and refuses one that would drop an entry."""
+def test_keep_on_the_models_own_cache_crops_a_chain_and_refuses_a_tree():
+    """The model's own cache (a target with recurrent or indexed layers decodes on it) keeps a prefix of what a
+    verify forward wrote (a chain's accepted path: the rest cropped), and refuses the nodes of a tree."""
     from transformers import DynamicCache
 
-    assert keep_accepted(DynamicCache(), 5, [5, 5], [torch.tensor([0]), torch.tensor([0])]) == [6, 6]
-    for lengths, rows in (([5], [torch.tensor([0, 2])]), ([4], [torch.tensor([0])]),
-                          ([5, 5], [torch.tensor([0, 1]), torch.tensor([0])])):
-        with pytest.raises(RuntimeError, match="cannot drop rejected draft entries.*RowsCache"):
-            keep_accepted(DynamicCache(), 5, lengths, rows)
+    t = tiny_target(vocab_size=64, layers=2)
+    cache = DynamicCache()
+    t.model(input_ids=torch.arange(2, 7)[None], past_key_values=cache, use_cache=True)
+    t.model(input_ids=torch.arange(7, 10)[None], past_key_values=cache, use_cache=True)  # a verify of 3 rows
+    assert keep_accepted(cache, 5, [5], [torch.tensor([0, 1])], written=3) == [7]
+    assert cache.get_seq_length() == 7  # the third verify row cropped
+    for rows in ([torch.tensor([0, 2])], [torch.tensor([0, 1, 2, 3])]):
+        with pytest.raises(RuntimeError, match="keeps a prefix of what a forward wrote.*not the nodes of a tree"):
+            keep_accepted(cache, 5, [5], rows, written=3)
 
 
 def test_decoding_never_reallocates_the_target_cache(monkeypatch):

@@ -59,6 +59,9 @@ def test_family_loads_and_taps_its_layer_inputs(name):
         torch.testing.assert_close(feats.taps[..., k * H:(k + 1) * H], ref, rtol=0, atol=0)
     assert feats.taps.shape[-1] == t.num_layers * H
     torch.testing.assert_close(t.lm_head(feats.last), t.model(ids).logits, rtol=1e-5, atol=1e-5)
+    kept = t.forward(ids, layer_ids=(), logits_to_keep=1)  # a prefill: one row of logits, every row of `last`
+    assert kept.logits.shape[1] == 1
+    torch.testing.assert_close(kept.last, feats.last, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -119,7 +122,7 @@ def test_family_plain_decoding_is_the_targets_own(name):
 
 
 class Recorder:
-    """A streamer that records what it is given: the refusal must come before the prompt is even streamed."""
+    """A streamer that records what it is given: a refusal must come before the prompt is even streamed."""
 
     def __init__(self):
         self.got = []
@@ -131,32 +134,113 @@ class Recorder:
         self.got.append("end")
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_text", "nemotron_h", "llama4_text", "deepseek_v32", "deepseek_v4"])
-def test_family_speculative_decoding_is_refused_before_any_token(name):
+class OracleChain:
+    """Drafts the target's own greedy continuation ``depth`` tokens deep with the token at ``wrong`` replaced: every
+    full step accepts exactly ``wrong`` nodes and rolls the rest back (the recurrent state of the rejected tail
+    undone), then emits the target's correction."""
+
+    layer_ids = None
+
+    def __init__(self, t: Target, depth: int = 4, wrong: int = 2):
+        self.t, self.depth, self.wrong = t, depth, wrong
+
+    def prefill(self, prompt, out, root):
+        self.ctx = prompt[0].tolist() + [root]
+
+    def commit(self, tree, path, next_token, out, rows):
+        self.ctx += tree.path_tokens(path) + [next_token]
+
+    @torch.no_grad()
+    def draft(self, max_depth: int):
+        from eaglekit.decode.drafters import Tree
+
+        ctx, tokens = list(self.ctx), []
+        for _ in range(min(self.depth, max_depth)):
+            tokens.append(int(self.t.model(torch.tensor([ctx])).logits[0, -1].argmax()))
+            ctx.append(tokens[-1])
+        if len(tokens) > self.wrong:
+            tokens[self.wrong] = (tokens[self.wrong] + 1) % self.t.vocab_size
+        return Tree.chain(torch.tensor(tokens, dtype=torch.long), torch.ones(len(tokens)))
+
+
+CHAINED = [n for n in FAMILIES if n not in ("deepseek_v32", "glm_moe_dsa", "deepseek_v4")]
+REPEATS = PROMPTS[1][:5] * 3 + PROMPTS[1][:2]  # prompt lookup finds its n-grams
+
+
+@pytest.mark.parametrize("name", CHAINED)
+def test_family_chains_decode_as_the_target_does(name):
+    """Greedy chains on the model's own cache, its recurrent state recorded and the rejected tail rolled back:
+    an oracle chain wrong at depth 3 (two nodes accepted, two rolled back, every step), an EAGLE-3 and a DFlash
+    head's chains, prompt lookup and a draft model's chain, all giving transformers' greedy tokens."""
+    from helpers import tiny_target
+
+    t = target(name)
+    draft = tiny_target("llama", layers=1, vocab_size=512)
+    torch.manual_seed(0)
+    eagle3 = build_head(HeadConfig.from_target(t, kind="eagle3"), t)
+    dflash = build_head(HeadConfig.from_target(t, kind="dflash", block_size=4), t)
+    for prompt in (PROMPTS[0], REPEATS):
+        ids = torch.tensor([prompt])
+        ref = t.model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        for label, drafter, kw in (("oracle", OracleChain(t), {}), ("eagle3", eagle3, {}), ("dflash", dflash, {}),
+                                   ("lookup", None, {"prompt_lookup": 4}), ("draft model", draft, {"gamma": 3})):
+            out = decode.generate(t, drafter, ids, NEW, eos_token_id=False, **kw)
+            assert out.sequences[0, len(prompt):].tolist() == ref, (name, label)
+            if label == "oracle":  # 3 tokens per full step: 2 accepted nodes and the correction
+                assert max(out.stats.accept_lengths) == 3 and out.stats.tau > 2, out.stats.accept_lengths
+
+
+def test_family_chain_check_can_fail(monkeypatch):
+    """The comparison above can fail: without the rollback (crop a no-op) the rejected nodes stay in the
+    recurrent state and the oracle's output leaves the target's."""
+    from transformers.cache_utils import Cache
+
+    t = target("qwen3_5_text")
+    ids = torch.tensor([PROMPTS[0]])
+    ref = t.model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    t.chain_refusal()  # its check runs once, with the real crop
+    monkeypatch.setattr(Cache, "crop", lambda self, n: None)
+    out = decode.generate(t, OracleChain(t), ids, NEW, eos_token_id=False)
+    assert out.sequences.tolist() != ref.tolist()
+
+
+@pytest.mark.parametrize("name,why", [("deepseek_v32", "indexed_attention layers score keys for a chunk"),
+                                      ("glm_moe_dsa", "indexed_attention layers score keys for a chunk"),
+                                      ("deepseek_v4", "DeepseekV4CSACache, DeepseekV4HCACache cannot be rolled back")])
+def test_family_speculative_decoding_is_refused_before_any_token(name, why):
+    """Where a chunk over the model's own cache is not its decoding (DSA's indexer in transformers) or the cache
+    cannot be cropped (DeepSeek-V4), every drafter is refused before the first token, with the reason."""
     t = target(name)
     head = build_head(HeadConfig.from_target(t, kind="eagle3"), t)
-    why = refusal(t.config)
-    for drafter, lookup in ((head, 0), (None, 3), (t, 0)):  # a head, prompt lookup, a draft model
+    for drafter, lookup in ((head, 0), (None, 3), (OracleChain(t), 0)):
         streamer = Recorder()
-        with pytest.raises(UnsupportedArchitecture, match="speculative decoding refused: " + why[:30]) as e:
+        with pytest.raises(UnsupportedArchitecture, match="speculative decoding refused: .*" + why) as e:
             decode.generate(t, drafter, torch.tensor([PROMPTS[0]]), NEW, streamer=streamer, prompt_lookup=lookup)
         assert streamer.got == [] and "plain decoding" in str(e.value)
 
 
-def test_a_hybrid_draft_model_is_refused_before_any_token():
-    """A draft model's cache is rolled back after each step as the target's is: a hybrid one is refused too."""
-    from helpers import tiny_target
+def test_trees_on_a_recurrent_target_are_refused_before_any_token():
+    from eaglekit.decode.draft_model import ModelTreeDrafter
+    from eaglekit.decode.drafters import TreeSpec
 
-    llama = tiny_target("llama", layers=2, vocab_size=512)
-    streamer = Recorder()
-    with pytest.raises(UnsupportedArchitecture, match="draft model tiny-qwen3_5_text: speculative decoding refused"):
-        decode.generate(llama, target("qwen3_5_text"), torch.tensor([PROMPTS[0]]), NEW, streamer=streamer)
-    assert streamer.got == []
+    t = target("qwen3_5_text")
+    head = build_head(HeadConfig.from_target(t, kind="eagle3"), t)
+    draft = target("llama4_text")
+    for drafter, kw, what in ((head, {"tree": {"depth": 3, "top_k": 2, "total_tokens": 6}}, "top_k=2"),
+                              (head, {"prompt_lookup": 3}, "prompt-lookup branch"),
+                              (ModelTreeDrafter(t, draft, TreeSpec(2, 2, 4)), {}, "draft model's tree")):
+        streamer = Recorder()
+        with pytest.raises(UnsupportedArchitecture, match=f"{what}.*(chains|chain)"):
+            decode.generate(t, drafter, torch.tensor([PROMPTS[0]]), NEW, streamer=streamer, **kw)
+        assert streamer.got == []
+    out = decode.generate(t, head, torch.tensor([PROMPTS[0]]), NEW, eos_token_id=False)  # default: a chain
+    assert max(out.stats.tree_sizes) == 5 and out.stats.new_tokens == NEW
 
 
 def test_refusals_name_the_kind_of_layer():
     assert "recurrent state (layer type linear_attention)" in refusal(target("qwen3_5_text").config)
-    assert "chunked_attention layers" in refusal(target("llama4_text").config)
+    assert "chunked_attention layers" in refusal(target("llama4_text").config)  # trees: chains are verified
     assert "indexed_attention layers" in refusal(target("glm_moe_dsa").config)
 
 
@@ -243,8 +327,8 @@ def test_an_encoder_built_as_a_decoder_gets_one_clear_error():
 @pytest.mark.slow
 def test_vl_checkpoint_prepare_offline_training_and_the_cli(vl_dir, tmp_path, capsys):
     """`eaglekit prepare` captures a VL checkpoint's text features (hooks), a head trains offline on them with the
-    target read without its decoder, `eaglekit generate` decodes it plainly (transformers' greedy tokens) and refuses
-    the head with its reason (exit 2, one line)."""
+    target read without its decoder, `eaglekit generate` decodes it plainly (transformers' greedy tokens) and with
+    the head's chain, and refuses a tree with its reason (exit 2, one line)."""
     from eaglekit.cli import main
     from eaglekit.data_prep import FeatureDataset
     from eaglekit.train.config import load_train_config
@@ -268,10 +352,13 @@ def test_vl_checkpoint_prepare_offline_training_and_the_cli(vl_dir, tmp_path, ca
     ids = t.chat_ids("abc")
     ref = t.model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert decode.generate(t, None, ids, 6, eos_token_id=False).sequences.tolist() == ref.tolist()
-    assert main(["generate", f"target={vl_dir}", f"head={tmp_path / 'out' / 'final'}", "prompt=abc",
-                 "max_new_tokens=6"]) == 2
+    capsys.readouterr()
+    head = ["generate", f"target={vl_dir}", f"head={tmp_path / 'out' / 'final'}", "prompt=abc", "max_new_tokens=6"]
+    assert main(head) == 0  # the head's chain (no lookup branch by default on a recurrent target)
+    assert "tau=" in capsys.readouterr().err
+    assert main([*head, "tree=3,2,6"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eaglekit: error: ")]
-    assert len(err) == 1 and "speculative decoding refused: qwen3_5_text keeps a recurrent state" in err[0], err
+    assert len(err) == 1 and "speculative decoding refused: tree top_k=2" in err[0], err
 
 
 def hybrid_target(blocks: int = 3) -> Target:
