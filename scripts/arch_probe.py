@@ -8,8 +8,9 @@ record per type and prints the counts (docs/inputs.md quotes them).
 features give a finite loss and move its weights. Recorded beside it: whether the taps equal the layer inputs
 ``output_hidden_states`` lists (where the model lists them) and whether ``lm_head(last)`` gives the model's logits
 (not where the lm_head scales them). "Plain" means eaglekit's plain
-decoding gives transformers' greedy tokens; "speculative" whether it is refused at its start (not refused is not
-shown exact here: tests/target/test_model_architectures.py shows that for its matrix). Types whose tiny config does not build, or whose forward fails on
+decoding gives transformers' greedy tokens; "speculative" what the loop verifies on it: trees (eaglekit's cache),
+chains (the model's own cache, its states rolled back) or nothing (refused at its start). The probe does not decode
+speculatively: tests/target/test_model_architectures.py and test_families.py show exactness on their matrices. Types whose tiny config does not build, or whose forward fails on
 ids alone (encoder-decoders' decoders, models needing other inputs), are counted as not probed.
 """
 from __future__ import annotations
@@ -106,8 +107,9 @@ def probe(model_type: str) -> dict:
             opt.step()
         moved = any(not torch.equal(a, p) for a, p in zip(before, head.parameters()))
         rec["trains"] = bool(torch.isfinite(loss) and moved)
-        rec["speculative"] = "refused" if t.decode_refusal else "not refused"
-        rec["refusal"] = t.decode_refusal
+        rec["speculative"] = "trees" if t.decode_refusal is None else "chains" if t.chain_refusal() is None \
+            else "refused"
+        rec["refusal"] = t.chain_refusal() if t.decode_refusal else None
     except Exception as e:  # noqa: BLE001
         return {**rec, "trains": False, "why": f"{type(e).__name__}: {str(e)[:200]}"}
     try:
@@ -150,7 +152,8 @@ def main() -> None:
     trains = [r for r in ran if r.get("trains")]
     summary = {"transformers": transformers.__version__, "types": len(records), "forward_runs": len(ran),
                "trains": len(trains), "plain_equals_greedy": sum(bool(r.get("plain_equals_greedy")) for r in ran),
-               "speculative_refused": sum(r.get("speculative") == "refused" for r in trains),
+               **{f"speculative_{k}": sum(r.get("speculative") == k for r in trains)
+                  for k in ("trees", "chains", "refused")},
                "not_training": {r["type"]: r.get("why", "") for r in ran if not r.get("trains")},
                # the lm_head module scales its logits (Cohere's logit_scale, a learned per-token scale): the
                # teacher, lm_head.weight @ last, differs from the model's logits by that scale

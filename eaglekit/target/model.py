@@ -283,7 +283,15 @@ class Target:
         missing = [i for i in (*layer_ids, "last") if i not in seen]
         if missing:
             raise RuntimeError(f"{self.name}: the forward did not run {missing} (taps are layer inputs, 'last' the "
-                               "lm_head's input)")
+                               "decoder's output; a layer the forward skips, as mllama's cross-attention layers on "
+                               "text, has none)")
+        for key in (*layer_ids, "last"):
+            if tuple(seen[key].shape[:2]) != tuple(input_ids.shape[:2]):
+                what = "the decoder's output" if key == "last" else f"layer {key}'s input"
+                raise ValueError(f"{self.name}: {what} is {list(seen[key].shape)} for token ids "
+                                 f"{list(input_ids.shape)}: its layers carry another stream layout (XLNet's [S, B, H], "
+                                 "ProphetNet's n-gram streams, CPM-Ant's prompt positions), not one row per token a "
+                                 "head reads")
         taps = torch.cat([_stream(seen[i]) for i in layer_ids], dim=-1) if layer_ids else None
         past = getattr(out, cache_name, None) if out is not None else None  # output field: same name
         return TargetOutput(out.logits if out is not None else None, _stream(seen["last"]), taps, past)

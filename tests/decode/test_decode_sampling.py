@@ -106,6 +106,13 @@ class ArgmaxChain:
     def prefill(self, prompt, out, root):
         self.ctx = prompt[0].tolist() + [root]
 
+    def argmax(self, ctx: tuple) -> int:
+        """The target's greedy next token after ``ctx``, remembered (runs revisit the same contexts)."""
+        memo = self.t.__dict__.setdefault("_argmax_memo", {})
+        if ctx not in memo:
+            memo[ctx] = int(self.t.model(torch.tensor([ctx])).logits[0, -1].argmax())
+        return memo[ctx]
+
     def commit(self, tree, path, next_token, out, rows):
         self.ctx += tree.path_tokens(path) + [next_token]
 
@@ -113,7 +120,7 @@ class ArgmaxChain:
     def draft(self, max_depth: int):
         ctx, tokens = list(self.ctx), []
         for _ in range(min(self.depth, max_depth)):
-            tokens.append(int(self.t.model(torch.tensor([ctx])).logits[0, -1].argmax()))
+            tokens.append(self.argmax(tuple(ctx)))
             ctx.append(tokens[-1])
         return decode.drafters.Tree.chain(torch.tensor(tokens, dtype=torch.long), torch.ones(len(tokens)))
 

@@ -147,6 +147,13 @@ class OracleChain:
     def prefill(self, prompt, out, root):
         self.ctx = prompt[0].tolist() + [root]
 
+    def argmax(self, ctx: tuple) -> int:
+        """The target's greedy next token after ``ctx``, remembered (runs revisit the same contexts)."""
+        memo = self.t.__dict__.setdefault("_argmax_memo", {})
+        if ctx not in memo:
+            memo[ctx] = int(self.t.model(torch.tensor([ctx])).logits[0, -1].argmax())
+        return memo[ctx]
+
     def commit(self, tree, path, next_token, out, rows):
         self.ctx += tree.path_tokens(path) + [next_token]
 
@@ -156,7 +163,7 @@ class OracleChain:
 
         ctx, tokens = list(self.ctx), []
         for _ in range(min(self.depth, max_depth)):
-            tokens.append(int(self.t.model(torch.tensor([ctx])).logits[0, -1].argmax()))
+            tokens.append(self.argmax(tuple(ctx)))
             ctx.append(tokens[-1])
         if len(tokens) > self.wrong:
             tokens[self.wrong] = (tokens[self.wrong] + 1) % self.t.vocab_size
@@ -394,3 +401,13 @@ def test_hybrid_exports_carry_the_taps_the_engines_read(tmp_path):
         assert config["dflash_config"]["target_layer_ids"] == [3, 7]  # the full-attention layers
         assert engine_taps(config, DFLASH_ENGINES[layout]) == list(dflash.taps) == [4, 8]
         assert load_head(out, t).taps == dflash.taps
+
+
+def test_layers_that_carry_another_stream_layout_get_one_clear_error():
+    """XLNet's layers see [S, B, H]: a tap that is not one row per token is refused by name, not read as one."""
+    import transformers
+
+    cfg = transformers.XLNetConfig(vocab_size=512, d_model=64, n_layer=2, n_head=4, d_inner=128)
+    t = Target(transformers.XLNetLMHeadModel(cfg).eval(), tiny_tokenizer(512), name="tiny-xlnet")
+    with pytest.raises(ValueError, match=r"layer 0's input is \[12, 2, 64\] for token ids \[2, 12\].*stream layout"):
+        t.features(torch.randint(7, 512, (2, 12)), layer_ids=(0,))
