@@ -141,6 +141,21 @@ def tiny_model(name: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn).eval()
 
 
+_TARGETS: dict = {}
+
+
+def tiny_target_of(name: str):
+    """The matrix's (or FAMILIES') tiny ``name`` model as a Target with the 512-token tiny tokenizer, one per
+    session (the tests only read it)."""
+    from helpers import tiny_tokenizer
+
+    from eaglekit.target import Target
+
+    if name not in _TARGETS:
+        _TARGETS[name] = Target(tiny_model(name), tiny_tokenizer(BASE["vocab_size"]), name=f"tiny-{name}")
+    return _TARGETS[name]
+
+
 def tiny_vl_model(seed: int = 0):
     """A tiny random Qwen3.5 VL checkpoint's model (``Qwen3_5ForConditionalGeneration``: vision tower, language
     model under ``model.language_model``, lm_head)."""

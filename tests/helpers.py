@@ -210,3 +210,40 @@ def scramble_head(head, vocab_size: int, draft_vocab: int):
         t2d[keep] = True
         head.set_draft_vocab(keep - torch.arange(draft_vocab), t2d)
     return head
+
+
+class GreedyChain:
+    """A drafter (the loop's protocol) proposing the target's own greedy continuation, ``depth`` tokens deep, with
+    the token at index ``wrong`` (None: none) replaced by the next id: every full step then accepts exactly
+    ``wrong`` nodes and the rest are rolled back. The greedy tokens are remembered per context (sampling runs
+    revisit the same ones)."""
+
+    layer_ids = None
+
+    def __init__(self, target, depth: int = 2, wrong: int | None = None):
+        self.t, self.depth, self.wrong = target, depth, wrong
+
+    def prefill(self, prompt, out, root):
+        self.ctx = prompt[0].tolist() + [root]
+
+    def commit(self, tree, path, next_token, out, rows):
+        self.ctx += tree.path_tokens(path) + [next_token]
+
+    def argmax(self, ctx: tuple) -> int:
+        memo = self.t.__dict__.setdefault("_argmax_memo", {})
+        if ctx not in memo:
+            with torch.no_grad():
+                memo[ctx] = int(self.t.model(torch.tensor([ctx])).logits[0, -1].argmax())
+        return memo[ctx]
+
+    def draft(self, max_depth: int):
+        from eaglekit.decode.drafters import Tree
+
+        ctx, tokens = list(self.ctx), []
+        for _ in range(min(self.depth, max_depth)):
+            tokens.append(self.argmax(tuple(ctx)))
+            ctx.append(tokens[-1])
+        if self.wrong is not None and len(tokens) > self.wrong:
+            tokens[self.wrong] = (tokens[self.wrong] + 1) % self.t.vocab_size
+        return Tree.chain(torch.tensor(tokens, dtype=torch.long), torch.ones(len(tokens)))
+

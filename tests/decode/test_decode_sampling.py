@@ -7,7 +7,7 @@ exact_law.py). The deliberately wrong rule (min(1, p/q) on top-k candidates) mus
 import pytest
 import torch
 from exact_law import ALPHA, acceptance_rule, chi2_pvalue, exact_joint, hf_probs, sample_counts
-from helpers import tiny_target
+from helpers import GreedyChain, tiny_target
 from test_decode_core import tiny_head
 
 from eaglekit import decode
@@ -94,37 +94,6 @@ def test_decode_sampling_with_lookup_matches_target_distribution(setup):
     assert dr.matches > len(lengths) // 2 and dr.accepted > 50, (dr.matches, len(lengths), dr.accepted)
 
 
-class ArgmaxChain:
-    """Drafts the target's own most likely continuation, ``depth`` tokens (a deterministic chain: the one-hot rule
-    accepts node x with probability p(x), so on a peaky target the walk often descends the whole chain)."""
-
-    layer_ids = None
-
-    def __init__(self, t, depth: int = 2):
-        self.t, self.depth = t, depth
-
-    def prefill(self, prompt, out, root):
-        self.ctx = prompt[0].tolist() + [root]
-
-    def argmax(self, ctx: tuple) -> int:
-        """The target's greedy next token after ``ctx``, remembered (runs revisit the same contexts)."""
-        memo = self.t.__dict__.setdefault("_argmax_memo", {})
-        if ctx not in memo:
-            memo[ctx] = int(self.t.model(torch.tensor([ctx])).logits[0, -1].argmax())
-        return memo[ctx]
-
-    def commit(self, tree, path, next_token, out, rows):
-        self.ctx += tree.path_tokens(path) + [next_token]
-
-    @torch.no_grad()
-    def draft(self, max_depth: int):
-        ctx, tokens = list(self.ctx), []
-        for _ in range(min(self.depth, max_depth)):
-            tokens.append(self.argmax(tuple(ctx)))
-            ctx.append(tokens[-1])
-        return decode.drafters.Tree.chain(torch.tensor(tokens, dtype=torch.long), torch.ones(len(tokens)))
-
-
 @pytest.mark.slow
 def test_decode_sampling_on_a_recurrent_target_keeps_its_law():
     """Sampling on a tiny peaky Qwen3.5 (Gated DeltaNet layers: its recurrent state recorded per verified position,
@@ -143,6 +112,6 @@ def test_decode_sampling_on_a_recurrent_target_keeps_its_law():
     t.lm_head.weight.data.mul_(40.0)
     assert t.own_cache and t.chain_refusal() is None
     exact = exact_joint(t, CONFIG, PROMPT)
-    counts, lengths = sample_runs(t, ArgmaxChain(t), CONFIG, runs=1000, seed=1)
+    counts, lengths = sample_runs(t, GreedyChain(t, depth=2), CONFIG, runs=1000, seed=1)
     assert chi2_pvalue([(counts, exact)]) > ALPHA
     assert {1, 2, 3} <= set(lengths), sorted(set(lengths))

@@ -15,8 +15,8 @@ import json
 
 import pytest
 import torch
-from arch_matrix import FAMILIES, tiny_model, tiny_vl_model
-from helpers import tiny_conversations, tiny_tokenizer
+from arch_matrix import FAMILIES, tiny_model, tiny_target_of, tiny_vl_model
+from helpers import GreedyChain, tiny_conversations, tiny_tokenizer
 
 from eaglekit import decode
 from eaglekit.heads import KINDS, HeadConfig, build_head
@@ -30,13 +30,7 @@ TRAINED_KINDS = [k for k in KINDS if k != "eagle1"]  # every kind that reads tap
 NEW = 10
 _gen = torch.Generator().manual_seed(1)
 PROMPTS = [torch.randint(7, 512, (n,), generator=_gen).tolist() for n in (20, 13)]  # longer than every chunk
-_TARGETS: dict = {}
-
-
-def target(name: str) -> Target:
-    if name not in _TARGETS:
-        _TARGETS[name] = Target(tiny_model(name), tiny_tokenizer(512), name=f"tiny-{name}")
-    return _TARGETS[name]
+target = tiny_target_of
 
 
 def layer_inputs(t: Target, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -134,42 +128,6 @@ class Recorder:
         self.got.append("end")
 
 
-class OracleChain:
-    """Drafts the target's own greedy continuation ``depth`` tokens deep with the token at ``wrong`` replaced: every
-    full step accepts exactly ``wrong`` nodes and rolls the rest back (the recurrent state of the rejected tail
-    undone), then emits the target's correction."""
-
-    layer_ids = None
-
-    def __init__(self, t: Target, depth: int = 4, wrong: int = 2):
-        self.t, self.depth, self.wrong = t, depth, wrong
-
-    def prefill(self, prompt, out, root):
-        self.ctx = prompt[0].tolist() + [root]
-
-    def argmax(self, ctx: tuple) -> int:
-        """The target's greedy next token after ``ctx``, remembered (runs revisit the same contexts)."""
-        memo = self.t.__dict__.setdefault("_argmax_memo", {})
-        if ctx not in memo:
-            memo[ctx] = int(self.t.model(torch.tensor([ctx])).logits[0, -1].argmax())
-        return memo[ctx]
-
-    def commit(self, tree, path, next_token, out, rows):
-        self.ctx += tree.path_tokens(path) + [next_token]
-
-    @torch.no_grad()
-    def draft(self, max_depth: int):
-        from eaglekit.decode.drafters import Tree
-
-        ctx, tokens = list(self.ctx), []
-        for _ in range(min(self.depth, max_depth)):
-            tokens.append(self.argmax(tuple(ctx)))
-            ctx.append(tokens[-1])
-        if len(tokens) > self.wrong:
-            tokens[self.wrong] = (tokens[self.wrong] + 1) % self.t.vocab_size
-        return Tree.chain(torch.tensor(tokens, dtype=torch.long), torch.ones(len(tokens)))
-
-
 CHAINED = [n for n in FAMILIES if n not in ("deepseek_v32", "glm_moe_dsa", "deepseek_v4")]
 REPEATS = PROMPTS[1][:5] * 3 + PROMPTS[1][:2]  # prompt lookup finds its n-grams
 
@@ -190,8 +148,9 @@ def test_family_chains_decode_as_the_target_does(name):
         ids = torch.tensor([prompt])
         ref = t.model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(prompt):].tolist()
-        for label, drafter, kw in (("oracle", OracleChain(t), {}), ("eagle3", eagle3, {}), ("dflash", dflash, {}),
-                                   ("lookup", None, {"prompt_lookup": 4}), ("draft model", draft, {"gamma": 3})):
+        for label, drafter, kw in (("oracle", GreedyChain(t, depth=4, wrong=2), {}), ("eagle3", eagle3, {}),
+                                   ("dflash", dflash, {}), ("lookup", None, {"prompt_lookup": 4}),
+                                   ("draft model", draft, {"gamma": 3})):
             out = decode.generate(t, drafter, ids, NEW, eos_token_id=False, **kw)
             assert out.sequences[0, len(prompt):].tolist() == ref, (name, label)
             if label == "oracle":  # 3 tokens per full step: 2 accepted nodes and the correction
@@ -208,7 +167,7 @@ def test_family_chain_check_can_fail(monkeypatch):
     ref = t.model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
     t.chain_refusal()  # its check runs once, with the real crop
     monkeypatch.setattr(Cache, "crop", lambda self, n: None)
-    out = decode.generate(t, OracleChain(t), ids, NEW, eos_token_id=False)
+    out = decode.generate(t, GreedyChain(t, depth=4, wrong=2), ids, NEW, eos_token_id=False)
     assert out.sequences.tolist() != ref.tolist()
 
 
@@ -220,7 +179,7 @@ def test_family_speculative_decoding_is_refused_before_any_token(name, why):
     cannot be cropped (DeepSeek-V4), every drafter is refused before the first token, with the reason."""
     t = target(name)
     head = build_head(HeadConfig.from_target(t, kind="eagle3"), t)
-    for drafter, lookup in ((head, 0), (None, 3), (OracleChain(t), 0)):
+    for drafter, lookup in ((head, 0), (None, 3), (GreedyChain(t, depth=4, wrong=2), 0)):
         streamer = Recorder()
         with pytest.raises(UnsupportedArchitecture, match="speculative decoding refused: .*" + why) as e:
             decode.generate(t, drafter, torch.tensor([PROMPTS[0]]), NEW, streamer=streamer, prompt_lookup=lookup)

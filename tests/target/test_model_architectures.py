@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from arch_matrix import MATRIX, WINDOW, readme_block, tiny_model
+from arch_matrix import MATRIX, WINDOW, readme_block, tiny_model, tiny_target_of
 from helpers import tiny_tokenizer
 
 from eaglekit import decode
@@ -29,13 +29,7 @@ NEW = 12  # new tokens per decode
 TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
 _gen = torch.Generator().manual_seed(0)
 PROMPTS = [torch.randint(7, 512, (n,), generator=_gen).tolist() for n in (20, 13)]  # both longer than WINDOW
-_TARGETS: dict = {}
-
-
-def target(name: str) -> Target:
-    if name not in _TARGETS:
-        _TARGETS[name] = Target(tiny_model(name), tiny_tokenizer(512), name=f"tiny-{name}")
-    return _TARGETS[name]
+target = tiny_target_of
 
 
 def head_for(t: Target, seed: int = 0):
