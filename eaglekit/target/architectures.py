@@ -69,12 +69,12 @@ def refusal(config) -> str | None:
     if recurrent or keys or name in RECURRENT_MODEL_TYPES:
         what = f"layer type {', '.join(recurrent)}" if recurrent else ', '.join(keys) if keys else "its blocks"
         return (f"{name} keeps a recurrent state ({what}): the state takes in every draft token the target "
-                "verifies and cannot drop the rejected ones, so speculative decoding would drift from the target's "
-                "own output (only attention layers, whose KV cache is truncated, can be rolled back)")
+                "verifies, and truncating a KV cache cannot drop the rejected ones (its model's own cache can roll "
+                "a chain back, not a tree)")
     other = sorted(types - {FULL, SLIDING} - STATELESS_LAYER_TYPES)
     if other:
-        return (f"{name}: its {', '.join(other)} layers need an attention mask eaglekit does not build for a draft "
-                "tree (supported: full and sliding-window attention)")
+        return (f"{name}: its {', '.join(other)} layers need an attention mask and cache eaglekit does not build "
+                "for a draft tree (supported: full and sliding-window attention; chains run on its model's own cache)")
     if SLIDING in types and not getattr(config, "sliding_window", None):
         return f"{name}: sliding-window layers without a sliding_window size in the config"
     return None

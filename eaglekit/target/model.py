@@ -131,14 +131,18 @@ class Target:
 
         def run(x, cache=None):
             out = self.model(input_ids=x, use_cache=True, **({name: cache} if cache is not None else {}))
-            return out.logits[0].float(), getattr(out, name)
+            return out.logits[0].float(), getattr(out, name, None)
 
         _, cache = run(prefix)
+        if cache is None:
+            return (f"{self.config.model_type}: its model returns no cache (it keeps its state inside), so nothing "
+                    "can roll a rejected draft back")
         if not hasattr(cache, "activate_past_recording") or not getattr(cache, "is_croppable", False):
             kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])
                             if not getattr(layer, "is_croppable", True)})
             return (f"{self.config.model_type}: its cache{' layers ' + ', '.join(kinds) if kinds else ''} cannot be "
-                    "rolled back (transformers marks them not croppable), so a rejected draft's state stays")
+                    f"rolled back (transformers marks {'them' if kinds else 'it'} not croppable), so a rejected "
+                    "draft's state stays")
         one = [run(chunk[:, :1], cache)[0][-1]]
         for j in range(1, chunk.shape[1]):
             one.append(run(chunk[:, j:j + 1], cache)[0][-1])
