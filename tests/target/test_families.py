@@ -144,7 +144,7 @@ def test_family_chains_decode_as_the_target_does(name):
     torch.manual_seed(0)
     eagle3 = build_head(HeadConfig.from_target(t, kind="eagle3"), t)
     dflash = build_head(HeadConfig.from_target(t, kind="dflash", block_size=4), t)
-    for prompt in (PROMPTS[0], REPEATS):
+    for prompt in (REPEATS,):  # repeats: lookup finds its n-grams; the oracle rolls back at every step anyway
         ids = torch.tensor([prompt])
         ref = t.model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(prompt):].tolist()
