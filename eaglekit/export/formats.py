@@ -256,8 +256,6 @@ def load_export(path, target, dtype=None, device=None):
         if cfg.mask_embedding or (path / MASK_FILE).is_file():  # a trained mask vector beside the weights
             cfg.mask_embedding = True
             state["mask_embedding"] = read_mask_file(path, cfg)
-    if cfg.kind in (*TAPPED, DFLASH) and ("d2t" in state) != ("t2d" in state):
-        raise ExportError(f"{path / WEIGHTS}: holds only one of d2t / t2d")
     if cfg.kind in (*TAPPED, DFLASH) and "d2t" not in state:  # a full-vocabulary head: identity maps
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(cfg.target_vocab_size, dtype=torch.bool)

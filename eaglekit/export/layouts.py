@@ -281,7 +281,7 @@ def validate_export(path, layout: str | None = None, target=None, optional=()) -
         raise ExportError(f"{path}: expected a {layout} export, found a {found} layout")
     layout = found
     cfg = head_config_of(config, layout, target, where=str(path / CONFIG))
-    check_config_sizes(config, cfg, layout, path / CONFIG)
+    check_draft_vocab_size(config, cfg, path / CONFIG)
     if "eaglekit" in config and EXPORT_BLOCK in config:  # ours: every engine must read back what the head is
         check_engine_fields(config, cfg, layout, path / CONFIG)
     elif "eaglekit" in config and cfg.kind == EAGLE3:  # an older eaglekit export: top-level fields only
@@ -299,16 +299,13 @@ def validate_export(path, layout: str | None = None, target=None, optional=()) -
     return layout, cfg
 
 
-def check_config_sizes(config: dict, cfg: HeadConfig, layout: str, where) -> None:
-    """The sizes an engine reads from the config agree with the head's (whose tensors check_weights then
-    checks): a hand-edited ``draft_vocab_size`` or tap list would size an engine's maps or fc otherwise."""
+def check_draft_vocab_size(config: dict, cfg: HeadConfig, where) -> None:
+    """The ``draft_vocab_size`` engines read from the config is the head's (whose d2t check_weights then sizes):
+    a hand-edited one would size an engine's maps otherwise. Taps are checked against the target's layers where a
+    head is bound to one (heads.config.check_target)."""
     if cfg.kind in TAPPED and "draft_vocab_size" in config:
         need(int(config["draft_vocab_size"]) == cfg.draft_vocab_size, f"{where}: draft_vocab_size "
              f"{config['draft_vocab_size']} but the head's draft vocabulary (d2t) has {cfg.draft_vocab_size} ids")
-    if cfg.kind != EAGLE1 and cfg.target_num_layers:
-        beyond = [i for i in cfg.aux_layer_ids if not 0 <= i < cfg.target_num_layers]
-        need(not beyond, f"{where}: aux_layer_ids {cfg.aux_layer_ids}: taps {beyond} are past the target's "
-             f"{cfg.target_num_layers} layers")
 
 
 def _dtype_kind(name: str) -> str:

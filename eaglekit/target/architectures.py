@@ -17,6 +17,8 @@ token.
 from __future__ import annotations
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+# layer types that attend (their outputs are what DFlash reads on a hybrid: Target.attention_taps)
+ATTENTION_KINDS = (FULL, SLIDING, "chunked_attention", "attention")
 # layer types (transformers' ``layer_types`` / ``block_types`` / ``layers_block_type``) whose state is recurrent
 RECURRENT_LAYER_TYPES = {"linear_attention", "hybrid", "conv", "recurrent", "mamba", "mamba2", "ssm", "rwkv"}
 # config keys only recurrent blocks have (for configs that name no layer types, or list only attention)

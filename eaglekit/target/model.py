@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from eaglekit.target import tensor_parallel as tp
-from eaglekit.target.architectures import attention_windows, chain_refusal, refusal, text_config
+from eaglekit.target.architectures import (
+    ATTENTION_KINDS,
+    attention_windows,
+    chain_refusal,
+    layer_types,
+    refusal,
+    text_config,
+)
 from eaglekit.target.borrowed import RowSubset
 
 
@@ -169,7 +176,9 @@ class Target:
         """``taps`` moved to the nearest tap that reads an attention layer's output (the input of the layer after
         it; ties to the earlier one), distinct and sorted. What DFlash reads on a hybrid (SpecForge's Qwen3.5
         DFlash configs tap full-attention layers only); a target whose layers are all attention keeps ``taps``."""
-        kinds = layer_kinds(self.config, self.num_layers)
+        kinds = layer_types(self.config)
+        if len(kinds) < self.num_layers:  # a config that names no type per layer: attention everywhere
+            return tuple(taps)
         after = [i + 1 for i, k in enumerate(kinds) if k in ATTENTION_KINDS and i + 1 < self.num_layers]
         if not after or len(after) == self.num_layers - 1:
             return tuple(taps)
@@ -398,16 +407,7 @@ def _stream(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=-2) if x.dim() == 4 else x
 
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention")
 _FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
-
-
-def layer_kinds(config, n: int) -> list[str]:
-    """Each decoder layer's type as the config names it (``layer_types`` and kin), full attention if none."""
-    from eaglekit.target.architectures import layer_types
-
-    kinds = layer_types(config)
-    return kinds[:n] if len(kinds) >= n else ["full_attention"] * n
 
 
 def decoder_layers(decoder: nn.Module, config, where: str) -> nn.ModuleList:
