@@ -68,7 +68,10 @@ LINEAR = ["linear_attention", "linear_attention", "linear_attention", "full_atte
 GDN = {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
        "linear_value_head_dim": 16, "layer_types": LINEAR}
 MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
-DSA = dict(num_key_value_heads=4, head_dim=8, index_topk=4, index_head_dim=16, index_n_heads=2, n_routed_experts=4,
+# DSA's indexer: 16 heads, not 2: its scores are a sum of ReLUs, and with few heads many keys score exactly 0, a tie
+# at the top-k boundary that torch.topk breaks by the row's length (a verify chunk and one-token decoding then pick
+# different keys: measured 0.42 in the logits with 2 heads, 2.7e-7 with 16; DeepSeek-V3.2 has 64, GLM-5 32)
+DSA = dict(num_key_value_heads=4, head_dim=8, index_topk=4, index_head_dim=16, index_n_heads=16, n_routed_experts=4,
            n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, **MLA, **MOE)
 FAMILIES = {
     "qwen3_5_text": Arch("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3.5 / 3.6 (text)",
@@ -198,10 +201,13 @@ def family_decoding(name: str) -> str:
 
     from eaglekit.target import Target
 
-    why = Target(tiny_model(name), tiny_tokenizer(BASE["vocab_size"]), name=name).chain_refusal()
+    target = Target(tiny_model(name), tiny_tokenizer(BASE["vocab_size"]), name=name)
+    if not target.own_cache:
+        return "trees exact"
+    why = target.chain_refusal()
     if why is None:
         return "chains exact (trees refused)"
-    kind = ("indexer chunks" if "indexed_attention" in why else "cache not croppable" if "cannot be rolled back" in why
+    kind = ("cache not croppable" if "cannot be rolled back" in why
             else "cache rollback failed" if "rolling its cache back" in why else "chunk forward is not its decoding")
     return f"speculative refused ({kind})"
 

@@ -247,3 +247,41 @@ class GreedyChain:
             tokens[self.wrong] = (tokens[self.wrong] + 1) % self.t.vocab_size
         return Tree.chain(torch.tensor(tokens, dtype=torch.long), torch.ones(len(tokens)))
 
+
+class TreeOracle:
+    """Drafts a full binary tree ``depth`` deep from the target itself (its own forwards over each path):
+    every node's children are the target's second choice, then its first. So every step accepts ``depth``
+    nodes, the second child each time, and the output rests on the verify rows of tree nodes, not only the
+    root's (an untrained head's nodes are almost never accepted)."""
+
+    layer_ids = None
+
+    def __init__(self, t, depth: int = 3):
+        self.t, self.depth, self.memo = t, depth, {}
+
+    def top2(self, ctx: tuple) -> list[int]:
+        if ctx not in self.memo:
+            order = self.t.model(torch.tensor([ctx])).logits[0, -1].argsort(descending=True)
+            self.memo[ctx] = [int(order[1]), int(order[0])]
+        return self.memo[ctx]
+
+    def prefill(self, prompt, out, root):
+        self.ctx = tuple(prompt[0].tolist()) + (root,)
+
+    def commit(self, tree, path, next_token, out, rows):
+        self.ctx += tuple(tree.tokens[path].tolist()) + (next_token,)
+
+    @torch.no_grad()
+    def draft(self, max_depth: int):
+        from eaglekit.decode.drafters import Tree
+
+        tokens, parents, depths, frontier = [], [], [], [(-1, ())]
+        for d in range(1, min(self.depth, max_depth) + 1):
+            nxt = []
+            for parent, suffix in frontier:
+                for x in self.top2(self.ctx + suffix):
+                    tokens.append(x), parents.append(parent), depths.append(d)
+                    nxt.append((len(tokens) - 1, suffix + (x,)))
+            frontier = nxt
+        tokens, parents, depths = (torch.tensor(v, dtype=torch.long) for v in (tokens, parents, depths))
+        return Tree(tokens, parents, depths, torch.ones(len(tokens)))

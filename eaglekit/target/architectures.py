@@ -6,19 +6,23 @@ Nothing here stops capture, training or plain decoding: they need a forward with
 Speculative decoding appends the draft tree to the target's cache and then drops the rejected nodes. A key/value
 cache can drop any of them (rollback is truncation, eaglekit's ``RowsCache``, trees of any shape); a recurrent
 state cannot: once a Mamba / linear-attention / short-convolution layer has folded a rejected token into its state,
-the state no longer equals the one the accepted tokens alone would give. What ``refusal`` names (recurrent state;
-indexed, chunked or compressed attention, whose masks and caches the loop does not build for a tree) puts a target
-on the cache its own model makes (``Target.own_cache``): plain decoding, and *chains* of drafts verified with the
-recurrent state recorded after each position and the rejected tail cropped (transformers'
-``activate_past_recording`` / ``crop``). ``chain_refusal`` (and ``Target.chain_refusal``'s check of the model)
-names where even that is not the model's own decoding; it stops speculative decoding when it starts, before any
-token.
+the state no longer equals the one the accepted tokens alone would give. Indexed sparse attention (DSA) keeps its
+indexer's keys beside its keys in ``RowsCache``, so it takes trees too. What ``refusal`` names (recurrent state;
+chunked or compressed attention, whose masks and caches the loop does not build for a tree) puts a target on the
+cache its own model makes (``Target.own_cache``): plain decoding, and *chains* of drafts verified with the recurrent
+state recorded after each position and the rejected tail cropped (transformers' ``activate_past_recording`` /
+``crop``). ``Target.chain_refusal``'s check of the model names where even that is not the model's own decoding; it
+stops speculative decoding when it starts, before any token.
 """
 from __future__ import annotations
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, INDEXED = "full_attention", "sliding_attention", "indexed_attention"
 # layer types that attend (their outputs are what DFlash reads on a hybrid: Target.attention_taps)
-ATTENTION_KINDS = (FULL, SLIDING, "chunked_attention", "attention")
+ATTENTION_KINDS = (FULL, SLIDING, INDEXED, "chunked_attention", "attention")
+# layer types whose every cached entry eaglekit's cache keeps and whose mask a tree's mask can be: full and sliding
+# attention, and indexed sparse attention (DSA: its indexer scores keys under the same mask before its top-k, and
+# caches its own keys, which RowsCache keeps beside the layer's)
+TREE_KINDS = {FULL, SLIDING, INDEXED}
 # layer types (transformers' ``layer_types`` / ``block_types`` / ``layers_block_type``) whose state is recurrent
 RECURRENT_LAYER_TYPES = {"linear_attention", "hybrid", "conv", "recurrent", "mamba", "mamba2", "ssm", "rwkv"}
 # config keys only recurrent blocks have (for configs that name no layer types, or list only attention)
@@ -73,31 +77,13 @@ def refusal(config) -> str | None:
         return (f"{name} keeps a recurrent state ({what}): the state takes in every draft token the target "
                 "verifies, and truncating a KV cache cannot drop the rejected ones (its model's own cache can roll "
                 "a chain back, not a tree)")
-    other = sorted(types - {FULL, SLIDING} - STATELESS_LAYER_TYPES)
+    other = sorted(types - TREE_KINDS - STATELESS_LAYER_TYPES)
     if other:
         return (f"{name}: its {', '.join(other)} layers need an attention mask and cache eaglekit does not build "
-                "for a draft tree (supported: full and sliding-window attention; chains run on its model's own cache)")
+                "for a draft tree (supported: full, sliding-window and indexed attention; chains run on its model's "
+                "own cache)")
     if SLIDING in types and not getattr(config, "sliding_window", None):
         return f"{name}: sliding-window layers without a sliding_window size in the config"
-    return None
-
-
-# layer types whose multi-token forward over a cache is not their one-token decoding in transformers (measured on
-# tiny DeepSeek-V3.2 / GLM-5: a 5-token chunk's logits 0.1 from decoding them one by one, past index_topk keys)
-INEXACT_CHUNK_LAYER_TYPES = {"indexed_attention"}
-
-
-def chain_refusal(config) -> str | None:
-    """Why a chain of drafts cannot be verified in one forward over this target's own cache even with its states
-    recorded and rolled back (transformers' ``activate_past_recording`` / ``crop``), as far as the config tells;
-    ``Target.chain_refusal`` adds what a check of the model's own forward finds."""
-    config = text_config(config)
-    name = getattr(config, "model_type", "?")
-    inexact = sorted(set(layer_types(config)) & INEXACT_CHUNK_LAYER_TYPES)
-    if inexact:
-        return (f"{name}: its {', '.join(inexact)} layers score keys for a chunk of queries otherwise than for one "
-                "query at a time in transformers (their multi-token forward over the cache is not the model's own "
-                "decoding), so no verify forward reproduces its output")
     return None
 
 

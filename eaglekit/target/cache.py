@@ -7,7 +7,10 @@ sets the length.
 from its own attention, on transformers 5.17 and 5.24 alike. Every layer keeps every entry, sliding-window ones
 included: the window is the mask's business (``decode.loop.layer_masks``, and transformers' own mask where none is
 passed), and a rejected node's entry can then always be undone. Keys and values may differ in width (DeepSeek-V3's
-MLA caches its compressed latent as keys and its rotary part as values): each buffer takes its own width.
+MLA caches its compressed latent as keys and its rotary part as values): each buffer takes its own width. A layer
+with indexed sparse attention (DeepSeek-V3.2, GLM-5: DSA) also caches its indexer's keys (``update_indexer``, one
+head [B, S, D]), kept in a third buffer beside its keys, slot for slot: the indexer scores its keys under the same
+mask as the attention (a tree's too), and what moves or drops one entry moves or drops the others.
 
 Two ways a forward writes it. Eagerly, ``update`` appends at the cache's length and returns the entries up to the
 new end (a view, what ``DynamicCache`` would return). Statically (``static_writes(cache, at)``, for a compiled
@@ -38,6 +41,9 @@ class RowsLayer(CacheLayerMixin):
         super().__init__()
         self.capacity, self.length = capacity, 0
         self.at = None  # static writes: the slot tensor the next update writes from (set by the cache)
+        # DSA's indexer keys [B, 1, capacity, D] (None: the layer has no indexer), slot for slot with the keys; the
+        # attention writes its keys before its indexer does, so the indexer's writes count their own length
+        self.indexer_keys, self.indexer_length = None, 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -65,12 +71,36 @@ class RowsLayer(CacheLayerMixin):
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def update_indexer(self, key_states: torch.Tensor) -> torch.Tensor:
+        """Write an indexed attention's indexer keys [B, S, D] after the entries before them; returns the keys its
+        scores read ([B, T, D]: up to the new end, or the whole buffer under static writes)."""
+        k = key_states[:, None]
+        if self.indexer_keys is None:
+            size = self.keys.shape[-2] if self.keys is not None else max(self.capacity, k.shape[-2])
+            self.indexer_keys = self._buffer(k, size)
+        if self.at is not None:
+            slots = self.at + torch.arange(k.shape[-2], device=k.device)
+            self.indexer_keys.index_copy_(2, slots, k)
+            return self.indexer_keys[:, 0]
+        end = self.indexer_length + k.shape[-2]
+        self.reserve(end)
+        self.indexer_keys[:, :, self.indexer_length:end] = k
+        self.indexer_length = end
+        return self.indexer_keys[:, 0, :end]
+
+    def buffers(self) -> list[str]:
+        """The names of this layer's [B, heads, slots, dim] buffers: keys, values, and an indexer's keys."""
+        return ["keys", "values"] + (["indexer_keys"] if self.indexer_keys is not None else [])
+
+    def set_length(self, length: int) -> None:
+        self.length = self.indexer_length = length
+
     def reserve(self, end: int) -> None:
         """Room for ``end`` entries: the buffers double (at least) when they are too short, keeping their entries."""
         if self.keys is None or end <= self.keys.shape[-2]:
             return
         size = max(end, 2 * self.keys.shape[-2])
-        for name in ("keys", "values"):
+        for name in self.buffers():
             old = getattr(self, name)
             new = self._buffer(old, size)
             new[:, :, :old.shape[-2]] = old
@@ -86,15 +116,15 @@ class RowsLayer(CacheLayerMixin):
         return -1  # it grows when it must
 
     def crop(self, tokens_to_remove: int) -> None:  # transformers' convention: a negative count to drop
-        self.length = max(0, self.length - abs(tokens_to_remove))
+        self.set_length(max(0, self.length - abs(tokens_to_remove)))
 
     def reset(self) -> None:
-        self.length = 0
+        self.set_length(0)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
-            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
-            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+            for name in self.buffers():
+                setattr(self, name, getattr(self, name).index_select(0, beam_idx.to(self.keys.device)))
 
     batch_select_indices = reorder_cache
 
@@ -111,6 +141,10 @@ class RowsCache(Cache):
         while len(self.layers) <= layer_idx:  # the first forward makes them, each from length 0
             self.layers.append(RowsLayer(self.capacity))
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def update_indexer(self, key_states, layer_idx: int):
+        """An indexed attention layer's indexer keys (DSA), written beside its keys (``RowsLayer.update_indexer``)."""
+        return self.layers[layer_idx].update_indexer(key_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[0].length if self.layers else 0
@@ -135,7 +169,7 @@ def cache_length(cache) -> int:
 
 def set_cache_length(cache, length: int) -> None:
     for layer in _cache_layers(cache):
-        layer.length = length
+        layer.set_length(length)
 
 
 def cache_entries(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -157,8 +191,8 @@ def static_writes(cache, at: torch.Tensor | None, capacity: int | None = None) -
             layer.reserve(capacity)
         layer.at = at
         if at is not None and not torch.compiler.is_compiling():
-            torch._dynamo.mark_static_address(layer.keys)
-            torch._dynamo.mark_static_address(layer.values)
+            for name in layer.buffers():
+                torch._dynamo.mark_static_address(getattr(layer, name))
 
 
 # ---- rows: row b's valid slots are [start_b, length_b); every other slot is masked -------------------------
@@ -183,7 +217,7 @@ def keep_accepted(cache, past_len: int, lengths: list[int], rows: list[torch.Ten
         moved: dict = {}  # (device, heads, width) -> the expanded (src, dst) indices: built once per shape
         for layer in _cache_layers(cache):
             # dst <= src slot by slot and the gather copies first, so no row overwrites an entry it still reads
-            for x in (layer.keys, layer.values):  # per tensor: MLA's keys and values differ in width
+            for x in map(layer.__getattribute__, layer.buffers()):  # per tensor: MLA's keys and values differ in width
                 key = (x.device, x.shape[1], x.shape[3])
                 if key not in moved:
                     moved[key] = [i.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
@@ -215,7 +249,7 @@ def select_cache_rows(cache, index: list[int], start: int, end: int) -> None:
     of new buffers as long as the old ones."""
     for layer in _cache_layers(cache):
         i = torch.tensor(index, device=layer.keys.device)
-        for name in ("keys", "values"):
+        for name in layer.buffers():
             old = getattr(layer, name)
             new = RowsLayer._buffer(old[i], old.shape[-2])
             new[:, :, :end - start] = old[i, :, start:end]

@@ -25,7 +25,6 @@ from eaglekit.target import tensor_parallel as tp
 from eaglekit.target.architectures import (
     ATTENTION_KINDS,
     attention_windows,
-    chain_refusal,
     layer_types,
     refusal,
     text_config,
@@ -119,13 +118,13 @@ class Target:
         """Why chains of drafts cannot be verified exactly on this own-cache target (None: they can; always None
         for a target on eaglekit's own cache, whose trees are verified too). A chain is verified in one forward
         over the model's own cache with its recurrent states recorded, and the rejected tail cropped
-        (transformers' ``activate_past_recording`` / ``crop``): the config's refusal (``architectures.
-        chain_refusal``), else a check of the model itself, once per target — its cache croppable, and a
+        (transformers' ``activate_past_recording`` / ``crop``): a check of the model itself, once per target — its
+        cache croppable, and a
         4-token chunk over a cache, cropped back, giving the logits of decoding those tokens one at a time."""
         if not self.own_cache:
             return None
         if "_chain_refusal" not in self.__dict__:
-            self._chain_refusal = chain_refusal(self.config) or self._check_chunk_rollback()
+            self._chain_refusal = self._check_chunk_rollback()
         return self._chain_refusal
 
     @torch.no_grad()

@@ -1,12 +1,13 @@
-"""The families eaglekit trains for but does not yet verify drafts on (tests/arch_matrix.py ``FAMILIES``: Qwen3.5,
-Qwen3-Next, Nemotron-H, Llama 4, DeepSeek-V3.2 / V4, GLM-5, Kimi-Linear, the Mamba / convolution hybrids) and VL
-checkpoints of Qwen3.5's class, each a tiny random model run by transformers' own forward:
+"""The 2026 families (tests/arch_matrix.py ``FAMILIES``: Qwen3.5, Qwen3-Next, Nemotron-H, Llama 4, DeepSeek-V3.2 /
+V4, GLM-5, Kimi-Linear, the Mamba / convolution hybrids) and VL checkpoints of Qwen3.5's class, each a tiny random
+model run by transformers' own forward:
 
 - nothing is refused at load: the taps are the layer inputs transformers lists (``output_hidden_states``), ``last``
   is what the lm_head reads (its logits are the model's);
 - every head kind trains on the captured features (finite loss, the parameters move);
 - plain decoding, one row and a batch, is transformers' own greedy decoding (the model's own cache);
-- speculative decoding is refused when it starts, before any token, naming why;
+- chains of drafts on the model's own cache (recurrent, chunked) and trees on eaglekit's (indexed attention, DSA)
+  give the target's greedy tokens with every drafter; what cannot be verified exactly is refused before any token;
 - a VL checkpoint loads for text (its language model's layers), with and without its decoder, and a head trains on
   text conversations end to end (capture, every kind, held-out τ_sim);
 - DFlash's default taps on a hybrid read attention layers' outputs; an encoder built as a decoder gets one error.
@@ -16,7 +17,7 @@ import json
 import pytest
 import torch
 from arch_matrix import FAMILIES, tiny_model, tiny_target_of, tiny_vl_model
-from helpers import GreedyChain, tiny_conversations, tiny_tokenizer
+from helpers import GreedyChain, TreeOracle, tiny_conversations, tiny_tokenizer
 
 from eaglekit import decode
 from eaglekit.heads import KINDS, HeadConfig, build_head
@@ -31,6 +32,7 @@ NEW = 10
 _gen = torch.Generator().manual_seed(1)
 PROMPTS = [torch.randint(7, 512, (n,), generator=_gen).tolist() for n in (20, 13)]  # longer than every chunk
 target = tiny_target_of
+INDEXED = ["deepseek_v32", "glm_moe_dsa"]  # indexed sparse attention (DSA): trees on eaglekit's cache
 
 
 def layer_inputs(t: Target, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -45,7 +47,7 @@ def layer_inputs(t: Target, ids: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_loads_and_taps_its_layer_inputs(name):
     t = target(name)
-    assert t.decode_refusal and t.own_cache, name  # the loop does not verify drafts on it yet
+    assert bool(t.decode_refusal) == t.own_cache == (name not in INDEXED), name  # DSA: eaglekit's cache
     ids = torch.tensor([PROMPTS[0]])
     feats = t.features(ids, layer_ids=range(t.num_layers))
     H = t.hidden_size
@@ -128,7 +130,7 @@ class Recorder:
         self.got.append("end")
 
 
-CHAINED = [n for n in FAMILIES if n not in ("deepseek_v32", "glm_moe_dsa", "deepseek_v4")]
+CHAINED = [n for n in FAMILIES if n not in INDEXED + ["deepseek_v4"]]
 REPEATS = PROMPTS[1][:5] * 3 + PROMPTS[1][:2]  # prompt lookup finds its n-grams
 
 
@@ -157,6 +159,48 @@ def test_family_chains_decode_as_the_target_does(name):
                 assert max(out.stats.accept_lengths) == 3 and out.stats.tau > 2, out.stats.accept_lengths
 
 
+TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
+
+
+@pytest.mark.parametrize("name", INDEXED)
+def test_indexed_attention_verifies_trees_as_the_target_decodes(name):
+    """DSA (DeepSeek-V3.2, GLM-5) on eaglekit's cache, its indexer's keys kept beside the keys: trees whose accepted
+    nodes are not the first verify rows (an oracle's second children, a row's keys and indexer keys moved), an
+    EAGLE-3 head's tree, a batch of two rows of different lengths, prompt lookup, a draft model, each giving
+    transformers' greedy tokens. The prompts pass index_topk (4) keys, so the indexer's selection decides."""
+    from helpers import tiny_target
+
+    t = target(name)
+    head = build_head(HeadConfig.from_target(t, kind="eagle3"), t)
+    draft = tiny_target("llama", layers=1, vocab_size=512)
+    refs = [t.model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    for label, drafter, kw in (("oracle", TreeOracle(t, TREE["depth"]), {"tree": TREE}), ("eagle3", head, {"tree": TREE}),
+                               ("lookup", None, {"prompt_lookup": 4}), ("draft model", draft, {"gamma": 3})):
+        out = decode.generate(t, drafter, torch.tensor([REPEATS]), NEW, eos_token_id=False, **kw)
+        want = t.model.generate(torch.tensor([REPEATS]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(REPEATS):].tolist()
+        assert out.sequences[0, len(REPEATS):].tolist() == want, (name, label)
+        if label == "oracle":
+            assert max(out.stats.accept_lengths) == TREE["depth"] + 1, out.stats.accept_lengths
+    batch = decode.generate(t, [TreeOracle(t, TREE["depth"]) for _ in PROMPTS], PROMPTS, NEW, eos_token_id=False,
+                            tree=TREE)
+    assert batch.sequences[:, max(map(len, PROMPTS)):].tolist() == refs, name
+
+
+def test_indexed_attention_check_can_fail(monkeypatch):
+    """The comparison above can fail: when the kept nodes' indexer keys are not moved with their keys, the indexer
+    scores stale keys and the output leaves the target's."""
+    from eaglekit.target import RowsLayer
+
+    t = target("deepseek_v32")
+    ids = torch.tensor([PROMPTS[0]])
+    ref = t.model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    monkeypatch.setattr(RowsLayer, "buffers", lambda self: ["keys", "values"])
+    out = decode.generate(t, TreeOracle(t, TREE["depth"]), ids, NEW, eos_token_id=False, tree=TREE)
+    assert out.sequences.tolist() != ref.tolist()
+
+
 def test_family_chain_check_can_fail(monkeypatch):
     """The comparison above can fail: without the rollback (crop a no-op) the rejected nodes stay in the
     recurrent state and the oracle's output leaves the target's."""
@@ -171,12 +215,10 @@ def test_family_chain_check_can_fail(monkeypatch):
     assert out.sequences.tolist() != ref.tolist()
 
 
-@pytest.mark.parametrize("name,why", [("deepseek_v32", "indexed_attention layers score keys for a chunk"),
-                                      ("glm_moe_dsa", "indexed_attention layers score keys for a chunk"),
-                                      ("deepseek_v4", "DeepseekV4CSACache, DeepseekV4HCACache cannot be rolled back")])
+@pytest.mark.parametrize("name,why", [("deepseek_v4", "DeepseekV4CSACache, DeepseekV4HCACache cannot be rolled back")])
 def test_family_speculative_decoding_is_refused_before_any_token(name, why):
-    """Where a chunk over the model's own cache is not its decoding (DSA's indexer in transformers) or the cache
-    cannot be cropped (DeepSeek-V4), every drafter is refused before the first token, with the reason."""
+    """Where the model's own cache cannot be cropped (DeepSeek-V4), every drafter is refused before the first token,
+    with the reason."""
     t = target(name)
     head = build_head(HeadConfig.from_target(t, kind="eagle3"), t)
     for drafter, lookup in ((head, 0), (None, 3), (GreedyChain(t, depth=4, wrong=2), 0)):
@@ -207,7 +249,7 @@ def test_trees_on_a_recurrent_target_are_refused_before_any_token():
 def test_refusals_name_the_kind_of_layer():
     assert "recurrent state (layer type linear_attention)" in refusal(target("qwen3_5_text").config)
     assert "chunked_attention layers" in refusal(target("llama4_text").config)  # trees: chains are verified
-    assert "indexed_attention layers" in refusal(target("glm_moe_dsa").config)
+    assert all(refusal(target(n).config) is None for n in INDEXED)  # DSA: trees on eaglekit's cache
 
 
 # ---- VL checkpoints of Qwen3.5's class -------------------------------------------------------------------------

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from arch_matrix import MATRIX, WINDOW, readme_block, tiny_model, tiny_target_of
-from helpers import tiny_tokenizer
+from helpers import TreeOracle, tiny_tokenizer
 
 from eaglekit import decode
-from eaglekit.decode.drafters import Tree
 from eaglekit.export.engines import ENGINES, LAYOUT_ENGINES
 from eaglekit.export.formats import ExportError, export_head
 from eaglekit.heads import HeadConfig, build_head
@@ -35,43 +34,6 @@ target = tiny_target_of
 def head_for(t: Target, seed: int = 0):
     torch.manual_seed(seed)
     return build_head(HeadConfig.from_target(t, kind="eagle3", aux_layer_ids=[0, 1]), t)
-
-
-class Oracle:
-    """Drafts a full binary tree ``depth`` deep from the target itself (its own forwards over each path):
-    every node's children are the target's second choice, then its first. So every step accepts ``depth``
-    nodes, the second child each time, and the output rests on the verify rows of tree nodes, not only the
-    root's (an untrained head's nodes are almost never accepted)."""
-
-    layer_ids = None
-
-    def __init__(self, t: Target, depth: int = TREE["depth"]):
-        self.t, self.depth, self.memo = t, depth, {}
-
-    def top2(self, ctx: tuple) -> list[int]:
-        if ctx not in self.memo:
-            order = self.t.model(torch.tensor([ctx])).logits[0, -1].argsort(descending=True)
-            self.memo[ctx] = [int(order[1]), int(order[0])]
-        return self.memo[ctx]
-
-    def prefill(self, prompt, out, root):
-        self.ctx = tuple(prompt[0].tolist()) + (root,)
-
-    def commit(self, tree, path, next_token, out, rows):
-        self.ctx += tuple(tree.tokens[path].tolist()) + (next_token,)
-
-    @torch.no_grad()
-    def draft(self, max_depth: int) -> Tree:
-        tokens, parents, depths, frontier = [], [], [], [(-1, ())]
-        for d in range(1, min(self.depth, max_depth) + 1):
-            nxt = []
-            for parent, suffix in frontier:
-                for x in self.top2(self.ctx + suffix):
-                    tokens.append(x), parents.append(parent), depths.append(d)
-                    nxt.append((len(tokens) - 1, suffix + (x,)))
-            frontier = nxt
-        tokens, parents, depths = (torch.tensor(v, dtype=torch.long) for v in (tokens, parents, depths))
-        return Tree(tokens, parents, depths, torch.ones(len(tokens)))
 
 
 def hf_greedy(t: Target, ids: list[int]) -> list[int]:
@@ -124,14 +86,14 @@ def test_greedy_tree_decoding_equals_the_targets_own(name):
     t = target(name)
     refs = [hf_greedy(t, p) for p in PROMPTS]
     head = head_for(t)
-    oracle = [Oracle(t) for _ in PROMPTS]
+    oracle = [TreeOracle(t, TREE["depth"]) for _ in PROMPTS]
     for ids, ref, orc in zip(PROMPTS, refs, oracle):
         for what, dr in (("head", head), ("oracle", orc)):
             out = decode.generate(t, dr, torch.tensor([ids]), NEW, eos_token_id=False, tree=TREE)
             assert out.sequences[0, len(ids):].tolist() == ref, (name, what, len(ids))
             if what == "oracle":  # every node it drafts on the target's path is accepted: the tree rows decide
                 assert max(out.stats.accept_lengths) == TREE["depth"] + 1, out.stats.accept_lengths
-    oracle = [Oracle(t) for _ in PROMPTS]
+    oracle = [TreeOracle(t, TREE["depth"]) for _ in PROMPTS]
     for what, dr in (("head", head), ("oracle", oracle)):
         out = decode.generate(t, dr, PROMPTS, NEW, eos_token_id=False, tree=TREE)
         width = max(map(len, PROMPTS))
@@ -144,7 +106,7 @@ def test_the_window_is_what_keeps_decoding_exact(name, monkeypatch):
     t = target(name)
     ref = hf_greedy(t, PROMPTS[0])
     monkeypatch.setattr(t, "attention_windows", {k: None for k in t.attention_windows})
-    out = decode.generate(t, Oracle(t), torch.tensor([PROMPTS[0]]), NEW,
+    out = decode.generate(t, TreeOracle(t, TREE["depth"]), torch.tensor([PROMPTS[0]]), NEW,
                           eos_token_id=False, tree=TREE)
     assert out.sequences[0, len(PROMPTS[0]):].tolist() != ref
 
