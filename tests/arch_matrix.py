@@ -195,7 +195,7 @@ def table() -> str:
 
 
 def family_decoding(name: str) -> str:
-    """What speculative decoding does on a family's tiny model: chains verified exactly (trees refused), or refused
+    """What speculative decoding does on a family's tiny model: chains and trees verified exactly, or refused
     with the kind of its reason (``Target.chain_refusal``: from the config, then a check of the model)."""
     from helpers import tiny_tokenizer
 
@@ -206,7 +206,7 @@ def family_decoding(name: str) -> str:
         return "trees exact"
     why = target.chain_refusal()
     if why is None:
-        return "chains exact (trees refused)"
+        return "chains and trees exact (a row per path)"
     kind = ("cache not croppable" if "cannot be rolled back" in why
             else "cache rollback failed" if "rolling its cache back" in why else "chunk forward is not its decoding")
     return f"speculative refused ({kind})"

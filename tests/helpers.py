@@ -256,13 +256,13 @@ class TreeOracle:
 
     layer_ids = None
 
-    def __init__(self, t, depth: int = 3):
-        self.t, self.depth, self.memo = t, depth, {}
+    def __init__(self, t, depth: int = 3, ranks: tuple = (1, 0)):
+        self.t, self.depth, self.ranks, self.memo = t, depth, ranks, {}  # ranks: the children, by target's order
 
     def top2(self, ctx: tuple) -> list[int]:
         if ctx not in self.memo:
             order = self.t.model(torch.tensor([ctx])).logits[0, -1].argsort(descending=True)
-            self.memo[ctx] = [int(order[1]), int(order[0])]
+            self.memo[ctx] = [int(order[r]) for r in self.ranks]
         return self.memo[ctx]
 
     def prefill(self, prompt, out, root):

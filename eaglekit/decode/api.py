@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from eaglekit.decode.cost import Plan, auto_plan
-from eaglekit.decode.draft_model import ModelDrafter, ModelTreeDrafter
+from eaglekit.decode.draft_model import ModelDrafter
 from eaglekit.decode.drafters import Drafter, EagleDrafter, ParallelDrafter, PlainDrafter, TreeSpec
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput, Sampling, run
@@ -81,10 +81,10 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
 def check_speculative(target, drafter, tree, prompt_lookup):
     """Refuse, before any token, speculative decoding the loop cannot verify exactly on ``target``; returns the
     tree to draft. A target on eaglekit's cache verifies any tree. One on its model's own cache (``own_cache``:
-    recurrent, indexed, chunked or compressed layers) verifies chains, its recurrent states recorded and the
-    rejected tail cropped (``Target.chain_refusal`` says where that is not exact): a head drafts a chain of the
-    tree's depth (``tree`` None or "auto"; a tree with more than one child per node is refused), prompt lookup and a
-    draft model's chain as they are; a head with a lookup branch and a draft model's tree are trees."""
+    recurrent, chunked or compressed layers) verifies a chain in one row, its recurrent states recorded and the
+    rejected tail cropped, and a tree one row per root-to-leaf path (``loop.verify_paths``); ``Target.chain_refusal``
+    says where that is not exact. A head drafts a chain of the tree's depth there unless ``tree`` asks for more
+    (``tree`` None or "auto": a chain, since a path row repeats the nodes it shares with the others)."""
     where = target.name or type(target.model).__name__
     drafters = drafter if isinstance(drafter, (list, tuple)) else [drafter]
     for d in drafters:
@@ -92,25 +92,13 @@ def check_speculative(target, drafter, tree, prompt_lookup):
             check_decodable(d.config, where=f"draft model {d.name}")
     if not getattr(target, "own_cache", False):
         return tree
-    refuse = f"{where}: speculative decoding refused: "
     why = target.chain_refusal()
     if why:
-        raise UnsupportedArchitecture(f"{refuse}{why}. Capture, training and plain decoding (no drafter) work on it.")
-    trees = ("a tree (only chains are verified on its recurrent state, one state per position: a tree needs one "
-             "per node)")
-    heads = [d for d in drafters if _is_head(d)]
-    if heads and prompt_lookup:
-        raise UnsupportedArchitecture(f"{refuse}a head with a prompt-lookup branch drafts {trees}; drop one of them")
-    if any(isinstance(d, ModelTreeDrafter) for d in drafters):
-        raise UnsupportedArchitecture(f"{refuse}a draft model's tree is {trees}; use its chain (gamma)")
-    if not heads:
-        return tree
-    if tree is None or tree == "auto":
+        raise UnsupportedArchitecture(f"{where}: speculative decoding refused: {why}. Capture, training and plain "
+                                      "decoding (no drafter) work on it.")
+    if any(_is_head(d) for d in drafters) and (tree is None or tree == "auto"):
         return TreeSpec(depth=TreeSpec().depth, top_k=1, total_tokens=TreeSpec().depth)
-    spec = tree.spec if isinstance(tree, Plan) else tree if isinstance(tree, TreeSpec) else TreeSpec(**tree)
-    if spec.top_k > 1:
-        raise UnsupportedArchitecture(f"{refuse}tree top_k={spec.top_k} is {trees}; pass top_k=1 for a chain")
-    return spec
+    return tree
 
 
 def _rows_alone(target, drafters, ids, starts, max_new_tokens, sampling, generator, eos, stop,

@@ -113,8 +113,8 @@ def run(args) -> int:
             raise ValueError(f"prompt_lookup={cfg.prompt_lookup} with draft= and no draft_tree=: {SAMPLED}")
     check_split(cfg)
     target, drafter, _ = load_models(cfg)
-    if lookup_by_default and getattr(target, "own_cache", False):  # a lookup branch beside a head is a tree,
-        cfg.prompt_lookup = 0  # which a recurrent target does not verify: its head drafts a chain alone
+    if lookup_by_default and getattr(target, "own_cache", False):  # a lookup branch beside a head is a tree, which
+        cfg.prompt_lookup = 0  # a recurrent target verifies a row per path (both paths' shared root twice): asked only
     drafter = with_draft_tree(cfg, target, drafter)
     tree = parse_tree(cfg.tree)
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []

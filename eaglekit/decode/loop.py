@@ -23,7 +23,7 @@ bucket (``BUCKETS``), so one graph serves every step of a bucket. The prefill an
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -77,8 +77,9 @@ class Decoder:
         self.layer_ids = tuple(getattr(drafters[0], "layer_ids", None) or ())
         self.max_new_tokens, self.compile = max_new_tokens, compile
         self.cache = self.static = None  # made by prefill, sized from the prompt
-        # the model's own cache under drafts (api.check_speculative let only chains through): its recurrent
-        # states are recorded during each verify and the rejected tail cropped (target.keep_own)
+        # the model's own cache under drafts (one row: api.generate decodes its batches row by row): its recurrent
+        # states are recorded during each verify and the rejected tail cropped (target.keep_own); a tree is verified
+        # one batch row per root-to-leaf path (verify_paths), the accepted path's row kept
         self.rollback = getattr(target, "own_cache", False) and not all(isinstance(d, PlainDrafter) for d in drafters)
 
     def prefill(self, ids: torch.Tensor, starts: list[int]) -> list[int]:
@@ -123,10 +124,14 @@ class Decoder:
         catch_up_rows(self.drafters)  # heads: every row's accepted tokens in one head forward
         trees = [d.draft(m) for d, m in zip(self.drafters, max_depths)]
         drafted = synced_clock(self.target.device)
-        if self.rollback:
-            record_chains(self.cache, trees)
-        out, past = verify(self.target, self.cache, roots, trees, self.starts, self.lengths, self.layer_ids,
-                           self.static)
+        paths = None
+        if self.rollback and trees[0].is_chain:
+            self.cache.activate_past_recording(recurrent_states_to_keep=1 + len(trees[0]))
+        elif self.rollback:
+            out, paths = verify_paths(self.target, self.cache, roots[0], trees[0], self.layer_ids)
+        if paths is None:
+            out, past = verify(self.target, self.cache, roots, trees, self.starts, self.lengths, self.layer_ids,
+                               self.static)
         # one read from the device for every row: the trees' nodes and (greedy) the verify rows' argmax
         best = fetch(trees, out.logits.argmax(-1) if self.sampling.greedy else None)
         steps = []
@@ -135,7 +140,11 @@ class Decoder:
                                       argmax=None if best is None else best[b])
             steps.append(Step(tree, path, next_token))
         rows = [accepted_rows(s.path) for s in steps]
-        self.lengths = keep_accepted(self.cache, past, self.lengths, rows, written=out.logits.shape[1])
+        if paths is None:
+            self.lengths = keep_accepted(self.cache, past, self.lengths, rows, written=out.logits.shape[1])
+        else:
+            self.lengths = [self.lengths[0] + len(rows[0])]
+            keep_path(self.cache, paths, steps[0].path)
         for b, (drafter, s) in enumerate(zip(self.drafters, steps)):
             drafter.commit(s.tree, s.path, s.next_token, row_output(out, b, slice(0, 1 + len(s.tree))), rows[b])
         return steps, drafted - start, synced_clock(self.target.device) - drafted
@@ -151,12 +160,55 @@ class Decoder:
         self.drafters = [self.drafters[b] for b in rows]
 
 
-def record_chains(cache, trees: list[Tree]) -> None:
-    """Before a verify over the model's own cache: each drafted tree must be a chain, and the cache records the
-    recurrent state after each of its tokens so the rejected tail can be undone."""
-    if not all(t.is_chain for t in trees):
-        raise RuntimeError("the target's own cache verifies chains only, and a drafter drafted a tree")
-    cache.activate_past_recording(recurrent_states_to_keep=1 + max(len(t) for t in trees))
+# ---- a tree on the model's own cache (recurrent layers): one batch row per root-to-leaf path -------------------
+# A recurrent layer reads its input as a sequence (a tree mask means nothing to it), so a node's state must come from
+# its parent's: each path is verified as its own row, the cache's one row repeated for them, the state recorded per
+# position. A node's verify row is read from the first path through it; after acceptance the rejected tail is
+# cropped and the accepted node's path row kept. Shared prefixes are computed once per path through them: a tree
+# of n nodes and L leaves verifies L x (1 + depth) positions.
+
+def leaf_paths(tree: Tree) -> list[list[int]]:
+    """Each root-to-leaf path of ``tree`` as node indices, in draft order."""
+    kids, paths, todo = tree.children(), [], [[]]
+    while todo:
+        path = todo.pop()
+        below = kids[path[-1] + 1 if path else 0]
+        if not below:
+            paths.append(path)
+        todo.extend(path + [c] for c in reversed(below))
+    return paths
+
+
+def verify_paths(target, cache, root: int, tree: Tree, layer_ids=()):
+    """One forward over the model's own cache, a row per path of ``tree`` (the root then its nodes, padded with the
+    root's token); returns the output gathered into the tree's verify rows ([1, 1 + n, ...]: row 0 the root, row
+    i + 1 node i) and the paths."""
+    dev, tokens = target.device, tree.host()[0]
+    paths = leaf_paths(tree)
+    ids = torch.full((len(paths), 1 + max(map(len, paths))), root, dtype=torch.long)
+    where = [(0, 0)] + [None] * len(tree)  # verify row -> (path row, column) it is read from
+    for r, path in enumerate(paths):
+        for col, node in enumerate(path, 1):
+            ids[r, col] = tokens[node]
+            where[node + 1] = where[node + 1] or (r, col)
+    if len(paths) > 1:
+        cache.reorder_cache(torch.zeros(len(paths), dtype=torch.long, device=dev))
+    cache.activate_past_recording(recurrent_states_to_keep=ids.shape[1])
+    out = target.forward(ids.to(dev), past_key_values=cache, layer_ids=layer_ids, use_cache=True)
+    r, c = (torch.tensor(x, device=dev) for x in zip(*where))
+    rows = {f.name: getattr(out, f.name)[r, c][None] for f in fields(out)
+            if isinstance(getattr(out, f.name), torch.Tensor)}
+    return replace(out, **rows), paths
+
+
+def keep_path(cache, paths: list[list[int]], accepted: list[int]) -> None:
+    """After ``verify_paths``: crop every row to the root and the ``accepted`` nodes, then keep the first path row
+    through them."""
+    width = 1 + max(map(len, paths))
+    cache.crop(-(width - 1 - len(accepted)))
+    if len(paths) > 1:
+        row = next(r for r, p in enumerate(paths) if p[:len(accepted)] == accepted)
+        cache.reorder_cache(torch.tensor([row]))  # each layer moves the index to its device
 
 
 def synced_clock(device: torch.device) -> float:

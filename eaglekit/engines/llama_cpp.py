@@ -409,9 +409,33 @@ def convert(model_dir, out_file, outtype: str = "f16", target_dir=None, root: Pa
            "--outtype", outtype]
     if target_dir is not None:
         cmd += ["--target-model-dir", str(target_dir)]
+    if lacks_mtp(model_dir):
+        cmd += ["--no-mtp"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
     _run(cmd, f"convert_hf_to_gguf.py {model_dir}", env=env)
     return Path(out_file)
+
+
+# The pinned converter's Qwen3-Next / Qwen3.5 classes (conversion/qwen.py _QwenMtpMixin; only they take --no-mtp)
+# add MTP layers unless told --no-mtp: for a checkpoint without mtp.* tensors, an assert or a GGUF llama-server refuses.
+MTP_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+
+
+def lacks_mtp(model_dir) -> bool:
+    """Whether ``model_dir`` is a Qwen3-Next / Qwen3.5 checkpoint holding no MTP tensors (which ``convert``
+    converts with --no-mtp). False where its tensor names cannot be read (no safetensors file or index)."""
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if not set(cfg.get("architectures") or ()) & set(MTP_ARCHITECTURES):
+        return False
+    names: set[str] = set()
+    for index in model_dir.glob("*.index.json"):
+        names |= set(json.loads(index.read_text()).get("weight_map", {}))
+    for f in model_dir.glob("*.safetensors"):
+        with open(f, "rb") as fh:  # a safetensors header: its length (8 bytes, little-endian), then JSON
+            names |= set(json.loads(fh.read(int.from_bytes(fh.read(8), "little")))) - {"__metadata__"}
+    return bool(names) and not any(re.search(r"(?:^|\.)mtp\.", n) for n in names)
 
 
 def quantize(src, dst, qtype: str, root: Path | None = None) -> Path:

@@ -9,9 +9,9 @@ state cannot: once a Mamba / linear-attention / short-convolution layer has fold
 the state no longer equals the one the accepted tokens alone would give. Indexed sparse attention (DSA) keeps its
 indexer's keys beside its keys in ``RowsCache``, so it takes trees too. What ``refusal`` names (recurrent state;
 chunked or compressed attention, whose masks and caches the loop does not build for a tree) puts a target on the
-cache its own model makes (``Target.own_cache``): plain decoding, and *chains* of drafts verified with the recurrent
-state recorded after each position and the rejected tail cropped (transformers' ``activate_past_recording`` /
-``crop``). ``Target.chain_refusal``'s check of the model names where even that is not the model's own decoding; it
+cache its own model makes (``Target.own_cache``): plain decoding, and drafts verified with the recurrent state
+recorded after each position and the rejected tail cropped (transformers' ``activate_past_recording`` / ``crop``),
+a tree one batch row per root-to-leaf path. ``Target.chain_refusal``'s check of the model names where even that is not the model's own decoding; it
 stops speculative decoding when it starts, before any token.
 """
 from __future__ import annotations
@@ -75,8 +75,8 @@ def refusal(config) -> str | None:
     if recurrent or keys or name in RECURRENT_MODEL_TYPES:
         what = f"layer type {', '.join(recurrent)}" if recurrent else ', '.join(keys) if keys else "its blocks"
         return (f"{name} keeps a recurrent state ({what}): the state takes in every draft token the target "
-                "verifies, and truncating a KV cache cannot drop the rejected ones (its model's own cache can roll "
-                "a chain back, not a tree)")
+                "verifies, and truncating a KV cache cannot drop the rejected ones (its model's own cache rolls "
+                "them back, a tree one row per path)")
     other = sorted(types - TREE_KINDS - STATELESS_LAYER_TYPES)
     if other:
         return (f"{name}: its {', '.join(other)} layers need an attention mask and cache eaglekit does not build "

@@ -95,14 +95,16 @@ def test_decode_sampling_with_lookup_matches_target_distribution(setup):
 
 
 @pytest.mark.slow
-def test_decode_sampling_on_a_recurrent_target_keeps_its_law():
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_decode_sampling_on_a_recurrent_target_keeps_its_law(shape):
     """Sampling on a tiny peaky Qwen3.5 (Gated DeltaNet layers: its recurrent state recorded per verified position,
-    the rejected tail rolled back) with a deterministic chain (the one-hot rule; the rollback is the same for a
-    draft model's sampled chain): the joint law of the first 3 tokens over 600 seeded runs against the target's,
-    enumerated; the chain accepted to depth 2, so rollbacks of 0, 1 and 2 nodes all happen."""
+    the rejected tail rolled back) with a deterministic chain, or a binary tree verified one row per path (the
+    one-hot rule; the rollback is the same for a draft model's sampled drafts): the joint law of the first 3 tokens
+    over 600 seeded runs against the target's, enumerated; drafts accepted to depth 2, so rollbacks of 0, 1 and 2
+    nodes all happen (a tree's from any of its 4 path rows)."""
     import transformers
     from arch_matrix import BASE, GDN
-    from helpers import tiny_tokenizer
+    from helpers import TreeOracle, tiny_tokenizer
 
     from eaglekit.target import Target
 
@@ -112,6 +114,7 @@ def test_decode_sampling_on_a_recurrent_target_keeps_its_law():
     t.lm_head.weight.data.mul_(40.0)
     assert t.own_cache and t.chain_refusal() is None
     exact = exact_joint(t, CONFIG, PROMPT)
-    counts, lengths = sample_runs(t, GreedyChain(t, depth=2), CONFIG, runs=600, seed=1)
+    drafter = GreedyChain(t, depth=2) if shape == "chain" else TreeOracle(t, depth=2, ranks=(2, 0))
+    counts, lengths = sample_runs(t, drafter, CONFIG, runs=600, seed=1, tree={"depth": 2, "top_k": 2, "total_tokens": 6})
     assert chi2_pvalue([(counts, exact)]) > ALPHA
     assert {1, 2, 3} <= set(lengths), sorted(set(lengths))

@@ -33,6 +33,7 @@ _gen = torch.Generator().manual_seed(1)
 PROMPTS = [torch.randint(7, 512, (n,), generator=_gen).tolist() for n in (20, 13)]  # longer than every chunk
 target = tiny_target_of
 INDEXED = ["deepseek_v32", "glm_moe_dsa"]  # indexed sparse attention (DSA): trees on eaglekit's cache
+TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
 
 
 def layer_inputs(t: Target, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -159,9 +160,6 @@ def test_family_chains_decode_as_the_target_does(name):
                 assert max(out.stats.accept_lengths) == 3 and out.stats.tau > 2, out.stats.accept_lengths
 
 
-TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
-
-
 @pytest.mark.parametrize("name", INDEXED)
 def test_indexed_attention_verifies_trees_as_the_target_decodes(name):
     """DSA (DeepSeek-V3.2, GLM-5) on eaglekit's cache, its indexer's keys kept beside the keys: trees whose accepted
@@ -228,22 +226,51 @@ def test_family_speculative_decoding_is_refused_before_any_token(name, why):
         assert streamer.got == [] and "plain decoding" in str(e.value)
 
 
-def test_trees_on_a_recurrent_target_are_refused_before_any_token():
+TREED = [n for n in CHAINED if n != "jamba"]  # Jamba's Mamba layers are Mamba's (its path rows run 20 s)
+
+
+@pytest.mark.parametrize("name", TREED)
+def test_family_trees_decode_as_the_target_does(name):
+    """Trees on the model's own cache, one batch row per root-to-leaf path: an oracle's binary trees (every step
+    accepts its second children, so the kept row is not the first path), an EAGLE-3 head's tree with a prompt-lookup
+    branch, a draft model's tree, each giving transformers' greedy tokens."""
+    from helpers import tiny_target
+
     from eaglekit.decode.draft_model import ModelTreeDrafter
     from eaglekit.decode.drafters import TreeSpec
 
-    t = target("qwen3_5_text")
+    t = target(name)
     head = build_head(HeadConfig.from_target(t, kind="eagle3"), t)
-    draft = target("llama4_text")
-    for drafter, kw, what in ((head, {"tree": {"depth": 3, "top_k": 2, "total_tokens": 6}}, "top_k=2"),
-                              (head, {"prompt_lookup": 3}, "prompt-lookup branch"),
-                              (ModelTreeDrafter(t, draft, TreeSpec(2, 2, 4)), {}, "draft model's tree")):
-        streamer = Recorder()
-        with pytest.raises(UnsupportedArchitecture, match=f"{what}.*(chains|chain)"):
-            decode.generate(t, drafter, torch.tensor([PROMPTS[0]]), NEW, streamer=streamer, **kw)
-        assert streamer.got == []
-    out = decode.generate(t, head, torch.tensor([PROMPTS[0]]), NEW, eos_token_id=False)  # default: a chain
+    draft = tiny_target("llama", layers=1, vocab_size=512)
+    ids = torch.tensor([REPEATS])
+    ref = t.model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(REPEATS):].tolist()
+    for label, drafter, kw in (("oracle", TreeOracle(t, TREE["depth"]), {"tree": TREE}),
+                               ("eagle3 + lookup", head, {"tree": TREE, "prompt_lookup": 4}),
+                               ("draft model's tree", ModelTreeDrafter(t, draft, TreeSpec(2, 2, 4)), {})):
+        out = decode.generate(t, drafter, ids, NEW, eos_token_id=False, **kw)
+        assert out.sequences[0, len(REPEATS):].tolist() == ref, (name, label)
+        if label == "oracle":
+            assert max(out.stats.accept_lengths) == TREE["depth"] + 1, out.stats.accept_lengths
+    out = decode.generate(t, head, ids, NEW, eos_token_id=False)  # a head's default there: a chain
     assert max(out.stats.tree_sizes) == 5 and out.stats.new_tokens == NEW
+
+
+def test_family_tree_check_can_fail(monkeypatch):
+    """The comparison above can fail: keeping the first path's row instead of the accepted node's leaves the
+    target's output (the oracle accepts the second child at every depth)."""
+    from eaglekit.decode import loop
+
+    t = target("qwen3_5_text")
+    ids = torch.tensor([PROMPTS[0]])
+    ref = t.model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    def first_row(cache, paths, accepted):
+        cache.crop(-(max(map(len, paths)) - len(accepted)))
+        cache.reorder_cache(torch.tensor([0]))
+
+    monkeypatch.setattr(loop, "keep_path", first_row)
+    out = decode.generate(t, TreeOracle(t, TREE["depth"]), ids, NEW, eos_token_id=False, tree=TREE)
+    assert out.sequences.tolist() != ref.tolist()
 
 
 def test_refusals_name_the_kind_of_layer():
@@ -336,7 +363,7 @@ def test_an_encoder_built_as_a_decoder_gets_one_clear_error():
 def test_vl_checkpoint_prepare_offline_training_and_the_cli(vl_dir, tmp_path, capsys):
     """`eaglekit prepare` captures a VL checkpoint's text features (hooks), a head trains offline on them with the
     target read without its decoder, `eaglekit generate` decodes it plainly (transformers' greedy tokens) and with
-    the head's chain, and refuses a tree with its reason (exit 2, one line)."""
+    the head's chain and its tree, each printing plain decoding's text."""
     from eaglekit.cli import main
     from eaglekit.data_prep import FeatureDataset
     from eaglekit.train.config import load_train_config
@@ -356,17 +383,17 @@ def test_vl_checkpoint_prepare_offline_training_and_the_cli(vl_dir, tmp_path, ca
     assert final["step"] == 2 and 1.0 <= final["eval_tau_sim"] <= 3.0, final
     capsys.readouterr()
     assert main(["generate", f"target={vl_dir}", "prompt=abc", "max_new_tokens=6"]) == 0
+    plain = capsys.readouterr().out
     t = load_target(vl_dir)
     ids = t.chat_ids("abc")
     ref = t.model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert decode.generate(t, None, ids, 6, eos_token_id=False).sequences.tolist() == ref.tolist()
-    capsys.readouterr()
     head = ["generate", f"target={vl_dir}", f"head={tmp_path / 'out' / 'final'}", "prompt=abc", "max_new_tokens=6"]
     assert main(head) == 0  # the head's chain (no lookup branch by default on a recurrent target)
-    assert "tau=" in capsys.readouterr().err
-    assert main([*head, "tree=3,2,6"]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eaglekit: error: ")]
-    assert len(err) == 1 and "speculative decoding refused: tree top_k=2" in err[0], err
+    chain = capsys.readouterr()
+    assert "tau=" in chain.err and chain.out == plain
+    assert main([*head, "tree=3,2,6"]) == 0  # a tree: one verify row per path
+    assert capsys.readouterr().out == plain
 
 
 def hybrid_target(blocks: int = 3) -> Target:
