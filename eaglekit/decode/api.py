@@ -83,8 +83,8 @@ def check_speculative(target, drafter, tree, prompt_lookup):
     tree to draft. A target on eaglekit's cache verifies any tree. One on its model's own cache (``own_cache``:
     recurrent, chunked or compressed layers) verifies a chain in one row, its recurrent states recorded and the
     rejected tail cropped, and a tree one row per root-to-leaf path (``loop.verify_paths``); ``Target.chain_refusal``
-    says where that is not exact. A head drafts a chain of the tree's depth there unless ``tree`` asks for more
-    (``tree`` None or "auto": a chain, since a path row repeats the nodes it shares with the others)."""
+    says where that is not exact. A head drafts a chain there unless ``tree`` asks for a tree (None: a chain of the
+    default depth; "auto": the planner's chain, its costs measured with the state handling)."""
     where = target.name or type(target.model).__name__
     drafters = drafter if isinstance(drafter, (list, tuple)) else [drafter]
     for d in drafters:
@@ -96,7 +96,7 @@ def check_speculative(target, drafter, tree, prompt_lookup):
     if why:
         raise UnsupportedArchitecture(f"{where}: speculative decoding refused: {why}. Capture, training and plain "
                                       "decoding (no drafter) work on it.")
-    if any(_is_head(d) for d in drafters) and (tree is None or tree == "auto"):
+    if any(_is_head(d) for d in drafters) and tree is None:
         return TreeSpec(depth=TreeSpec().depth, top_k=1, total_tokens=TreeSpec().depth)
     return tree
 
@@ -166,7 +166,8 @@ def make_row_drafters(target, drafter, rows: int, sampling: Sampling | None = No
         if len(drafter) != rows:
             raise ValueError(f"{len(drafter)} drafters for a batch of {rows} prompts: give one per prompt")
         return [make_drafter(target, d, sampling, generator, tree, gamma, prompt_lookup) for d in drafter]
-    if tree == "auto" and _is_head(drafter) and rows > 1:  # planned for this batch size
+    # planned for this batch size (a target on its model's own cache decodes a batch row by row: planned for one)
+    if tree == "auto" and _is_head(drafter) and rows > 1 and not getattr(target, "own_cache", False):
         tree = auto_plan(target, drafter, batch_size=rows)
         if not tree.drafting_pays:
             warnings.warn(f"tree='auto': for a batch of {rows} this head's best tree is expected at "

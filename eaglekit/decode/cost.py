@@ -120,17 +120,23 @@ def _medians(fns: dict, repeats: int) -> dict:
 @torch.no_grad()
 def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SIZES, layer_ids=()) -> dict:
     """m -> median seconds of a target forward over m new tokens per row on the cached ``prefix`` [B, P],
-    tapping ``layer_ids`` (what a head reads; () none)."""
+    tapping ``layer_ids`` (what a head reads; () none). On a target that decodes on its model's own cache
+    (``own_cache``: recurrent layers) each forward records its states per position and is cropped back, as a
+    drafted step's is: what the state handling costs is in c(m)."""
     dev, (rows, prefix_len) = target.device, prefix.shape
-    cache = new_cache(target.model)
-    target.forward(prefix.to(dev), past_key_values=cache, layer_ids=())
+    own = getattr(target, "own_cache", False)
+    cache = None if own else new_cache(target.model)
+    out = target.forward(prefix.to(dev), past_key_values=cache, layer_ids=(), use_cache=True)
+    cache = out.past_key_values if own else cache
 
     def run(m):
         ids = torch.randint(10, target.vocab_size - 1, (rows, m), device=dev)
 
         def fn():
-            target.forward(ids, past_key_values=cache, layer_ids=layer_ids)
-            crop_cache(cache, prefix_len)
+            if own:
+                cache.activate_past_recording(recurrent_states_to_keep=m)
+            target.forward(ids, past_key_values=cache, layer_ids=layer_ids, use_cache=True)
+            cache.crop(-m) if own else crop_cache(cache, prefix_len)
         return fn
     return _medians({m: run(m) for m in sizes}, repeats)
 
@@ -150,8 +156,10 @@ def measure(target, head, prefix_len: int = 128, repeats: int = 5, batch_size: i
     ``batch_size``), and of a head step (one row)."""
     prefix = torch.randint(10, target.vocab_size - 1, (batch_size, prefix_len), device=target.device)
     taps = HeadProposer(target, head)  # the verify forward returns what this head reads
-    verify_s = verify_costs(target, prefix, repeats, batch_verify_sizes(target.device, batch_size),
-                            layer_ids=taps.layer_ids)
+    sizes = batch_verify_sizes(target.device, batch_size)
+    if getattr(target, "own_cache", False):  # chains only (``planned_widths``): a root and at most MAX_DEPTH nodes
+        sizes = tuple(m for m in sizes if m <= MAX_DEPTH + 1)
+    verify_s = verify_costs(target, prefix, repeats, sizes, layer_ids=taps.layer_ids)
     if getattr(head, "parallel", False):  # one drafting forward whatever the tree: no per-level cost
         draft_s = block_cost(head, prefix_len, repeats)
         return Costs(device_name(target.device), verify_s, dict.fromkeys(LEVEL_SIZES, draft_s), batch_size, draft_s)
@@ -327,10 +335,17 @@ def auto_plan(target, head, cache_dir=None, refresh: bool = False, batch_size: i
     return plan
 
 
+def planned_widths(target) -> tuple[int, ...]:
+    """The top_k a plan considers: every ``LEVEL_SIZES`` on eaglekit's cache; on a model's own cache (recurrent
+    layers) chains only, since a tree is verified one row per root-to-leaf path there (``loop.verify_paths``: L
+    leaves cost L x (1 + depth) positions, not the tree's nodes, so c(n) does not price it)."""
+    return (1,) if getattr(target, "own_cache", False) else LEVEL_SIZES
+
+
 def _pools(target, head):
     made_for = _made_for(target, head, None)
     if head not in _POOLS or _POOLS[head][0] != made_for:
-        _POOLS[head] = made_for, calibrate(target, head, calibration_ids(target))
+        _POOLS[head] = made_for, calibrate(target, head, calibration_ids(target), ks=planned_widths(target))
     return _POOLS[head][1]
 
 

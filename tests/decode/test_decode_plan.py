@@ -204,3 +204,40 @@ def test_decode_plan_auto_per_batch_size(tmp_path, monkeypatch):
         assert (max(out.stats.tree_sizes) > 0) == drafts
         assert any("for a batch of 3" in str(w.message) for w in seen) == (not drafts)
     assert asked == [{"batch_size": 3}] * 2
+
+
+def test_decode_plan_on_a_recurrent_target_prices_the_state_and_plans_chains(tmp_path, monkeypatch):
+    """On a target decoding on its model's own cache (a tiny Qwen3.5: Gated DeltaNet layers) the verify costs are
+    measured as a drafted step runs (states recorded per position, then cropped back to the prefix); the plan is a
+    chain (top_k 1: a tree's path rows are not priced by c(n)), and
+    generate(tree="auto") decodes with it as the target decodes alone."""
+    from arch_matrix import tiny_target_of
+    from transformers.cache_utils import LinearAttentionLayer
+
+    t = tiny_target_of("qwen3_5_text")
+    head = decode_head(t)
+    recorded = []
+    real = LinearAttentionLayer.activate_past_recording
+    monkeypatch.setattr(LinearAttentionLayer, "activate_past_recording",
+                        lambda self, **kw: recorded.append(kw["recurrent_states_to_keep"]) or real(self, **kw))
+    prefix = torch.randint(7, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    costs = cost.verify_costs(t, prefix, repeats=1, sizes=(1, 3))
+    assert set(costs) == {1, 3} and {1, 3} <= set(recorded)
+    ids = torch.randint(7, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(cost, "calibration_ids", lambda target: ids)
+    plan = cost.auto_plan(t, head, cache_dir=tmp_path)
+    assert plan.spec.top_k == 1, plan
+    assert set(map(int, plan.costs["verify_s"])) == {m for m in cost.VERIFY_SIZES if m <= cost.MAX_DEPTH + 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an untrained head's plan may be plain decoding
+        out = decode.generate(t, head, ids[:, :10], 8, eos_token_id=False, tree="auto")
+    ref = t.model.generate(ids[:, :10], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out.sequences.tolist() == ref.tolist()
+    assert all(size <= plan.spec.total_tokens for size in out.stats.tree_sizes)
+
+
+def decode_head(t):
+    from eaglekit.heads import HeadConfig, build_head
+
+    torch.manual_seed(0)
+    return build_head(HeadConfig.from_target(t, kind="eagle3"), t)
