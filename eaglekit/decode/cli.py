@@ -20,6 +20,7 @@ from eaglekit.config import Dtype, NonNegFloat, NonNegInt, PosFraction, PosInt, 
 from eaglekit.decode.draft_model import ModelTreeDrafter
 from eaglekit.decode.drafters import TreeSpec
 from eaglekit.export import load_head
+from eaglekit.heads.mtp import shipped_head
 from eaglekit.target import load_target
 from eaglekit.target.packed_linear import pack_linears
 
@@ -29,7 +30,7 @@ CPU_LINEAR = Literal["packed", "aten"]
 @dataclass
 class GenerateConfig:
     target: str = "smollm2-135m-instruct"
-    head: str | None = None  # a saved head folder (or Hub id)
+    head: str | None = None  # a saved head folder (or Hub id); "mtp": the target checkpoint's own MTP layers
     draft: str | None = None  # a draft model sharing the target's tokenizer
     prompt: str | None = None  # one turn; None = interactive chat on stdin
     system: str | None = None
@@ -161,9 +162,12 @@ def parse_tree(text: str):
 
 
 def load_drafter(cfg, target):
-    """``cfg.head`` (a saved head folder or Hub id) or ``cfg.draft`` (a draft model), loaded for ``target``."""
+    """``cfg.head`` (a saved head folder or Hub id; ``mtp``: the MTP layers the target's checkpoint ships) or
+    ``cfg.draft`` (a draft model), loaded for ``target``."""
     if cfg.head and cfg.draft:
         raise ValueError("give either head= or draft=, not both")
+    if cfg.head == "mtp":
+        return shipped_head(target)
     if cfg.head:
         return load_head(cfg.head, target)
     if cfg.draft:

@@ -2,7 +2,8 @@
 EAGLE 3.1's fc_norm / norm_output and norm_before_fc as options), and the parallel drafters P-EAGLE (EAGLE-3's
 network filling a block of mask slots in one forward), DFlash (block diffusion over the target's taps),
 DSpark (DFlash plus a previous-token logit bias chained through the block, and a confidence head) and DFlash 2
-(DFlash plus an in-block dynamic convolution and a candidate selector walked through the block).
+(DFlash plus an in-block dynamic convolution and a candidate selector walked through the block); and MTP, the
+multi-token-prediction layers a target ships (decoded exactly; training and exports not built yet).
 
     cfg = HeadConfig.from_target(target, kind="eagle3")
     head = build_head(cfg, target)
@@ -20,6 +21,8 @@ lines below it (tests/test_architecture.py checks):
                             (its convolution and candidate selector) beside it
     eagle1, eagle3          the heads: what each reads, fuses, predicts over and trains with (eagle3 also
                             holds P-EAGLE, its network drafting a block in one forward)
+    mtp                     the MTP (next-n) layers a target ships, read from its checkpoint (DeepSeek-V3,
+                            GLM-4.5): transformers' MtpLayer around the target's own decoder layer
     base                    DraftHead: borrowed target modules, draft vocabulary, step checks;
                             ParallelHead, the base of the heads that draft a block in one forward
     layers                  Llama-style layers; HeadCache (and HeadRows: a head's decode rows), masks,

@@ -3,14 +3,16 @@ the two head kinds, and the check that a target is the one a head was built for.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from transformers import LlamaConfig
 
 from eaglekit import __version__
 
-EAGLE1, EAGLE3, PEAGLE, DFLASH, DSPARK, DFLASH2 = "eagle1", "eagle3", "peagle", "dflash", "dspark", "dflash2"
-KINDS = (EAGLE1, EAGLE3, PEAGLE, DFLASH, DSPARK, DFLASH2)  # the head classes of heads.registry, by kind
+EAGLE1, EAGLE3, PEAGLE, DFLASH, DSPARK, DFLASH2, MTP = "eagle1", "eagle3", "peagle", "dflash", "dspark", "dflash2", "mtp"
+KINDS = (EAGLE1, EAGLE3, PEAGLE, DFLASH, DSPARK, DFLASH2, MTP)  # the head classes of heads.registry, by kind
+READS_LAST = (EAGLE1, MTP)  # kinds that read the target's last hidden state (no taps) over its whole vocabulary
 DEFAULT_BLOCK = {PEAGLE: 4, DFLASH: 8, DSPARK: 8, DFLASH2: 8}  # parallel drafters: positions one forward fills unless told
 DEFAULT_MARKOV_RANK = 256  # DSpark: the rank of its previous-token bias W2(W1[x]) (speculators' default)
 # DFlash 2: (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) unless set: the published
@@ -51,6 +53,17 @@ def _number(value) -> int | None:
     return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
+def mtp_layers(config) -> int:
+    """How many MTP (next-n) layers a target's config says its checkpoint ships: DeepSeek / GLM's
+    ``num_nextn_predict_layers`` (transformers' ``num_mtp_layers``), Qwen3.5 / Qwen3-Next's ``mtp_num_hidden_layers``;
+    0 where it names none."""
+    for key in ("num_mtp_layers", "num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
 @dataclass
 class HeadConfig:
     kind: str = EAGLE3
@@ -88,6 +101,9 @@ class HeadConfig:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    # MTP: the target's (text) config as a dict: its MTP layers are decoder layers of the target's own class
+    target_config: dict | None = None
+    mtp_block: str = ""  # MTP: the target's decoder-layer class, "module:Class" (an MTP layer's block is one)
     target_name: str = ""
     target_fingerprint: str = ""
     eaglekit_version: str = field(default_factory=_version)
@@ -101,13 +117,16 @@ class HeadConfig:
             raise ValueError(f"HeadConfig.block_size must be >= 1, got {self.block_size}")
         self.block_size = int(self.block_size)
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-        if self.kind == EAGLE1 and (self.fc_norm or self.norm_output or self.norm_before_fc):
-            raise ValueError("HeadConfig: fc_norm / norm_output / norm_before_fc need fused taps; an eagle1 head "
-                             "has none")
+        if self.kind in READS_LAST and (self.fc_norm or self.norm_output or self.norm_before_fc):
+            raise ValueError(f"HeadConfig: fc_norm / norm_output / norm_before_fc need fused taps; an {self.kind} "
+                             "head has none")
+        if self.kind == MTP and not self.target_config:
+            raise ValueError("HeadConfig: an mtp head needs target_config (its layers are the target's own decoder "
+                             "layers): make it with HeadConfig.from_target(target, kind='mtp')")
         if self.fc_norm and self.norm_before_fc:  # speculators refuses the pair too: two norms of the same taps
             raise ValueError("HeadConfig: fc_norm (a norm per tap) and norm_before_fc (one norm over all taps) "
                              "exclude each other; set one")
-        if self.kind == EAGLE1:
+        if self.kind in READS_LAST:
             self.draft_vocab_size = self.target_vocab_size
             self.aux_layer_ids = []
         if self.train_embedding and self.kind not in (EAGLE3, PEAGLE):
@@ -139,7 +158,7 @@ class HeadConfig:
         head_dim = _number(_read(tc, "head_dim")) or H // heads
         theta, scaling = target_rope(tc)
         vocab = target.vocab_size
-        if kind != EAGLE1:  # every kind but EAGLE-1 reads taps and predicts over a draft vocabulary
+        if kind not in READS_LAST:  # every kind but EAGLE-1 and MTP reads taps and predicts over a draft vocabulary
             default = target.default_taps
             if kind == DFLASH and hasattr(target, "attention_taps"):  # on a hybrid: attention layers' outputs
                 default = target.attention_taps(default)
@@ -159,6 +178,11 @@ class HeadConfig:
             "rope_theta": theta, "rope_scaling": scaling,
             "max_position_embeddings": getattr(tc, "max_position_embeddings", 2048),
             "target_name": getattr(target, "name", ""), "target_fingerprint": target.fingerprint()}
+        if kind == MTP:  # as many MTP layers as the target ships (1 where its config names none)
+            cfg["num_layers"] = num_layers if num_layers != 1 else mtp_layers(tc) or 1
+            cfg["target_config"] = json.loads(tc.to_json_string(use_diff=False))  # as it saves and reloads
+            layer = type(target.layers[-1])
+            cfg["mtp_block"] = f"{layer.__module__}:{layer.__qualname__}"
         if kind in DEFAULT_BLOCK:  # a parallel drafter: its block and the token its unknown slots take
             cfg["block_size"] = block_size or DEFAULT_BLOCK[kind]
             cfg["mask_token_id"] = default_mask_token(target, kind)
@@ -166,7 +190,7 @@ class HeadConfig:
         return cls(**cfg)
 
     def validate(self) -> None:
-        if self.kind != EAGLE1:
+        if self.kind not in READS_LAST:
             if not 0 < self.draft_vocab_size <= self.target_vocab_size:
                 raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.target_vocab_size}")
             bad = [i for i in self.aux_layer_ids if not 0 <= i < self.target_num_layers]

@@ -23,8 +23,10 @@ from eaglekit.heads.config import HeadConfig
 MIN_CAPACITY = 64  # positions a layer's first buffer holds at least
 
 
-def _grown(old, like: torch.Tensor, rows: int, need: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """New zeroed key and value buffers [rows, kv_heads, capacity, head_dim] (like ``like``) with room for
+def _grown(old, like: torch.Tensor, rows: int, need: int, v_like: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """New zeroed key and value buffers [rows, kv_heads, capacity, head_dim] (like ``like``, the values like
+    ``v_like`` where they differ in width: an MTP head's MLA block caches a latent and a rotary part) with room for
     ``need`` positions, holding ``old``'s contents (converted if the head was moved or cast). A full buffer
     is replaced by one at least twice as long, so over a whole decode the copies cost O(1) per position
     appended (amortised) and happen a handful of times. Zeros, not empty memory: positions past a row's
@@ -35,8 +37,9 @@ def _grown(old, like: torch.Tensor, rows: int, need: int) -> tuple[torch.Tensor,
     else:
         capacity = have if have >= need else max(need, 2 * have)
         rows = max(rows, old[0].shape[0])
-    shape = (rows, like.shape[1], capacity, like.shape[3])
-    k, v = like.new_zeros(shape), like.new_zeros(shape)
+    v_like = like if v_like is None else v_like
+    k = like.new_zeros(rows, like.shape[1], capacity, like.shape[3])
+    v = like.new_zeros(rows, v_like.shape[1], capacity, v_like.shape[3])
     if old is not None:
         k[:old[0].shape[0], :, :have] = old[0]
         v[:old[1].shape[0], :, :have] = old[1]
@@ -63,7 +66,7 @@ class HeadCache:
         """Layer ``layer``'s (key, value) buffers, None before its first update."""
         return self._buffers[layer] if layer < len(self._buffers) else None
 
-    def _storage(self, layer: int, like: torch.Tensor, need: int):
+    def _storage(self, layer: int, like: torch.Tensor, need: int, v_like: torch.Tensor | None = None):
         """Layer ``layer``'s buffers with room for ``need`` positions (``like``: the keys going in)."""
         while len(self._lengths) <= layer:
             self._buffers.append(None)
@@ -72,14 +75,14 @@ class HeadCache:
         if buf is not None and buf[0].shape[0] != like.shape[0]:
             raise ValueError(f"HeadCache.update: layer {layer} holds {buf[0].shape[0]} rows, got {like.shape[0]}")
         if buf is None or buf[0].shape[2] < need or buf[0].dtype != like.dtype or buf[0].device != like.device:
-            buf = self._buffers[layer] = _grown(buf, like, like.shape[0], need)
+            buf = self._buffers[layer] = _grown(buf, like, like.shape[0], need, v_like)
         return buf
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new k/v for ``layer`` after its cached ones; return everything cached for it (views)."""
         start = self._lengths[layer] if layer < len(self._lengths) else 0
         end = start + k.shape[2]
-        kb, vb = self._storage(layer, k, end)
+        kb, vb = self._storage(layer, k, end, v)
         kb[:, :, start:end] = k
         vb[:, :, start:end] = v
         self._lengths[layer] = end
@@ -157,14 +160,14 @@ class HeadRows:
         if all(n is None for n in self.lengths):
             self.buffers, self.lengths = [None] * self.num_layers, []
 
-    def reserve(self, layer: int, like: torch.Tensor, need: int):
+    def reserve(self, layer: int, like: torch.Tensor, need: int, v_like: torch.Tensor | None = None):
         """Layer ``layer``'s buffers with a batch row per slot and room for ``need`` positions."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"HeadRows: layer {layer} out of range for a head of {self.num_layers} layers")
         buf = self.buffers[layer]
         if (buf is None or buf[0].shape[2] < need or buf[0].shape[0] < len(self.lengths)
                 or buf[0].dtype != like.dtype or buf[0].device != like.device):
-            buf = self.buffers[layer] = _grown(buf, like, len(self.lengths), need)
+            buf = self.buffers[layer] = _grown(buf, like, len(self.lengths), need, v_like)
         return buf
 
 
@@ -179,10 +182,10 @@ class RowCache(HeadCache):
         buf = self.rows.buffers[layer] if layer < self.rows.num_layers else None
         return None if buf is None else (buf[0][self.slot:self.slot + 1], buf[1][self.slot:self.slot + 1])
 
-    def _storage(self, layer: int, like: torch.Tensor, need: int):
+    def _storage(self, layer: int, like: torch.Tensor, need: int, v_like: torch.Tensor | None = None):
         if like.shape[0] != 1:
             raise ValueError(f"RowCache.update: one row's cache takes [1, ...] keys, got {list(like.shape)}")
-        self.rows.reserve(layer, like, need)
+        self.rows.reserve(layer, like, need, v_like)
         return self._current(layer)
 
 
@@ -212,11 +215,11 @@ class RowsStep:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         new, width = k.shape[2], self.length + k.shape[2]
-        kb, vb = self.rows.reserve(layer, k, width)
-        if self._at is None or self._at.shape != k.shape:  # the same for every layer of one forward
-            self._at = self.positions(new).to(k.device)[:, None, :, None].expand(k.shape)
-        kb[self.lo:self.hi].scatter_(2, self._at, k)
-        vb[self.lo:self.hi].scatter_(2, self._at, v)
+        kb, vb = self.rows.reserve(layer, k, width, v)
+        if self._at is None or self._at.shape[2] != new:  # the same for every layer of one forward
+            self._at = self.positions(new).to(k.device)[:, None, :, None]
+        kb[self.lo:self.hi].scatter_(2, self._at.expand(k.shape), k)
+        vb[self.lo:self.hi].scatter_(2, self._at.expand(v.shape), v)
         return kb[self.lo:self.hi, :, :width], vb[self.lo:self.hi, :, :width]
 
     attend = HeadCache.attend  # write the rows' k/v, attend over what update returns

@@ -9,9 +9,10 @@ from eaglekit.heads.dflash import DFlash2Head, DFlashHead
 from eaglekit.heads.dspark import DSparkHead
 from eaglekit.heads.eagle1 import Eagle1Head
 from eaglekit.heads.eagle3 import Eagle3Head, PEagleHead
+from eaglekit.heads.mtp import MtpHead
 
 HEADS: dict[str, type[DraftHead]] = {cls.kind: cls for cls in (Eagle1Head, Eagle3Head, PEagleHead, DFlashHead,
-                                                        DSparkHead, DFlash2Head)}
+                                                        DSparkHead, DFlash2Head, MtpHead)}
 assert tuple(HEADS) == KINDS, "every kind of HeadConfig has one head class"
 
 

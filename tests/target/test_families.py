@@ -27,7 +27,7 @@ from eaglekit.target.architectures import UnsupportedArchitecture, refusal
 from eaglekit.train.config import LossConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TRAINED_KINDS = [k for k in KINDS if k != "eagle1"]  # every kind that reads taps (EAGLE-1 reads `last` only)
+TRAINED_KINDS = [k for k in KINDS if k not in ("eagle1", "mtp")]  # the kinds that read taps (EAGLE-1 and MTP: `last`)
 NEW = 10
 _gen = torch.Generator().manual_seed(1)
 PROMPTS = [torch.randint(7, 512, (n,), generator=_gen).tolist() for n in (20, 13)]  # longer than every chunk

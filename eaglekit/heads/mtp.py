@@ -1,0 +1,165 @@
+"""MTP head: the multi-token-prediction (next-n) layers a target ships beside its decoder (DeepSeek-V3, GLM-4.5:
+``model.layers.{L+k}.*``), the drafter serving engines run for it (vLLM's ``deepseek_mtp``, SGLang's NEXTN).
+
+What an MTP layer computes, as vLLM, SGLang and transformers (``modeling_layers.MtpLayer``) agree:
+element t = (the target's last hidden state h_t, after its final norm; token x_{t+1}) at position t,
+``z = eh_proj(cat[enorm(E(x_{t+1})), hnorm(h_t)])``, then a decoder layer of the target's own class (its
+attention with a KV cache of its own, its MoE), then ``shared_head.norm``; the target's lm_head reads that and
+gives the draft for x_{t+2}. The next draft step feeds the normed output back as its h and the drafted token as
+its x, through the same layer (the engines reuse one layer for every depth). So the head is an EAGLE-1 shaped
+drafter: it reads ``last``, predicts over the whole vocabulary, and drafts trees and chains through
+``decode.EagleDrafter`` like every autoregressive head.
+
+The layer is transformers' own ``MtpLayer`` around the target's decoder-layer class (``HeadConfig.mtp_block``),
+built from the target's config (``HeadConfig.target_config``); the shipped weights are read by transformers'
+``MtpModel.from_pretrained`` (its renames and the target's own weight conversions, MoE experts fused) and copied
+in (``load_shipped``). Its attention writes the head's cache through ``BlockCache``.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from unittest import mock
+
+import torch
+from torch import nn
+from transformers import CONFIG_MAPPING
+from transformers.modeling_layers import MtpLayer, MtpModel
+
+from eaglekit.heads.base import DraftHead
+from eaglekit.heads.config import MTP, HeadConfig
+from eaglekit.heads.layers import causal_mask
+
+
+class BlockCache:
+    """A head cache (``HeadCache``, a decode row's, a ``RowsStep``) seen through the one method a transformers
+    decoder layer calls on its cache: ``update(keys, values, layer_idx)`` → every key and value it holds."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.cache.update(layer_idx, key_states, value_states)
+
+
+def mtp_config(config: HeadConfig):
+    """The transformers config the MTP layers are built from: the target's, through its ``get_mtp_config`` (its
+    layer count the MTP layers', their own layer and MLP types), on SDPA with the head's additive masks."""
+    data = dict(config.target_config)
+    cfg = CONFIG_MAPPING[data["model_type"]].from_dict(data)
+    if getattr(cfg, "num_mtp_layers", None) is None:
+        raise ValueError(f"HeadConfig: a {data['model_type']} target's config names no MTP layers "
+                         "(num_nextn_predict_layers / num_mtp_layers): eaglekit builds MTP heads for DeepSeek-V3 "
+                         "and GLM-4.5's layout (Qwen3.5 / Qwen3-Next / Nemotron-H: not yet)")
+    cfg.num_mtp_layers = config.num_layers
+    cfg = cfg.get_mtp_config()
+    cfg._attn_implementation = "sdpa"
+    # an MoE block's experts as transformers' MtpModel runs them (grouped matmuls where torch has them)
+    cfg._experts_implementation = "grouped_mm" if hasattr(torch, "_grouped_mm") else "eager"
+    return cfg
+
+
+def block_class(path: str) -> type[nn.Module]:
+    """The decoder-layer class ``module:Class`` (``HeadConfig.mtp_block``)."""
+    module, _, name = path.partition(":")
+    if not module.startswith("transformers.") or not name:
+        raise ValueError(f"HeadConfig.mtp_block must name a transformers decoder layer 'module:Class', got {path!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+class MtpHead(DraftHead):
+    kind = MTP
+    reads = "last"
+    has_draft_vocab = False
+    # how the model card names it and the engines serve it (eaglekit.export.hub; no export layout yet)
+    display_name, vllm_method, sglang_algorithm, speculators_model = "MTP", "mtp", "NEXTN", None
+
+    def __init__(self, config: HeadConfig):
+        if config.kind != MTP:
+            raise ValueError(f"MtpHead needs kind='mtp', got {config.kind!r}")
+        super().__init__(config)
+        cfg = mtp_config(config)
+        layer_cls = block_class(config.mtp_block)
+        with torch.device("meta"):  # what transformers' MtpModel takes as the norm: the block's first norm's class
+            probe = layer_cls(cfg, 0)
+        norm_cls = next(type(m) for name, m in probe.named_modules() if "norm" in name)
+        self.layers = nn.ModuleList([MtpLayer(cfg, layer_cls, norm_cls, k) for k in range(config.num_layers)])
+        self.register_buffer("d2t", torch.zeros(config.target_vocab_size, dtype=torch.long), persistent=False)
+        self.register_buffer("t2d", torch.ones(config.target_vocab_size, dtype=torch.bool), persistent=False)
+
+    @classmethod
+    def tap_layers(cls, target, layer_ids=None) -> tuple[int, ...]:
+        return ()  # an MTP layer reads the last hidden state only
+
+    def bind(self, target) -> MtpHead:
+        super().bind(target)
+        self._borrowed["rotary"] = getattr(target.decoder, "rotary_emb", None)  # the target's RoPE, as MtpModel
+        return self
+
+    def fuse(self, last: torch.Tensor) -> torch.Tensor:
+        """The target's last hidden state after its final norm, as the engines hand it to their MTP layers."""
+        return last.to(self.dtype)
+
+    def set_draft_vocab(self, d2t, t2d) -> None:
+        raise ValueError("MtpHead predicts over the full target vocabulary; it has no draft vocabulary")
+
+    trains = False
+    trains_not = ("training an MTP head is not built yet: eaglekit reads the MTP layers a target ships "
+                  "(heads.mtp.load_shipped) and decodes with them")
+
+    def training_loss(self, teacher, batch, loss, *, steps: int, train: bool = True):
+        raise NotImplementedError(self.trains_not)
+
+    def step(self, input_ids, g, position_ids, cache=None, attn_mask=None):
+        """→ (the layer's normed output [B, S, H], fed back as the next step's h; logits over the target vocabulary
+        through the target's lm_head). One MTP layer drafts every depth, as the engines run it."""
+        self._check_step(input_ids, g, position_ids, cache, attn_mask)
+        dtype, dev = self.dtype, self.device
+        S, past = input_ids.shape[1], cache.length if cache is not None else 0
+        # always a mask: a transformers attention given none is causal from the first key, not after the cache
+        mask = causal_mask(S, past, dtype, dev) if attn_mask is None else attn_mask.to(dev, dtype)
+        pos = position_ids.to(dev)
+        e = self.embed(input_ids)
+        rotary = self._borrowed.get("rotary")
+        rope = None if rotary is None else rotary(e, pos)
+        out = self.layers[0](e, g.to(dtype), position_embeddings=rope, attention_mask=mask, position_ids=pos,
+                             cache=None if cache is None else BlockCache(cache))
+        lm_head = self.target_module("lm_head")
+        return out, lm_head(out.to(lm_head.weight.device, lm_head.weight.dtype))
+
+
+def shipped_head(target, path=None) -> MtpHead:
+    """An MTP head holding the MTP layers the target's checkpoint ships (``head=mtp`` on the command line)."""
+    head = MtpHead(HeadConfig.from_target(target, kind=MTP)).to(device=target.device, dtype=target.dtype)
+    return load_shipped(head.bind(target), target, path)
+
+
+def load_shipped(head: MtpHead, target, path=None) -> MtpHead:
+    """Copy the MTP layers the target's checkpoint at ``path`` (default: where its model was loaded from) ships
+    into ``head``: ``model.layers.{L + k}.*`` for k < head's layers, read by transformers' ``MtpModel`` (renamed
+    into ``MtpLayer``'s names, the target's own weight conversions applied). A checkpoint without them is one
+    error naming the path."""
+    model = target.model
+    where = str(path or model.config.name_or_path or "")
+    if not where:
+        raise ValueError("load_shipped: the target was not loaded from a checkpoint folder: pass path=")
+    L, n = target.num_layers, head.config.num_layers
+
+    # transformers' MtpModel finding the MTP tensors by their index, whatever depth its model class assumes (61;
+    # patched for this read: a subclass would miss the checkpoint renames transformers keeps for MtpModel itself)
+    pattern = re.compile("|".join(rf"(^model\.layers\.{L + k}\.)" for k in range(n)))
+    regex = mock.patch.object(MtpModel, "get_mtp_weights_regex", staticmethod(lambda main_model: pattern))
+
+    config = model.config
+    saved = config.name_or_path, getattr(config, "num_mtp_layers", None)
+    config.name_or_path, config.num_mtp_layers = where, n
+    try:
+        with regex:
+            shipped = MtpModel.from_pretrained(model)
+    except (RuntimeError, OSError, ValueError) as e:
+        raise ValueError(f"{where}: no MTP layers model.layers.{L}..{L + n - 1} to load ({e})") from e
+    finally:
+        config.name_or_path, config.num_mtp_layers = saved
+    with torch.no_grad():
+        head.layers.load_state_dict(shipped.layers.state_dict())
+    return head
