@@ -3,7 +3,7 @@ EAGLE 3.1's fc_norm / norm_output and norm_before_fc as options), and the parall
 network filling a block of mask slots in one forward), DFlash (block diffusion over the target's taps),
 DSpark (DFlash plus a previous-token logit bias chained through the block, and a confidence head) and DFlash 2
 (DFlash plus an in-block dynamic convolution and a candidate selector walked through the block); and MTP, the
-multi-token-prediction layers a target ships (decoded exactly; training and exports not built yet).
+multi-token-prediction layers a target ships (or a fresh one of the target's decoder-layer class).
 
     cfg = HeadConfig.from_target(target, kind="eagle3")
     head = build_head(cfg, target)

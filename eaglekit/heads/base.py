@@ -37,8 +37,6 @@ class DraftHead(nn.Module):
     has_draft_vocab: bool = True  # False: predicts over the whole target vocabulary
     parallel: bool = False  # True: one forward drafts several tokens (heads.base.ParallelHead)
     llama_cpp_spec_type: str | None = None  # llama-server's --spec-type for it (None: llama.cpp has no loader)
-    trains: bool = True  # False: eaglekit does not train this kind yet (``trains_not`` says why)
-    trains_not: str = ""
 
     def __init__(self, config: HeadConfig):
         super().__init__()

@@ -104,6 +104,7 @@ class HeadConfig:
     # MTP: the target's (text) config as a dict: its MTP layers are decoder layers of the target's own class
     target_config: dict | None = None
     mtp_block: str = ""  # MTP: the target's decoder-layer class, "module:Class" (an MTP layer's block is one)
+    mtp_rotary: str = ""  # MTP: the target's rotary-embedding class ("": none), built from target_config
     target_name: str = ""
     target_fingerprint: str = ""
     eaglekit_version: str = field(default_factory=_version)
@@ -181,8 +182,9 @@ class HeadConfig:
         if kind == MTP:  # as many MTP layers as the target ships (1 where its config names none)
             cfg["num_layers"] = num_layers if num_layers != 1 else mtp_layers(tc) or 1
             cfg["target_config"] = json.loads(tc.to_json_string(use_diff=False))  # as it saves and reloads
-            layer = type(target.layers[-1])
-            cfg["mtp_block"] = f"{layer.__module__}:{layer.__qualname__}"
+            for key, module in (("mtp_block", target.layers[-1]), ("mtp_rotary", getattr(target.decoder, "rotary_emb", None))):
+                if module is not None:
+                    cfg[key] = f"{type(module).__module__}:{type(module).__qualname__}"
         if kind in DEFAULT_BLOCK:  # a parallel drafter: its block and the token its unknown slots take
             cfg["block_size"] = block_size or DEFAULT_BLOCK[kind]
             cfg["mask_token_id"] = default_mask_token(target, kind)

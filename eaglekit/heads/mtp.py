@@ -13,7 +13,9 @@ drafter: it reads ``last``, predicts over the whole vocabulary, and drafts trees
 The layer is transformers' own ``MtpLayer`` around the target's decoder-layer class (``HeadConfig.mtp_block``),
 built from the target's config (``HeadConfig.target_config``); the shipped weights are read by transformers'
 ``MtpModel.from_pretrained`` (its renames and the target's own weight conversions, MoE experts fused) and copied
-in (``load_shipped``). Its attention writes the head's cache through ``BlockCache``.
+in (``load_shipped``, ``init_from_target``). Its attention writes the head's cache through ``BlockCache``; training's
+unroll runs it over the steps' keys with the TTT mask (``ttt_mask``), so the objective is the chain the engines draft.
+A target that ships no MTP layer gets a fresh one of its own decoder-layer class (trained from scratch).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from transformers.modeling_layers import MtpLayer, MtpModel
 
 from eaglekit.heads.base import DraftHead
 from eaglekit.heads.config import MTP, HeadConfig
-from eaglekit.heads.layers import causal_mask
+from eaglekit.heads.layers import HeadCache, causal_mask, ttt_mask
+from eaglekit.heads.ttt_attention import TTTCache
 
 
 class BlockCache:
@@ -43,16 +46,19 @@ class BlockCache:
 
 
 def mtp_config(config: HeadConfig):
-    """The transformers config the MTP layers are built from: the target's, through its ``get_mtp_config`` (its
-    layer count the MTP layers', their own layer and MLP types), on SDPA with the head's additive masks."""
+    """The transformers config the MTP layers are built from: the target's, through its ``get_mtp_config`` where
+    it has MTP layers (their count, their own layer and MLP types); else (an MTP layer trained from scratch for a
+    target that ships none) the target's with as many layers, each a full-attention one. On SDPA with the head's
+    additive masks."""
     data = dict(config.target_config)
     cfg = CONFIG_MAPPING[data["model_type"]].from_dict(data)
-    if getattr(cfg, "num_mtp_layers", None) is None:
-        raise ValueError(f"HeadConfig: a {data['model_type']} target's config names no MTP layers "
-                         "(num_nextn_predict_layers / num_mtp_layers): eaglekit builds MTP heads for DeepSeek-V3 "
-                         "and GLM-4.5's layout (Qwen3.5 / Qwen3-Next / Nemotron-H: not yet)")
-    cfg.num_mtp_layers = config.num_layers
-    cfg = cfg.get_mtp_config()
+    if getattr(cfg, "num_mtp_layers", None) is not None:
+        cfg.num_mtp_layers = config.num_layers
+        cfg = cfg.get_mtp_config()
+    else:
+        cfg.num_hidden_layers = config.num_layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = ["full_attention"] * config.num_layers
     cfg._attn_implementation = "sdpa"
     # an MoE block's experts as transformers' MtpModel runs them (grouped matmuls where torch has them)
     cfg._experts_implementation = "grouped_mm" if hasattr(torch, "_grouped_mm") else "eager"
@@ -60,10 +66,10 @@ def mtp_config(config: HeadConfig):
 
 
 def block_class(path: str) -> type[nn.Module]:
-    """The decoder-layer class ``module:Class`` (``HeadConfig.mtp_block``)."""
+    """The transformers class ``module:Class`` (``HeadConfig.mtp_block``, ``mtp_rotary``)."""
     module, _, name = path.partition(":")
     if not module.startswith("transformers.") or not name:
-        raise ValueError(f"HeadConfig.mtp_block must name a transformers decoder layer 'module:Class', got {path!r}")
+        raise ValueError(f"HeadConfig: MTP classes must be transformers' 'module:Class', got {path!r}")
     return getattr(importlib.import_module(module), name)
 
 
@@ -84,17 +90,15 @@ class MtpHead(DraftHead):
             probe = layer_cls(cfg, 0)
         norm_cls = next(type(m) for name, m in probe.named_modules() if "norm" in name)
         self.layers = nn.ModuleList([MtpLayer(cfg, layer_cls, norm_cls, k) for k in range(config.num_layers)])
+        # the target's RoPE, made from its config (its buffers are not saved): what MtpModel borrows from the target,
+        # which offline training loads without its decoder
+        self.rotary_emb = block_class(config.mtp_rotary)(cfg) if config.mtp_rotary else None
         self.register_buffer("d2t", torch.zeros(config.target_vocab_size, dtype=torch.long), persistent=False)
         self.register_buffer("t2d", torch.ones(config.target_vocab_size, dtype=torch.bool), persistent=False)
 
     @classmethod
     def tap_layers(cls, target, layer_ids=None) -> tuple[int, ...]:
         return ()  # an MTP layer reads the last hidden state only
-
-    def bind(self, target) -> MtpHead:
-        super().bind(target)
-        self._borrowed["rotary"] = getattr(target.decoder, "rotary_emb", None)  # the target's RoPE, as MtpModel
-        return self
 
     def fuse(self, last: torch.Tensor) -> torch.Tensor:
         """The target's last hidden state after its final norm, as the engines hand it to their MTP layers."""
@@ -103,25 +107,27 @@ class MtpHead(DraftHead):
     def set_draft_vocab(self, d2t, t2d) -> None:
         raise ValueError("MtpHead predicts over the full target vocabulary; it has no draft vocabulary")
 
-    trains = False
-    trains_not = ("training an MTP head is not built yet: eaglekit reads the MTP layers a target ships "
-                  "(heads.mtp.load_shipped) and decodes with them")
-
-    def training_loss(self, teacher, batch, loss, *, steps: int, train: bool = True):
-        raise NotImplementedError(self.trains_not)
+    def init_from_target(self, target) -> None:
+        """Start from the MTP layers the target's checkpoint ships (``load_shipped``): fine-tuning them."""
+        load_shipped(self, target)
 
     def step(self, input_ids, g, position_ids, cache=None, attn_mask=None):
         """→ (the layer's normed output [B, S, H], fed back as the next step's h; logits over the target vocabulary
         through the target's lm_head). One MTP layer drafts every depth, as the engines run it."""
         self._check_step(input_ids, g, position_ids, cache, attn_mask)
         dtype, dev = self.dtype, self.device
-        S, past = input_ids.shape[1], cache.length if cache is not None else 0
+        S = input_ids.shape[1]
+        if isinstance(cache, TTTCache):  # training's unroll: every step's keys kept, its anchored pattern a mask
+            if cache.rows is not None:
+                raise ValueError("MtpHead: training an MTP head takes every position at every step (no anchors)")
+            cache = cache.__dict__.setdefault("mtp", HeadCache())
+            attn_mask = ttt_mask(S, cache.length // S, dtype, dev)
+        past = cache.length if cache is not None else 0
         # always a mask: a transformers attention given none is causal from the first key, not after the cache
         mask = causal_mask(S, past, dtype, dev) if attn_mask is None else attn_mask.to(dev, dtype)
         pos = position_ids.to(dev)
         e = self.embed(input_ids)
-        rotary = self._borrowed.get("rotary")
-        rope = None if rotary is None else rotary(e, pos)
+        rope = None if self.rotary_emb is None else self.rotary_emb(e, pos)
         out = self.layers[0](e, g.to(dtype), position_embeddings=rope, attention_mask=mask, position_ids=pos,
                              cache=None if cache is None else BlockCache(cache))
         lm_head = self.target_module("lm_head")

@@ -20,7 +20,7 @@ from eaglekit.config import (
     TargetSpec,
     load_config,
 )
-from eaglekit.heads import EAGLE3, KINDS, HeadConfig, head_class
+from eaglekit.heads import EAGLE3, KINDS, HeadConfig
 
 
 @dataclass
@@ -153,8 +153,6 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
     d, h, o = cfg.data, cfg.head, cfg.optim
     if h.kind not in KINDS:
         raise ConfigError(f"{where}: head.kind must be one of {KINDS}, got {h.kind!r}")
-    if not head_class(h.kind).trains:
-        raise ConfigError(f"{where}: head.kind={h.kind}: {head_class(h.kind).trains_not}")
     if bool(d.features_dir) == bool(d.conversations):
         raise ConfigError(f"{where}: set exactly one of data.features_dir (offline) or data.conversations (online)")
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_dir():

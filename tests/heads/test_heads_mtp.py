@@ -15,6 +15,7 @@ from transformers.modeling_layers import MtpModel
 
 from eaglekit import decode
 from eaglekit.decode.drafters import TreeSpec
+from eaglekit.export import load_head
 from eaglekit.heads import HeadCache, HeadConfig, build_head
 from eaglekit.heads.mtp import load_shipped
 from eaglekit.target import load_target
@@ -148,12 +149,7 @@ def test_a_checkpoint_without_its_mtp_layer_is_one_error(shipped, tmp_path):
         load_shipped(head, target)
 
 
-def test_training_an_mtp_head_is_refused_by_its_config():
-    from eaglekit.config import ConfigError
-    from eaglekit.train.config import load_train_config
 
-    with pytest.raises(ConfigError, match="head.kind=mtp: training an MTP head is not built yet"):
-        load_train_config(None, ["target=x", "data.features_dir=y", "head.kind=mtp"])
 
 
 def test_an_mtp_head_saves_and_reloads_bit_identically_and_its_exports_are_refused(shipped, tmp_path):
@@ -170,3 +166,84 @@ def test_an_mtp_head_saves_and_reloads_bit_identically_and_its_exports_are_refus
     for layout in ("vllm", "sglang", "speculators"):
         with pytest.raises(ExportError, match=f"an MTP head has no {layout} layout yet"):
             export_head(head, tmp_path / layout, layout)
+
+
+def test_training_unrolls_what_the_mtp_layer_drafts(shipped):
+    """The training unroll (ttt_unroll: step k reads token t+1+k at position t+k and step k-1's output) gives, at
+    element t and depth k, the logits of drafting a chain from prefix t with the layer (its own cache, the normed
+    output fed back): the objective trains what the engines draft."""
+    from eaglekit.heads.objectives import ttt_unroll
+
+    path, *_ = shipped
+    target = load_target(str(path))
+    head = mtp_head(target)
+    ids = torch.randint(7, 512, (1, 12), generator=torch.Generator().manual_seed(4))
+    last = target.forward(ids, layer_ids=(), logits=False).last
+    with torch.no_grad():
+        unrolled = [logits for _, _, logits in ttt_unroll(head, ids, head.fuse(last), 3)]
+        t = 6  # the chain from prefix t: elements 0..t exact, then the layer's own drafts
+        cache = HeadCache()
+        hidden, logits = head.step(ids[:, 1:t + 2], last[:, :t + 1], torch.arange(t + 1)[None], cache=cache)
+        for k in range(3):
+            torch.testing.assert_close(logits[0, -1], unrolled[k][0, t], rtol=0, atol=1e-5)
+            token = ids[:, t + 2 + k:t + 3 + k]  # feed the true next token (the unroll's teacher forcing)
+            hidden, logits = head.step(token, hidden[:, -1:], torch.tensor([[t + 1 + k]]), cache=cache)
+
+
+def test_an_mtp_head_fine_tunes_from_the_shipped_layer(shipped, tmp_path):
+    """`eaglekit prepare` (the last hidden state only) then offline training of head.kind=mtp started from the
+    shipped layer (head.init_from_target): two steps move it, held-out τ_sim is reported, and the saved head
+    decodes as the target does."""
+    from helpers import tiny_conversations
+
+    from eaglekit.cli import main
+    from eaglekit.train.config import load_train_config
+    from eaglekit.train.trainer import train
+
+    path, *_ = shipped
+    tiny_conversations(tmp_path / "convs.jsonl", n=10)
+    prep = tmp_path / "prep"
+    assert main(["prepare", f"target={path}", f"data={tmp_path / 'convs.jsonl'}", f"output_dir={prep}", "kind=mtp",
+                 "num_conversations=0", "max_length=64", "progress=false"]) == 0
+    cfg = load_train_config(None, [
+        f"target={path}", f"data.features_dir={prep}", "data.eval_samples=3", "data.batch_size=2",
+        "head.kind=mtp", "head.init_from_target=true", "loss.ttt_steps=2", "optim.max_steps=2", "progress=false",
+        "trackers=[]", "eval_interval=0", "save_interval=0", f"output_dir={tmp_path / 'out'}"])
+    final = train(cfg)
+    assert final["step"] == 2 and 1.0 <= final["eval_tau_sim"] <= 3.0, final
+    target = load_target(str(path))
+    shipped_layer, tuned = mtp_head(target), load_head(str(tmp_path / "out" / "final"), target)
+    assert any(not torch.equal(a, b) for a, b in zip(shipped_layer.parameters(), tuned.parameters()))
+    prompt = torch.randint(7, 512, (16,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = decode.generate(target, tuned, torch.tensor([prompt]), 10, eos_token_id=False, tree=TreeSpec(3, 1, 3))
+    assert out.sequences[0, 16:].tolist() == hf_greedy(target, prompt, 10)[0, 16:].tolist()
+
+
+def test_an_mtp_layer_trains_from_scratch_for_a_target_that_ships_none():
+    """A Llama target ships no MTP layer: head.kind=mtp is then a fresh layer of its own decoder-layer class
+    (transformers' MtpLayer around a LlamaDecoderLayer), trained by the TTT objective (two steps move it and
+    lower nothing to NaN) and decoding as the target does."""
+    from helpers import tiny_target
+
+    from eaglekit.heads.objectives import Teacher
+    from eaglekit.train.config import LossConfig
+
+    t = tiny_target("llama", layers=2, vocab_size=512)
+    torch.manual_seed(0)
+    head = build_head(HeadConfig.from_target(t, kind="mtp"), t).train()
+    assert head.config.mtp_block.endswith(":LlamaDecoderLayer") and head.config.num_layers == 1
+    ids = torch.randint(7, 512, (2, 16), generator=torch.Generator().manual_seed(6))
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "last": t.features(ids, layer_ids=()).last}
+    teacher = Teacher.build(t.lm_head.weight, head.t2d)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in head.parameters()]
+    for _ in range(2):
+        loss, stats = head.training_loss(teacher, batch, LossConfig(ttt_steps=2), steps=2)
+        assert torch.isfinite(loss) and loss > 0
+        opt.zero_grad()
+        (loss / sum(stats.total)).backward()
+        opt.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, head.parameters()))
+    prompt = ids[0].tolist()
+    out = decode.generate(t, head.eval(), torch.tensor([prompt]), 8, eos_token_id=False, tree=TreeSpec(3, 2, 6))
+    assert out.sequences[0, 16:].tolist() == hf_greedy(t, prompt, 8)[0, 16:].tolist()
