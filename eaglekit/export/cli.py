@@ -16,7 +16,7 @@ from eaglekit.target import Target, load_target_from
 class ExportOptions:
     head: str = ""  # a saved head folder (or Hub id)
     out: str = ""  # the folder to write
-    to: str = "sglang"  # sglang | vllm | speculators | eagle1 | llama.cpp (a GGUF for llama-server -md)
+    to: str = "sglang"  # sglang | vllm | speculators | eagle1 | llama.cpp (a GGUF for llama-server -md) | checkpoint
     target: TargetSpec | None = None  # default: the target named in the head's config
     verifier: str = ""  # target id written for engines (ORG/NAME or a local model folder); default: derived
     dtype: Dtype | None = None  # e.g. bfloat16; default: the head's own dtype
@@ -58,6 +58,10 @@ def run(args) -> int:
     out = export_to(opts.head, opts.out, opts.to, target, dtype=dtype, overwrite=opts.overwrite,
                     speculative_tokens=opts.speculative_tokens, verifier=opts.verifier or None,
                     gguf_type=opts.gguf_type)
+    if opts.to == "checkpoint":
+        print(f"wrote a copy of the target's checkpoint holding the MTP head to {out} (serve it as the target: "
+              "vLLM's deepseek_mtp / SGLang's NEXTN read its next-n layers)")
+        return 0
     if opts.to == LLAMA_CPP:
         print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {opts.gguf_type}) with llama.cpp's converter; serve it "
               f"with: llama-server -m TARGET.gguf -md {out} --spec-type draft-eagle3 (docs/serving.md)")

@@ -51,6 +51,7 @@ from eaglekit.export.layouts import (
     tensor_kind,
     validate_export,
 )
+from eaglekit.export.mtp_checkpoint import write_checkpoint
 from eaglekit.export.verifier import resolve_verifier
 from eaglekit.fileio import write_json, write_safetensors
 from eaglekit.heads.base import DraftHead
@@ -72,7 +73,8 @@ from eaglekit.heads.io import (
 __all__ = ["EXPORT_BLOCK", "LAYOUTS", "ExportError", "export_config", "export_head", "export_to", "layout_state",
            "load_export", "load_head", "validate_export"]  # the first three and the last also live in export.layouts
 LLAMA_CPP = "llama.cpp"  # not a folder layout: a GGUF file written by llama.cpp's converter (eaglekit.engines.llama_cpp)
-FORMATS = (*LAYOUTS, LLAMA_CPP)  # what `eaglekit export --to` writes
+CHECKPOINT = "checkpoint"  # an MTP head: a copy of the target's checkpoint holding it (export.mtp_checkpoint)
+FORMATS = (*LAYOUTS, LLAMA_CPP, CHECKPOINT)  # what `eaglekit export --to` writes
 SPECULATORS_VERSION = "0.9.0"  # the speculators release these configs were checked against
 
 
@@ -281,6 +283,8 @@ def export_to(src, dst, layout: str, target, dtype=None, overwrite: bool = False
               **kw) -> Path:
     """Load the head in ``src`` (checked against ``target``) and export it to ``dst``."""
     head = load_head(src, target)
+    if layout == CHECKPOINT:
+        return write_checkpoint(head, target, dst, dtype=dtype, overwrite=overwrite)
     if layout == LLAMA_CPP:
         from eaglekit.target import resolve
 

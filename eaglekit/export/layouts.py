@@ -78,8 +78,8 @@ def expected_weights(layout: str, cfg: HeadConfig) -> dict[str, tuple[list[int],
     """{name: (shape, dtype kind)} with kind "float", "int64" or "bool" — exactly what ``layout`` holds."""
     H, V, Vd = cfg.hidden_size, cfg.target_vocab_size, cfg.draft_vocab_size
     layout_engines(layout)
-    need(cfg.kind != MTP, f"an MTP head has no {layout} layout yet: the engines read MTP layers from the target's own "
-         "checkpoint (model.layers.{L}.* beside the target's weights), which eaglekit does not write yet")
+    need(cfg.kind != MTP, f"an MTP head has no {layout} layout: the engines read MTP layers from the target's own "
+         "checkpoint; export it with --to checkpoint (a copy of the target's folder holding it)")
     if cfg.kind == DFLASH:  # DFlash's own layout (heads.dflash_layout)
         return dflash_weights(layout, cfg)
     if layout == "eagle1":

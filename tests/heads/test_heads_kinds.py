@@ -91,7 +91,7 @@ def test_heads_base_imports_no_saving_or_hub():
 LAYERS = {  # lowest first: a module imports only modules of lower layers of its package
     "eaglekit.heads": [{"config", "ttt_attention"}, {"layers"}, {"objectives"}, {"base"},
                        {"eagle1", "eagle3", "dflash", "mtp"}, {"dspark"}, {"registry"}, {"io"}],
-    "eaglekit.export": [{"engines", "verifier"}, {"dflash_layout"}, {"dspark_layout"}, {"dflash2_layout"}, {"layouts"},
+    "eaglekit.export": [{"engines", "verifier", "mtp_checkpoint"}, {"dflash_layout"}, {"dspark_layout"}, {"dflash2_layout"}, {"layouts"},
                         {"formats"}, {"hub"}, {"cli"}, {"push_cli"}],
 }
 

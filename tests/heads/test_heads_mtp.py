@@ -164,7 +164,7 @@ def test_an_mtp_head_saves_and_reloads_bit_identically_and_its_exports_are_refus
     assert type(again) is type(head) and again.config == head.config
     assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
     for layout in ("vllm", "sglang", "speculators"):
-        with pytest.raises(ExportError, match=f"an MTP head has no {layout} layout yet"):
+        with pytest.raises(ExportError, match=f"an MTP head has no {layout} layout: .* --to checkpoint"):
             export_head(head, tmp_path / layout, layout)
 
 
@@ -247,3 +247,34 @@ def test_an_mtp_layer_trains_from_scratch_for_a_target_that_ships_none():
     prompt = ids[0].tolist()
     out = decode.generate(t, head.eval(), torch.tensor([prompt]), 8, eos_token_id=False, tree=TreeSpec(3, 2, 6))
     assert out.sequences[0, 16:].tolist() == hf_greedy(t, prompt, 8)[0, 16:].tolist()
+
+
+def test_an_mtp_head_exports_into_the_targets_own_checkpoint(shipped, tmp_path, capsys):
+    """`eaglekit export --to checkpoint`: a copy of the target's folder whose next-n layer is the (fine-tuned) head,
+    written as the target ships it — the same tensor names (experts one tensor each), the target's own tensors
+    unchanged — and read back by transformers' MtpModel (``load_shipped``) bit-identically."""
+    from eaglekit.cli import main
+
+    path, *_ = shipped
+    target = load_target(str(path))
+    head = mtp_head(target)
+    prompt = torch.randint(7, 512, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    fit(head, target, [prompt + hf_greedy(target, prompt, 8)[0, 20:].tolist()], steps=2)
+    head.save_pretrained(tmp_path / "tuned")
+    out = tmp_path / "stitched"
+    assert main(["export", "--head", str(tmp_path / "tuned"), "--out", str(out), "--to", "checkpoint",
+                 "--target", str(path)]) == 0
+    assert "holding the MTP head" in capsys.readouterr().out
+
+    def tensors(folder):
+        found = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            found.update(load_file(f))
+        return found
+
+    before, after = tensors(path), tensors(out)
+    assert set(after) == set(before)  # the layout the target ships, key for key
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("model.layers.2.") for k in changed), sorted(changed)[:5]
+    again = mtp_head(load_target(str(out)))
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
