@@ -285,3 +285,17 @@ class TreeOracle:
             frontier = nxt
         tokens, parents, depths = (torch.tensor(v, dtype=torch.long) for v in (tokens, parents, depths))
         return Tree(tokens, parents, depths, torch.ones(len(tokens)))
+
+
+def fit_mtp(head, target, seqs: list[list[int]], steps: int) -> None:
+    """A few AdamW steps of the MTP layer on the target's own greedy answers: element t = (h_t, x_{t+1}) learns
+    x_{t+2} (the first depth; later depths reuse the layer, as the engines draft)."""
+    opt = torch.optim.AdamW(head.layers.parameters(), lr=3e-3)
+    data = [(torch.tensor([s]), target.forward(torch.tensor([s]), layer_ids=(), logits=False).last) for s in seqs]
+    for _ in range(steps):
+        for ids, last in data:
+            _, logits = head.step(ids[:, 1:-1], last[:, :-2], torch.arange(ids.shape[1] - 2)[None])
+            loss = torch.nn.functional.cross_entropy(logits[0].float(), ids[0, 2:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()

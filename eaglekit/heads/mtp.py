@@ -19,6 +19,7 @@ A target that ships no MTP layer gets a fresh one of its own decoder-layer class
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import re
 from unittest import mock
@@ -73,6 +74,21 @@ def block_class(path: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module), name)
 
 
+def init_weights(layers: nn.Module, cfg, layer_cls: type) -> None:
+    """Initialise ``layers`` as the target's model class would (its ``_init_weights``): parameters a module makes
+    with ``torch.empty`` (an MoE block's experts, its router) are otherwise whatever memory held."""
+    module = importlib.import_module(layer_cls.__module__)
+    name = layer_cls.__name__.removesuffix("DecoderLayer") + "PreTrainedModel"
+    pretrained = getattr(module, name, None) or next(
+        v for k, v in vars(module).items() if isinstance(v, type) and k.endswith("PreTrainedModel"))
+    plain = copy.deepcopy(cfg)
+    plain._experts_implementation = None  # a model class without experts refuses the setting
+    model = pretrained(plain)
+    with torch.no_grad():
+        for m in layers.modules():
+            model._init_weights(m)
+
+
 class MtpHead(DraftHead):
     kind = MTP
     reads = "last"
@@ -90,6 +106,7 @@ class MtpHead(DraftHead):
             probe = layer_cls(cfg, 0)
         norm_cls = next(type(m) for name, m in probe.named_modules() if "norm" in name)
         self.layers = nn.ModuleList([MtpLayer(cfg, layer_cls, norm_cls, k) for k in range(config.num_layers)])
+        init_weights(self.layers, cfg, layer_cls)
         # the target's RoPE, made from its config (its buffers are not saved): what MtpModel borrows from the target,
         # which offline training loads without its decoder
         self.rotary_emb = block_class(config.mtp_rotary)(cfg) if config.mtp_rotary else None

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 from arch_matrix import MATRIX, config
-from helpers import hf_greedy
+from helpers import fit_mtp, hf_greedy
 from safetensors.torch import load_file, save_file
 from transformers.modeling_layers import MtpModel
 
@@ -103,20 +103,6 @@ def test_shipped_mtp_layer_gives_transformers_mtp_logits(shipped):
                                                                   input_ids=ids[:, 1:] + 1))).abs().max()) > 1e-2
 
 
-def fit(head, target, seqs: list[list[int]], steps: int) -> None:
-    """A few AdamW steps of the MTP layer on the target's own greedy answers: element t = (h_t, x_{t+1}) learns
-    x_{t+2} (the first depth; later depths reuse the layer, as the engines draft)."""
-    opt = torch.optim.AdamW(head.layers.parameters(), lr=3e-3)
-    data = [(torch.tensor([s]), target.forward(torch.tensor([s]), layer_ids=(), logits=False).last) for s in seqs]
-    for _ in range(steps):
-        for ids, last in data:
-            _, logits = head.step(ids[:, 1:-1], last[:, :-2], torch.arange(ids.shape[1] - 2)[None])
-            loss = torch.nn.functional.cross_entropy(logits[0].float(), ids[0, 2:])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
-
 def test_decoding_with_the_mtp_layer_is_the_targets_own(shipped):
     """Chains (the engines' drafting: one layer, depth 3) and a tree from the MTP head, each giving transformers'
     greedy tokens: as shipped (a random layer, its drafts rejected) and fitted a little on the target's answer, so
@@ -129,7 +115,7 @@ def test_decoding_with_the_mtp_layer_is_the_targets_own(shipped):
     ids = torch.tensor([prompt])
     for fitted in (False, True):
         if fitted:
-            fit(head, target, [prompt + ref], steps=5)  # 5 steps: partly (40: always) accepted
+            fit_mtp(head, target, [prompt + ref], steps=5)  # 5 steps: partly (40: always) accepted
         for tree in (TreeSpec(3, 1, 3), TreeSpec(3, 2, 6)):
             out = decode.generate(target, head, ids, 24, eos_token_id=False, tree=tree)
             assert out.sequences[0, len(prompt):].tolist() == ref, (fitted, tree)
@@ -219,19 +205,24 @@ def test_an_mtp_head_fine_tunes_from_the_shipped_layer(shipped, tmp_path):
     assert out.sequences[0, 16:].tolist() == hf_greedy(target, prompt, 10)[0, 16:].tolist()
 
 
-def test_an_mtp_layer_trains_from_scratch_for_a_target_that_ships_none():
-    """A Llama target ships no MTP layer: head.kind=mtp is then a fresh layer of its own decoder-layer class
-    (transformers' MtpLayer around a LlamaDecoderLayer), trained by the TTT objective (two steps move it and
-    lower nothing to NaN) and decoding as the target does."""
-    from helpers import tiny_target
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_an_mtp_layer_trains_from_scratch(name):
+    """A fresh MTP layer of the target's own decoder-layer class (a Llama ships none; a DeepSeek-V3 loaded
+    without its next-n layer): initialised as the target's model class initialises it (an MoE block's experts
+    and router too, which their modules leave as torch.empty memory), trained by the TTT objective (two steps
+    move it, nothing goes NaN) and decoding as the target does."""
+    from arch_matrix import tiny_target_of
 
     from eaglekit.heads.objectives import Teacher
     from eaglekit.train.config import LossConfig
 
-    t = tiny_target("llama", layers=2, vocab_size=512)
+    t = tiny_target_of(name)
     torch.manual_seed(0)
     head = build_head(HeadConfig.from_target(t, kind="mtp"), t).train()
-    assert head.config.mtp_block.endswith(":LlamaDecoderLayer") and head.config.num_layers == 1
+    assert head.config.mtp_block.endswith("DecoderLayer") and head.config.num_layers == 1
+    std = t.config.initializer_range
+    for p_name, p in head.named_parameters():
+        assert torch.isfinite(p).all() and (p.dim() < 2 or 0.5 * std < float(p.std()) < 2 * std), p_name
     ids = torch.randint(7, 512, (2, 16), generator=torch.Generator().manual_seed(6))
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "last": t.features(ids, layer_ids=()).last}
     teacher = Teacher.build(t.lm_head.weight, head.t2d)
@@ -259,7 +250,7 @@ def test_an_mtp_head_exports_into_the_targets_own_checkpoint(shipped, tmp_path, 
     target = load_target(str(path))
     head = mtp_head(target)
     prompt = torch.randint(7, 512, (20,), generator=torch.Generator().manual_seed(3)).tolist()
-    fit(head, target, [prompt + hf_greedy(target, prompt, 8)[0, 20:].tolist()], steps=2)
+    fit_mtp(head, target, [prompt + hf_greedy(target, prompt, 8)[0, 20:].tolist()], steps=2)
     head.save_pretrained(tmp_path / "tuned")
     out = tmp_path / "stitched"
     assert main(["export", "--head", str(tmp_path / "tuned"), "--out", str(out), "--to", "checkpoint",
