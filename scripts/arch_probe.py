@@ -8,8 +8,9 @@ record per type and prints the counts (docs/inputs.md quotes them).
 features give a finite loss and move its weights. Recorded beside it: whether the taps equal the layer inputs
 ``output_hidden_states`` lists (where the model lists them) and whether ``lm_head(last)`` gives the model's logits
 (not where the lm_head scales them). "Plain" means eaglekit's plain
-decoding gives transformers' greedy tokens; "speculative" what the loop verifies on it: trees (eaglekit's cache),
-chains (the model's own cache, its states rolled back) or nothing (refused at its start). The probe does not decode
+decoding gives transformers' greedy tokens; "speculative" what the loop verifies on it: "trees" (eaglekit's
+cache), "chains" (the model's own cache, its states rolled back: chains in one row, trees a row per path) or
+nothing (refused at its start). The probe does not decode
 speculatively: tests/target/test_model_architectures.py and test_families.py show exactness on their matrices. Types whose tiny config does not build, or whose forward fails on
 ids alone (encoder-decoders' decoders, models needing other inputs), are counted as not probed.
 """
