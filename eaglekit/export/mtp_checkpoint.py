@@ -2,7 +2,8 @@
 target's folder whose next-n layers are the head's, in the layout the target ships them (DeepSeek-V3, GLM-4.5:
 ``model.layers.{L+k}.{enorm, hnorm, eh_proj, shared_head.norm, shared_head.head, embed_tokens}`` and the block's
 tensors, MoE experts one tensor each), which vLLM's ``deepseek_mtp`` / ``glm4_moe_mtp``, SGLang's NEXTN and
-transformers' ``MtpModel`` read.
+transformers' ``MtpModel`` read; Qwen3.5 / Qwen3-Next: ``mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden,
+layers.0.*, norm}``, which vLLM's ``qwen3_5_mtp`` / ``qwen3_next_mtp`` read.
 
 The block's tensors go back through the target's own weight conversions reversed (transformers'
 ``revert_weight_conversion``: fused experts split as the checkpoint stores them). The target's files are linked
@@ -24,6 +25,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from eaglekit.fileio import write_json, write_safetensors
 from eaglekit.heads.config import MTP
+from eaglekit.heads.mtp import QWEN_NAMES, qwen_layout
 
 MTP_FILE = "mtp.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -32,7 +34,11 @@ INDEX = "model.safetensors.index.json"
 def shipped_tensors(head, target, dtype=None) -> dict[str, torch.Tensor]:
     """The head's MTP layers under the names and in the layout the target's checkpoint ships them."""
     L, out = target.num_layers, {}
-    for k, layer in enumerate(head.layers):
+    if qwen_layout(head.config):  # Qwen3.5 / Qwen3-Next: mtp.fc, mtp.pre_fc_norm_*, mtp.layers.0.*, mtp.norm
+        layer = head.layers[0]
+        out = {f"mtp.{theirs}{name}": v for theirs, ours in QWEN_NAMES.items()
+               for name, v in getattr(layer, ours.rstrip(".")).state_dict().items()}
+    for k, layer in enumerate([] if out else head.layers):
         prefix = f"model.layers.{L + k}."
         block = {prefix + name: v for name, v in layer.mtp_block.state_dict().items()}
         out.update(revert_weight_conversion(target.model, block))
@@ -60,12 +66,12 @@ def write_checkpoint(head, target, out_dir, source=None, dtype=None, overwrite: 
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty (overwrite=True to write into it)")
     out.mkdir(parents=True, exist_ok=True)
-    L, n = target.num_layers, head.config.num_layers
+    L, n, qwen = target.num_layers, head.config.num_layers, qwen_layout(head.config)
     old = re.compile(r"^model\.layers\.(\d+)\.")
 
-    def is_mtp(key):  # the target's own next-n layers (any depth past its decoder): replaced, not kept
+    def is_mtp(key):  # the target's own MTP layers (Qwen's mtp.*, next-n layers past the decoder): replaced
         m = old.match(key)
-        return m is not None and int(m.group(1)) >= L
+        return key.startswith("mtp.") if qwen else m is not None and int(m.group(1)) >= L
 
     index = {}
     for f in sorted(src.glob("*.safetensors")):
@@ -87,7 +93,8 @@ def write_checkpoint(head, target, out_dir, source=None, dtype=None, overwrite: 
         if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX, "config.json"):
             _link(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
-    config["num_nextn_predict_layers"] = n
+    text = config.get("text_config", config)  # a VL checkpoint keeps it with its language model's
+    text["mtp_num_hidden_layers" if qwen else "num_nextn_predict_layers"] = n
     write_json(out / "config.json", config)
     return out
 

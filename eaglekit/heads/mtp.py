@@ -22,9 +22,11 @@ from __future__ import annotations
 import copy
 import importlib
 import re
+from pathlib import Path
 from unittest import mock
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import CONFIG_MAPPING
 from transformers.modeling_layers import MtpLayer, MtpModel
@@ -157,16 +159,39 @@ def shipped_head(target, path=None) -> MtpHead:
     return load_shipped(head.bind(target), target, path)
 
 
+# Qwen3.5 / Qwen3-Next's MTP tensors (``mtp.*``), as vLLM's qwen3_5_mtp / qwen3_next_mtp name them -> MtpLayer's
+QWEN_NAMES = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
+              "norm.": "post_norm.", "layers.0.": "mtp_block."}
+
+
+def qwen_layout(config: HeadConfig) -> bool:
+    """Whether the target keeps its MTP layers as Qwen3.5 / Qwen3-Next do (``mtp.*``, ``mtp_num_hidden_layers``)
+    rather than as DeepSeek / GLM's next-n layers (``model.layers.{L+k}.*``, ``num_nextn_predict_layers``)."""
+    return "mtp_num_hidden_layers" in (config.target_config or {})
+
+
+def checkpoint_tensors(folder: Path, keep) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors checkpoint folder whose names ``keep`` accepts."""
+    found = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(f, "pt") as r:
+            found.update({k: r.get_tensor(k) for k in r.keys() if keep(k)})  # noqa: SIM118 - not a dict
+    return found
+
+
 def load_shipped(head: MtpHead, target, path=None) -> MtpHead:
     """Copy the MTP layers the target's checkpoint at ``path`` (default: where its model was loaded from) ships
-    into ``head``: ``model.layers.{L + k}.*`` for k < head's layers, read by transformers' ``MtpModel`` (renamed
-    into ``MtpLayer``'s names, the target's own weight conversions applied). A checkpoint without them is one
+    into ``head``: DeepSeek / GLM's ``model.layers.{L + k}.*`` for k < head's layers, read by transformers'
+    ``MtpModel`` (renamed into ``MtpLayer``'s names, the target's own weight conversions applied), or Qwen3.5 /
+    Qwen3-Next's ``mtp.*`` (``QWEN_NAMES``; transformers drops those at load). A checkpoint without them is one
     error naming the path."""
     model = target.model
     where = str(path or model.config.name_or_path or "")
     if not where:
         raise ValueError("load_shipped: the target was not loaded from a checkpoint folder: pass path=")
     L, n = target.num_layers, head.config.num_layers
+    if qwen_layout(head.config):
+        return _load_qwen(head, Path(where))
 
     # transformers' MtpModel finding the MTP tensors by their index, whatever depth its model class assumes (61;
     # patched for this read: a subclass would miss the checkpoint renames transformers keeps for MtpModel itself)
@@ -185,4 +210,26 @@ def load_shipped(head: MtpHead, target, path=None) -> MtpHead:
         config.name_or_path, config.num_mtp_layers = saved
     with torch.no_grad():
         head.layers.load_state_dict(shipped.layers.state_dict())
+    return head
+
+
+def _load_qwen(head: MtpHead, where: Path) -> MtpHead:
+    if head.config.num_layers != 1:
+        raise ValueError(f"{where}: {head.config.num_layers} MTP layers in Qwen's layout (fc and its norms shared "
+                         "by them): eaglekit reads one")
+    found = checkpoint_tensors(where, lambda k: k.startswith("mtp."))
+    if not found:
+        raise ValueError(f"{where}: no MTP layers (mtp.*) to load")
+    state = {}
+    for key, value in found.items():
+        rest = key[len("mtp."):]
+        theirs = next((t for t in QWEN_NAMES if rest.startswith(t)), None)
+        if theirs is None:
+            raise ValueError(f"{where}: MTP tensor {key} is not one of Qwen's layout (mtp.fc, mtp.pre_fc_norm_*, "
+                             "mtp.norm, mtp.layers.0.*)")
+        state["0." + QWEN_NAMES[theirs] + rest[len(theirs):]] = value
+    try:
+        head.layers.load_state_dict(state)
+    except RuntimeError as e:  # e.g. an MoE block's experts stored one tensor each: not converted here yet
+        raise ValueError(f"{where}: its MTP tensors do not fit a {head.config.mtp_block} block ({e})") from e
     return head

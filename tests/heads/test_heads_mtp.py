@@ -269,3 +269,71 @@ def test_an_mtp_head_exports_into_the_targets_own_checkpoint(shipped, tmp_path, 
     assert changed and all(k.startswith("model.layers.2.") for k in changed), sorted(changed)[:5]
     again = mtp_head(load_target(str(out)))
     assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
+
+
+# ---- Qwen3.5's layout: mtp.fc, mtp.pre_fc_norm_{embedding,hidden}, mtp.layers.0.*, mtp.norm -------------------
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    """A tiny Qwen3.5 (Gated DeltaNet + attention) checkpoint with an MTP layer as Qwen ships it (``mtp.*``,
+    config mtp_num_hidden_layers 1): the block a full-attention Qwen3.5 layer, the norms (1 + w). Returns (folder,
+    the MTP modules by their checkpoint names)."""
+    from arch_matrix import FAMILIES
+    from helpers import tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen35-mtp")
+    cfg = config(FAMILIES["qwen3_5_text"])
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForCausalLM(cfg).eval().save_pretrained(path)
+    tiny_tokenizer(cfg.vocab_size).save_pretrained(path)
+    one = config(FAMILIES["qwen3_5_text"])
+    one.num_hidden_layers, one.layer_types = 1, ["full_attention"]
+    block = transformers.Qwen3_5ForCausalLM(one).model.layers[0].eval()
+    g = torch.Generator().manual_seed(1)
+    norm = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5RMSNorm
+    parts = {"block": block, "fc": torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        parts[name] = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        parts[name].weight.data = 0.1 * torch.randn(cfg.hidden_size, generator=g)
+    mtp = {f"mtp.layers.0.{k}": v for k, v in block.state_dict().items()}
+    mtp.update({f"mtp.{k}.weight": parts[k].weight.detach() for k in ("fc", "pre_fc_norm_embedding",
+                                                                      "pre_fc_norm_hidden", "norm")})
+    save_file({**load_file(path / "model.safetensors"), **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((path / "config.json").read_text())
+    conf["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(conf))
+    return path, parts
+
+
+def test_qwen35_mtp_layer_computes_what_vllm_reads_and_decodes_exactly(qwen35, tmp_path):
+    """Qwen's layer read from ``mtp.*``: logits equal to vLLM's qwen3_5_mtp computation written out by hand
+    (fc over [norm_e(E(x_{t+1})), norm_h(h_t)], the full-attention block at position t, norm, the target's lm_head);
+    chains and a tree (a row per path on the hybrid's own cache) decode as the target does; exported back into a
+    copy of the checkpoint, the same tensor names and a bit-identical reload."""
+    path, parts = qwen35
+    target = load_target(str(path))
+    head = mtp_head(target)
+    assert head.config.mtp_block.endswith(":Qwen3_5DecoderLayer")
+    ids = torch.randint(7, 512, (1, 14), generator=torch.Generator().manual_seed(7))
+    last = target.forward(ids, layer_ids=(), logits=False).last
+    S = ids.shape[1] - 1
+    with torch.no_grad():
+        e = target.embed_tokens(ids[:, 1:])
+        z = parts["fc"](torch.cat([parts["pre_fc_norm_embedding"](e), parts["pre_fc_norm_hidden"](last[:, :-1])], -1))
+        pos = torch.arange(S)[None]
+        mask = torch.full((S, S), torch.finfo(z.dtype).min).triu(1)[None, None]
+        y = parts["block"](z, attention_mask=mask, position_ids=pos, position_embeddings=target.decoder.rotary_emb(z, pos))
+        want = target.lm_head(parts["norm"](y))
+        _, got = head.step(ids[:, 1:], last[:, :-1], pos, cache=HeadCache())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    prompt = ids[0].tolist()
+    ref = hf_greedy(target, prompt, 10)[0, len(prompt):].tolist()
+    for tree in (TreeSpec(3, 1, 3), TreeSpec(2, 2, 4)):
+        out = decode.generate(target, head, torch.tensor([prompt]), 10, eos_token_id=False, tree=tree)
+        assert out.sequences[0, len(prompt):].tolist() == ref, tree
+    from eaglekit.export.mtp_checkpoint import write_checkpoint
+
+    out = write_checkpoint(head, target, tmp_path / "stitched")
+    names = {k for f in out.glob("*.safetensors") for k in load_file(f)}
+    assert names == set(load_file(path / "model.safetensors"))
+    again = mtp_head(load_target(str(out)))
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
