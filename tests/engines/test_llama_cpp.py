@@ -7,7 +7,7 @@ The slow test builds the pinned llama.cpp the first time (~3 min on 2 cores, cac
 ~/.cache/eaglekit/llama.cpp-0.3.36; `bash scripts/llama_cpp.sh` does it ahead), then takes ~1 min."""
 import pytest
 import torch
-from helpers import SERVER_THREADS, fit_head, hf_greedy, save_tiny, tiny_target
+from helpers import SERVER_THREADS, fit_head, fit_mtp, hf_greedy, save_tiny, tiny_target
 
 from eaglekit import assets
 from eaglekit.bench.llama_cpp import first_diff, head_drafts, replay, top2_gap
@@ -604,6 +604,88 @@ def test_llama_cpp_real_server_drafts_for_a_qwen35_target(tmp_path):
     drafted, accepted = sum(o.draft_n for o in outs), sum(o.accepted for o in outs)
     assert tau_server > 1.5 and accepted / drafted > 0.3, (tau_server, accepted, drafted)
 
+
+def tiny_glm45_mtp(path, tokenizer_dir):
+    """A random GLM-4.5 (arch_matrix's glm4_moe: 64 wide, 2 layers, the second MoE) shipping one MTP layer as GLM-4.5
+    does: layer 2 of a 3-layer model plus enorm / hnorm / eh_proj / shared_head (norm, head) and an embed_tokens
+    copy under ``model.layers.2.``; config num_hidden_layers 2, num_nextn_predict_layers 1 (the ``shipped`` fixture
+    of tests/heads/test_heads_mtp.py). Qwen2.5-Coder's tokenizer with the 3 tokens llama.cpp's GLM-4.5 vocabulary
+    needs ([gMASK], <|user|>, <|observation|>), vocabulary 152064: the pinned converter keeps GLM-4.5's MTP layer
+    as the GGUF's ``blk.2.nextn.*`` tensors (DeepSeek-V3's it drops), which ``--spec-type draft-mtp`` drafts with."""
+    import json
+
+    import transformers
+    from arch_matrix import MATRIX, config
+    from safetensors.torch import load_file, save_file
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["[gMASK]", "<|user|>", "<|observation|>"]})
+    arch = MATRIX["glm4_moe"]
+    cfg = config(arch)
+    cfg.num_hidden_layers, cfg.vocab_size = 3, 152064
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, None
+    torch.manual_seed(0)
+    full = getattr(transformers, arch.model_class)(cfg).eval()
+    full.save_pretrained(path)
+    tok.save_pretrained(path)
+    H, g = cfg.hidden_size, torch.Generator().manual_seed(1)
+    extras = {f"model.layers.2.{n}.weight": 1 + 0.1 * torch.randn(H, generator=g)
+              for n in ("enorm", "hnorm", "shared_head.norm")}
+    extras["model.layers.2.eh_proj.weight"] = 0.05 * torch.randn(H, 2 * H, generator=g)
+    extras["model.layers.2.shared_head.head.weight"] = full.lm_head.weight.detach().clone()
+    extras["model.layers.2.embed_tokens.weight"] = full.model.embed_tokens.weight.detach().clone()
+    save_file({**load_file(path / "model.safetensors"), **extras}, path / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((path / "config.json").read_text())
+    conf.update(num_hidden_layers=2, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(conf))
+    return path
+
+
+@pytest.mark.real
+@pytest.mark.slow  # ~20 s with a built llama.cpp
+def test_llama_cpp_real_server_drafts_with_an_exported_mtp_layer(tmp_path):
+    """A tiny random GLM-4.5 shipping an MTP layer (``tiny_glm45_mtp``): its layer loaded by eaglekit
+    (``shipped_head``), fitted a little on the target's 32-token greedy answers (``fit_mtp``, 8 steps: drafts partly
+    accepted), written back into a copy of the checkpoint (``write_checkpoint``) and converted by ``convert`` to an
+    f32 GGUF. Plain llama-server decodes what transformers does greedily; with ``--spec-type draft-mtp`` (the GGUF's
+    own nextn layer, depth 3) its output is plain's and so is eaglekit's chain decoding with the head, and τ of the
+    two agree within 3% (on 2026-12-06 both 2.906, steps per prompt [10, 12, 10] on both sides; 61 of 88 drafts
+    accepted by llama-server)."""
+    from eaglekit import decode
+    from eaglekit.decode.drafters import TreeSpec
+    from eaglekit.export.mtp_checkpoint import write_checkpoint
+    from eaglekit.heads.mtp import shipped_head
+    from eaglekit.target import load_target
+
+    root = llama_cpp.require()
+    folder = tiny_glm45_mtp(tmp_path / "glm45", assets.model_dir("qwen2.5-coder-0.5b-instruct"))
+    target = load_target(str(folder))
+    texts = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n"]
+    prompts = [target.tokenizer(t)["input_ids"] for t in texts]
+    n = 32
+    refs = [hf_greedy(target, ids, n)[0, len(ids):].tolist() for ids in prompts]
+    head = shipped_head(target)
+    fit_mtp(head, target, [ids + ref for ids, ref in zip(prompts, refs)], steps=8)
+    head.eval()
+    model = llama_cpp.convert(write_checkpoint(head, target, tmp_path / "fitted"), tmp_path / "glm45-f32.gguf", "f32",
+                              root=root)
+    with llama_cpp.Server(model, root=root, threads=SERVER_THREADS) as plain:
+        plains = [plain.complete(ids, n).tokens for ids in prompts]
+    with llama_cpp.Server(model, spec_type="draft-mtp", n_max=3, root=root, threads=SERVER_THREADS) as s:
+        outs = [s.complete(ids, n) for ids in prompts]
+    chain = TreeSpec(depth=3, top_k=1, total_tokens=3)
+    ours = [decode.generate(target, head, torch.tensor([ids]), n, tree=chain, eos_token_id=False) for ids in prompts]
+    for i, (ids, ref) in enumerate(zip(prompts, refs)):
+        assert plains[i] == ref, f"prompt {i}: llama-server != transformers"
+        assert outs[i].tokens == ref, f"prompt {i}: llama-server with draft-mtp differs from plain llama-server"
+        assert ours[i].sequences[0, len(ids):].tolist() == ref, f"prompt {i}: eaglekit's chain decoding differs"
+    steps = ([o.steps for o in outs], [len(o.stats.accept_lengths) for o in ours])  # verify forwards per prompt
+    tau_server, tau_ours = (sum(len(o.tokens) - 1 for o in outs) / sum(s) for s in steps)
+    drafted, accepted = sum(o.draft_n for o in outs), sum(o.accepted for o in outs)
+    print(f"glm45 mtp: tau llama-server {tau_server:.3f}, eaglekit {tau_ours:.3f}; steps per prompt {steps}; "
+          f"llama-server accepted {accepted} of {drafted} drafts")
+    assert abs(tau_server - tau_ours) <= 0.03 * tau_ours, steps
+    assert tau_server > 1.5 and 0.3 < accepted / drafted < 1, (tau_server, accepted, drafted)
 
 def test_llama_cpp_bench_gives_an_ngram_configuration_a_fresh_server_each_repeat(monkeypatch):
     """llama.cpp's n-gram stores learn from every answer their server gave: a configuration with an n-gram type
