@@ -54,7 +54,7 @@ from eaglekit.target.packed_linear import packed_count
 from eaglekit.timing import timed
 
 # dense up to 8: on a CPU the cost is lumpy there (not monotone in the rows; see benchmarks/RESULTS.md,
-# "Where the time goes on the CPU")
+# "Where the time goes")
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 96)
 LEVEL_SIZES = (1, 2, 4, 6, 8, 10)
 # a batch's verify sizes: up to this many tokens in one forward (B × m), and always m <= 4
