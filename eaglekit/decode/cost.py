@@ -49,7 +49,7 @@ from eaglekit.decode.drafters import (
 from eaglekit.decode.loop import Sampling
 from eaglekit.fileio import write_text
 from eaglekit.heads import HeadCache
-from eaglekit.target import crop_cache, new_cache
+from eaglekit.target import crop_cache, new_cache, record_states
 from eaglekit.target.packed_linear import packed_count
 from eaglekit.timing import timed
 
@@ -134,7 +134,7 @@ def verify_costs(target, prefix: torch.Tensor, repeats: int = 3, sizes=VERIFY_SI
 
         def fn():
             if own:
-                cache.activate_past_recording(recurrent_states_to_keep=m)
+                record_states(cache, m)
             target.forward(ids, past_key_values=cache, layer_ids=layer_ids, use_cache=True)
             cache.crop(-m) if own else crop_cache(cache, prefix_len)
         return fn

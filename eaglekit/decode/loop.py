@@ -33,6 +33,7 @@ from eaglekit.decode.stops import Ending
 from eaglekit.target import (
     keep_accepted,
     new_cache,
+    record_states,
     row_output,
     select_cache_rows,
     set_cache_length,
@@ -126,7 +127,7 @@ class Decoder:
         drafted = synced_clock(self.target.device)
         paths = None
         if self.rollback and trees[0].is_chain:
-            self.cache.activate_past_recording(recurrent_states_to_keep=1 + len(trees[0]))
+            record_states(self.cache, 1 + len(trees[0]))
         elif self.rollback:
             out, paths = verify_paths(self.target, self.cache, roots[0], trees[0], self.layer_ids)
         if paths is None:
@@ -193,7 +194,7 @@ def verify_paths(target, cache, root: int, tree: Tree, layer_ids=()):
             where[node + 1] = where[node + 1] or (r, col)
     if len(paths) > 1:
         cache.reorder_cache(torch.zeros(len(paths), dtype=torch.long, device=dev))
-    cache.activate_past_recording(recurrent_states_to_keep=ids.shape[1])
+    record_states(cache, ids.shape[1])
     out = target.forward(ids.to(dev), past_key_values=cache, layer_ids=layer_ids, use_cache=True)
     r, c = (torch.tensor(x, device=dev) for x in zip(*where))
     rows = {f.name: getattr(out, f.name)[r, c][None] for f in fields(out)

@@ -16,6 +16,7 @@ from eaglekit.target.cache import (
     crop_cache,
     keep_accepted,
     new_cache,
+    record_states,
     select_cache_rows,
     set_cache_length,
     static_writes,
@@ -25,5 +26,5 @@ from eaglekit.target.model import CompileError, Target, TargetOutput, cache_kwar
 
 __all__ = ["CompileError", "RowsCache", "RowsLayer", "Target", "TargetOutput", "cache_entries", "cache_kwarg",
            "cache_length", "crop_cache", "default_taps", "job_device", "keep_accepted", "load_target",
-           "load_target_from", "new_cache", "resolve", "row_output", "select_cache_rows", "set_cache_length",
+           "load_target_from", "new_cache", "record_states", "resolve", "row_output", "select_cache_rows", "set_cache_length",
            "static_writes"]

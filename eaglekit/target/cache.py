@@ -244,6 +244,17 @@ def keep_own(cache, prefix: bool, kept: int, written: int | None) -> None:
         cache.crop(-(written - kept))
 
 
+def record_states(cache, positions: int) -> None:
+    """Have the model's own cache record its recurrent and convolution states over the next forward's ``positions``
+    tokens, so that ``crop`` rolls a rejected tail back. transformers 5.24+ takes how many recurrent states to keep;
+    5.17 records convolution windows only (its layers with a recurrent state say they are not croppable, which
+    ``Target.chain_refusal`` refuses)."""
+    try:
+        cache.activate_past_recording(recurrent_states_to_keep=positions)
+    except TypeError:
+        cache.activate_past_recording()
+
+
 def select_cache_rows(cache, index: list[int], start: int, end: int) -> None:
     """Keep batch rows ``index`` (in order) and slots [start, end) of every layer, moved to slots [0, end - start)
     of new buffers as long as the old ones."""

@@ -30,6 +30,7 @@ from eaglekit.target.architectures import (
     text_config,
 )
 from eaglekit.target.borrowed import RowSubset
+from eaglekit.target.cache import record_states
 
 
 @functools.cache
@@ -153,7 +154,7 @@ class Target:
         for j in range(1, chunk.shape[1]):
             one.append(run(chunk[:, j:j + 1], cache)[0][-1])
         _, cache = run(prefix)
-        cache.activate_past_recording(recurrent_states_to_keep=chunk.shape[1])
+        record_states(cache, chunk.shape[1])
         try:
             together = run(chunk, cache)[0]
             cache.crop(-(chunk.shape[1] - 1))  # keep the first token, as a step that accepted nothing would

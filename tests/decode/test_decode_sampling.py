@@ -100,7 +100,7 @@ def test_decode_sampling_on_a_recurrent_target_keeps_its_law(shape):
     """Sampling on a tiny peaky Qwen3.5 (Gated DeltaNet layers: its recurrent state recorded per verified position,
     the rejected tail rolled back) with a deterministic chain, or a binary tree verified one row per path (the
     one-hot rule; the rollback is the same for a draft model's sampled drafts): the joint law of the first 3 tokens
-    over 600 seeded runs against the target's, enumerated; drafts accepted to depth 2, so rollbacks of 0, 1 and 2
+    over 400 seeded runs against the target's, enumerated; drafts accepted to depth 2, so rollbacks of 0, 1 and 2
     nodes all happen (a tree's from any of its 4 path rows)."""
     import transformers
     from arch_matrix import BASE, GDN
@@ -115,7 +115,7 @@ def test_decode_sampling_on_a_recurrent_target_keeps_its_law(shape):
     assert t.own_cache and t.chain_refusal() is None
     exact = exact_joint(t, CONFIG, PROMPT)
     drafter = GreedyChain(t, depth=2) if shape == "chain" else TreeOracle(t, depth=2, ranks=(2, 0))
-    counts, lengths = sample_runs(t, drafter, CONFIG, runs=600, seed=1, tree={"depth": 2, "top_k": 2, "total_tokens": 6})
+    counts, lengths = sample_runs(t, drafter, CONFIG, runs=400, seed=1, tree={"depth": 2, "top_k": 2, "total_tokens": 6})
     assert chi2_pvalue([(counts, exact)]) > ALPHA
     assert {1, 2, 3} <= set(lengths), sorted(set(lengths))
 
@@ -124,7 +124,7 @@ def test_decode_sampling_on_a_recurrent_target_keeps_its_law(shape):
 def test_decode_sampling_with_an_mtp_head_keeps_the_law():
     """Sampling with an MTP head (a fresh layer of a peaky tiny DeepSeek-V3's own MLA + MoE block, fitted 3 steps
     on the target's answers so that its drafts are partly accepted) drafting trees 2 deep: the joint law of the
-    first 3 tokens over 600 seeded runs against the target's, enumerated; rollbacks of 0, 1 and 2 nodes happen."""
+    first 3 tokens over 400 seeded runs against the target's, enumerated; rollbacks of 0, 1 and 2 nodes happen."""
     import transformers
     from arch_matrix import MATRIX, config
     from helpers import fit_mtp, hf_greedy, tiny_tokenizer
@@ -141,7 +141,7 @@ def test_decode_sampling_with_an_mtp_head_keeps_the_law():
     head = build_head(HeadConfig.from_target(t, kind="mtp"), t)
     fit_mtp(head, t, [p + hf_greedy(t, p, 12)[0, len(p):].tolist() for p in (PROMPT, [3, 4, 5, 6])], steps=3)
     exact = exact_joint(t, CONFIG, PROMPT)
-    counts, lengths = sample_runs(t, head.eval(), CONFIG, runs=600, seed=1,
+    counts, lengths = sample_runs(t, head.eval(), CONFIG, runs=400, seed=1,
                                   tree={"depth": 2, "top_k": 2, "total_tokens": 4})
     assert chi2_pvalue([(counts, exact)]) > ALPHA
     assert {1, 2, 3} <= set(lengths), sorted(set(lengths))

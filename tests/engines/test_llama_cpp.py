@@ -567,7 +567,7 @@ def test_llama_cpp_real_server_drafts_for_a_qwen35_target(tmp_path):
     ``convert`` (--no-mtp: its checkpoint holds no MTP tensors) to an f32 GGUF: plain llama-server decodes what
     transformers does greedily; with an EAGLE-3 head memorised on its 48-token answers (``memorise``), exported
     for llama.cpp, llama-server's output is plain's and so is eaglekit's own chain decoding (depth 3), and τ of
-    the two agree within 3% (on 2026-12-06 both 3.92, prompt by prompt: every draft accepted)."""
+    the two agree within 3% (on 2026-12-06 both 3.720, steps per prompt identical: drafts partly accepted)."""
     from eaglekit import decode
     from eaglekit.decode.drafters import TreeSpec
     from eaglekit.target import load_target
@@ -576,9 +576,9 @@ def test_llama_cpp_real_server_drafts_for_a_qwen35_target(tmp_path):
     folder = tiny_qwen35(tmp_path / "qwen35", assets.model_dir("qwen2.5-coder-0.5b-instruct"))
     model = llama_cpp.convert(folder, tmp_path / "qwen35-f32.gguf", "f32", root=root)
     target = load_target(str(folder))
-    texts = ["def fibonacci(n):", "The quick brown fox", "Write a haiku about rain.", "import numpy as np\n"]
+    texts = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n"]
     prompts = [target.tokenizer(t)["input_ids"] for t in texts]
-    n = 48
+    n = 32
     with llama_cpp.Server(model, root=root, threads=SERVER_THREADS) as plain:
         refs = [plain.complete(ids, n).tokens for ids in prompts]
     for i, (ids, ref) in enumerate(zip(prompts, refs)):
@@ -587,7 +587,7 @@ def test_llama_cpp_real_server_drafts_for_a_qwen35_target(tmp_path):
     torch.manual_seed(0)
     head = build_head(HeadConfig.from_target(target, kind="eagle3", draft_vocab_size=1024, norm_before_fc=True,
                                              aux_layer_ids=[1, 2, 3]), target)
-    memorise(target, head, list(zip(prompts, refs)))
+    memorise(target, head, list(zip(prompts, refs)), steps=60)
     gguf = export_head(head, tmp_path / "head", "llama.cpp", gguf_type="f32", target_dir=folder)
     with llama_cpp.Server(model, draft=gguf, spec_type="draft-eagle3", n_max=3, root=root,
                           threads=SERVER_THREADS) as s:
