@@ -147,8 +147,8 @@ class MtpHead(DraftHead):
         pos = position_ids.to(dev)
         e = self.embed(input_ids)
         rope = None if self.rotary_emb is None else self.rotary_emb(e, pos)
-        out = self.layers[0](e, g.to(dtype), position_embeddings=rope, attention_mask=mask, position_ids=pos,
-                             cache=None if cache is None else BlockCache(cache))
+        # positional: the cache argument is `cache` in transformers 5.24+, `past_key_values` in 5.17
+        out = self.layers[0](e, g.to(dtype), rope, mask, pos, None if cache is None else BlockCache(cache))
         lm_head = self.target_module("lm_head")
         return out, lm_head(out.to(lm_head.weight.device, lm_head.weight.dtype))
 
@@ -192,6 +192,9 @@ def load_shipped(head: MtpHead, target, path=None) -> MtpHead:
     L, n = target.num_layers, head.config.num_layers
     if qwen_layout(head.config):
         return _load_qwen(head, Path(where))
+    if not hasattr(MtpModel, "get_mtp_weights_regex"):
+        raise ValueError(f"{where}: reading DeepSeek / GLM next-n layers needs transformers 5.24 or later (its "
+                         f"MtpModel loader); this is {__import__('transformers').__version__}")
 
     # transformers' MtpModel finding the MTP tensors by their index, whatever depth its model class assumes (61;
     # patched for this read: a subclass would miss the checkpoint renames transformers keeps for MtpModel itself)
