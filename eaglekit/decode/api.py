@@ -54,7 +54,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     """
     batch = _is_batch(input_ids, attention_mask)
     if drafter is not None or prompt_lookup:  # before any token: what the loop cannot verify exactly on it
-        tree = check_speculative(target, drafter, tree, prompt_lookup)
+        tree = check_speculative(target, drafter, tree)
     if compile and getattr(target, "own_cache", False):
         raise CompileError(f"compile=True: {target.name} decodes on its model's own cache ({target.decode_refusal}); "
                            "the compiled verify writes eaglekit's static cache: decode it with compile=False")
@@ -78,7 +78,7 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
                eos_ids(target, eos_token_id), stop, streamer, starts=starts, pad_id=pad_id, compile=compile)
 
 
-def check_speculative(target, drafter, tree, prompt_lookup):
+def check_speculative(target, drafter, tree):
     """Refuse, before any token, speculative decoding the loop cannot verify exactly on ``target``; returns the
     tree to draft. A target on eaglekit's cache verifies any tree. One on its model's own cache (``own_cache``:
     recurrent, chunked or compressed layers) verifies a chain in one row, its recurrent states recorded and the
