@@ -32,6 +32,7 @@ from eaglekit.decode.stats import BatchStats, DecodeStats
 from eaglekit.decode.stops import Ending
 from eaglekit.target import (
     keep_accepted,
+    keep_own,
     new_cache,
     record_states,
     row_output,
@@ -203,10 +204,9 @@ def verify_paths(target, cache, root: int, tree: Tree, layer_ids=()):
 
 
 def keep_path(cache, paths: list[list[int]], accepted: list[int]) -> None:
-    """After ``verify_paths``: crop every row to the root and the ``accepted`` nodes, then keep the first path row
-    through them."""
-    width = 1 + max(map(len, paths))
-    cache.crop(-(width - 1 - len(accepted)))
+    """After ``verify_paths``: crop every row to the root and the ``accepted`` nodes (``keep_own``, as a chain's
+    step does), then keep the first path row through them."""
+    keep_own(cache, True, 1 + len(accepted), written=1 + max(map(len, paths)))
     if len(paths) > 1:
         row = next(r for r, p in enumerate(paths) if p[:len(accepted)] == accepted)
         cache.reorder_cache(torch.tensor([row]))  # each layer moves the index to its device

@@ -15,6 +15,7 @@ from eaglekit.target.cache import (
     cache_length,
     crop_cache,
     keep_accepted,
+    keep_own,
     new_cache,
     record_states,
     select_cache_rows,
@@ -25,6 +26,6 @@ from eaglekit.target.load import job_device, load_target, load_target_from, reso
 from eaglekit.target.model import CompileError, Target, TargetOutput, cache_kwarg, default_taps, row_output
 
 __all__ = ["CompileError", "RowsCache", "RowsLayer", "Target", "TargetOutput", "cache_entries", "cache_kwarg",
-           "cache_length", "crop_cache", "default_taps", "job_device", "keep_accepted", "load_target",
+           "cache_length", "crop_cache", "default_taps", "job_device", "keep_accepted", "keep_own", "load_target",
            "load_target_from", "new_cache", "record_states", "resolve", "row_output", "select_cache_rows", "set_cache_length",
            "static_writes"]
