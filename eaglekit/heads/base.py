@@ -181,6 +181,31 @@ class DraftHead(nn.Module):
         return self.step(input_ids, g, position_ids, cache=cache, attn_mask=attn_mask)
 
 
+class LastHead(DraftHead):
+    """The base of the heads that read the target's last hidden state (after its final norm) as it is and predict
+    over its whole vocabulary (EAGLE-1, MTP): no taps, identity vocabulary maps (not saved)."""
+
+    reads = "last"
+    has_draft_vocab = False
+
+    def __init__(self, config: HeadConfig):
+        if config.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} needs kind={self.kind!r}, got {config.kind!r}")
+        super().__init__(config)
+        self.register_buffer("d2t", torch.zeros(config.target_vocab_size, dtype=torch.long), persistent=False)
+        self.register_buffer("t2d", torch.ones(config.target_vocab_size, dtype=torch.bool), persistent=False)
+
+    @classmethod
+    def tap_layers(cls, target, layer_ids=None) -> tuple[int, ...]:
+        return ()  # the last hidden state only
+
+    def fuse(self, last: torch.Tensor) -> torch.Tensor:
+        return last.to(self.dtype)
+
+    def set_draft_vocab(self, d2t, t2d) -> None:
+        raise ValueError(f"{type(self).__name__} predicts over the full target vocabulary; it has no draft vocabulary")
+
+
 class ParallelHead(DraftHead):
     """The base of the parallel drafters (P-EAGLE, DFlash): heads whose ONE forward proposes several tokens.
 

@@ -10,40 +10,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglekit.heads.base import DraftHead
+from eaglekit.heads.base import LastHead
 from eaglekit.heads.config import EAGLE1, HeadConfig
 from eaglekit.heads.layers import DecoderLayer, HeadCache, shift_left
 
 
-class Eagle1Head(DraftHead):
+class Eagle1Head(LastHead):
     kind = EAGLE1
-    reads = "last"
-    has_draft_vocab = False
     # how the model card names it and the engines serve it (eaglekit.export.hub)
     display_name, vllm_method, sglang_algorithm, speculators_model = "EAGLE-1", "eagle", "EAGLE", None
 
     def __init__(self, config: HeadConfig):
-        if config.kind != EAGLE1:
-            raise ValueError(f"Eagle1Head needs kind='eagle1', got {config.kind!r}")
         super().__init__(config)
         H = config.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=True)
         # the first layer has no input norm: fc's output goes straight into attention (as in EAGLE-1)
         self.layers = nn.ModuleList([DecoderLayer(config, i, input_norm=i > 0) for i in range(config.num_layers)])
-        # the draft vocabulary is the target's: identity maps, not saved
-        self.register_buffer("d2t", torch.zeros(config.target_vocab_size, dtype=torch.long), persistent=False)
-        self.register_buffer("t2d", torch.ones(config.target_vocab_size, dtype=torch.bool), persistent=False)
-
-    @classmethod
-    def tap_layers(cls, target, layer_ids=None) -> tuple[int, ...]:
-        return ()  # EAGLE-1 reads the last hidden state only
-
-    def fuse(self, last: torch.Tensor) -> torch.Tensor:
-        """EAGLE-1 reads the target's last hidden state (after its final norm) as is."""
-        return last.to(self.dtype)
-
-    def set_draft_vocab(self, d2t, t2d) -> None:
-        raise ValueError("Eagle1Head predicts over the full target vocabulary; it has no draft vocabulary")
 
     def training_features(self, batch: dict, noise: float = 0.0) -> torch.Tensor:
         """``last`` plus EAGLE-1's uniform feature noise U(-noise, noise) (scaled like EAGLE's)."""

@@ -26,12 +26,13 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import transformers
 from safetensors import safe_open
 from torch import nn
 from transformers import CONFIG_MAPPING
 from transformers.modeling_layers import MtpLayer, MtpModel
 
-from eaglekit.heads.base import DraftHead
+from eaglekit.heads.base import LastHead
 from eaglekit.heads.config import MTP, HeadConfig
 from eaglekit.heads.layers import HeadCache, causal_mask, ttt_mask
 from eaglekit.heads.ttt_attention import TTTCache
@@ -91,16 +92,12 @@ def init_weights(layers: nn.Module, cfg, layer_cls: type) -> None:
             model._init_weights(m)
 
 
-class MtpHead(DraftHead):
+class MtpHead(LastHead):
     kind = MTP
-    reads = "last"
-    has_draft_vocab = False
     # how the model card names it and the engines serve it (eaglekit.export.hub; no export layout yet)
     display_name, vllm_method, sglang_algorithm, speculators_model = "MTP", "mtp", "NEXTN", None
 
     def __init__(self, config: HeadConfig):
-        if config.kind != MTP:
-            raise ValueError(f"MtpHead needs kind='mtp', got {config.kind!r}")
         super().__init__(config)
         cfg = mtp_config(config)
         layer_cls = block_class(config.mtp_block)
@@ -112,19 +109,6 @@ class MtpHead(DraftHead):
         # the target's RoPE, made from its config (its buffers are not saved): what MtpModel borrows from the target,
         # which offline training loads without its decoder
         self.rotary_emb = block_class(config.mtp_rotary)(cfg) if config.mtp_rotary else None
-        self.register_buffer("d2t", torch.zeros(config.target_vocab_size, dtype=torch.long), persistent=False)
-        self.register_buffer("t2d", torch.ones(config.target_vocab_size, dtype=torch.bool), persistent=False)
-
-    @classmethod
-    def tap_layers(cls, target, layer_ids=None) -> tuple[int, ...]:
-        return ()  # an MTP layer reads the last hidden state only
-
-    def fuse(self, last: torch.Tensor) -> torch.Tensor:
-        """The target's last hidden state after its final norm, as the engines hand it to their MTP layers."""
-        return last.to(self.dtype)
-
-    def set_draft_vocab(self, d2t, t2d) -> None:
-        raise ValueError("MtpHead predicts over the full target vocabulary; it has no draft vocabulary")
 
     def init_from_target(self, target) -> None:
         """Start from the MTP layers the target's checkpoint ships (``load_shipped``): fine-tuning them."""
@@ -194,7 +178,7 @@ def load_shipped(head: MtpHead, target, path=None) -> MtpHead:
         return _load_qwen(head, Path(where))
     if not hasattr(MtpModel, "get_mtp_weights_regex"):
         raise ValueError(f"{where}: reading DeepSeek / GLM next-n layers needs transformers 5.24 or later (its "
-                         f"MtpModel loader); this is {__import__('transformers').__version__}")
+                         f"MtpModel loader); this is {transformers.__version__}")
 
     # transformers' MtpModel finding the MTP tensors by their index, whatever depth its model class assumes (61;
     # patched for this read: a subclass would miss the checkpoint renames transformers keeps for MtpModel itself)
