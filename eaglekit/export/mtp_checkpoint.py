@@ -33,12 +33,22 @@ INDEX = "model.safetensors.index.json"
 
 def shipped_tensors(head, target, dtype=None) -> dict[str, torch.Tensor]:
     """The head's MTP layers under the names and in the layout the target's checkpoint ships them."""
+    out = _qwen_tensors(head) if qwen_layout(head.config) else _nextn_tensors(head, target)
+    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in out.items()}
+
+
+def _qwen_tensors(head) -> dict[str, torch.Tensor]:
+    """Qwen3.5 / Qwen3-Next: mtp.fc, mtp.pre_fc_norm_*, mtp.layers.0.*, mtp.norm (``QWEN_NAMES``)."""
+    layer = head.layers[0]
+    return {f"mtp.{theirs}{name}": v for theirs, ours in QWEN_NAMES.items()
+            for name, v in getattr(layer, ours.rstrip(".")).state_dict().items()}
+
+
+def _nextn_tensors(head, target) -> dict[str, torch.Tensor]:
+    """DeepSeek / GLM: ``model.layers.{L+k}.*``, the block through the target's own weight conversions reversed."""
     L, out = target.num_layers, {}
-    if qwen_layout(head.config):  # Qwen3.5 / Qwen3-Next: mtp.fc, mtp.pre_fc_norm_*, mtp.layers.0.*, mtp.norm
-        layer = head.layers[0]
-        out = {f"mtp.{theirs}{name}": v for theirs, ours in QWEN_NAMES.items()
-               for name, v in getattr(layer, ours.rstrip(".")).state_dict().items()}
-    for k, layer in enumerate([] if out else head.layers):
+    for k, layer in enumerate(head.layers):
         prefix = f"model.layers.{L + k}."
         block = {prefix + name: v for name, v in layer.mtp_block.state_dict().items()}
         out.update(revert_weight_conversion(target.model, block))
@@ -49,8 +59,7 @@ def shipped_tensors(head, target, dtype=None) -> dict[str, torch.Tensor]:
         # target's; a checkpoint that lacks them is not what they read)
         out[f"{prefix}shared_head.head.weight"] = target.lm_head.weight
         out[f"{prefix}embed_tokens.weight"] = target.embed_tokens.weight
-    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-            for k, v in out.items()}
+    return out
 
 
 def write_checkpoint(head, target, out_dir, source=None, dtype=None, overwrite: bool = False) -> Path:
