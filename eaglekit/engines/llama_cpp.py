@@ -425,6 +425,8 @@ MTP_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForCo
 def lacks_mtp(model_dir) -> bool:
     """Whether ``model_dir`` is a Qwen3-Next / Qwen3.5 checkpoint holding no MTP tensors (which ``convert``
     converts with --no-mtp). False where its tensor names cannot be read (no safetensors file or index)."""
+    from safetensors import safe_open
+
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     if not set(cfg.get("architectures") or ()) & set(MTP_ARCHITECTURES):
@@ -433,8 +435,8 @@ def lacks_mtp(model_dir) -> bool:
     for index in model_dir.glob("*.index.json"):
         names |= set(json.loads(index.read_text()).get("weight_map", {}))
     for f in model_dir.glob("*.safetensors"):
-        with open(f, "rb") as fh:  # a safetensors header: its length (8 bytes, little-endian), then JSON
-            names |= set(json.loads(fh.read(int.from_bytes(fh.read(8), "little")))) - {"__metadata__"}
+        with safe_open(f, "pt") as r:  # the header's names only: no tensor is read
+            names |= set(r.keys())
     return bool(names) and not any(re.search(r"(?:^|\.)mtp\.", n) for n in names)
 
 
