@@ -11,8 +11,8 @@ indexer's keys beside its keys in ``RowsCache``, so it takes trees too. What ``r
 chunked or compressed attention, whose masks and caches the loop does not build for a tree) puts a target on the
 cache its own model makes (``Target.own_cache``): plain decoding, and drafts verified with the recurrent state
 recorded after each position and the rejected tail cropped (transformers' ``activate_past_recording`` / ``crop``),
-a tree one batch row per root-to-leaf path. ``Target.chain_refusal``'s check of the model names where even that is not the model's own decoding; it
-stops speculative decoding when it starts, before any token.
+a tree one batch row per root-to-leaf path. ``Target.chain_refusal``'s check of the model names where even that is
+not the model's own decoding; it stops speculative decoding when it starts, before any token.
 """
 from __future__ import annotations
 

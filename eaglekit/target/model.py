@@ -120,8 +120,8 @@ class Target:
         for a target on eaglekit's own cache, whose trees are verified too). A chain is verified in one forward
         over the model's own cache with its recurrent states recorded, and the rejected tail cropped
         (transformers' ``activate_past_recording`` / ``crop``): a check of the model itself, once per target — its
-        cache croppable, and a
-        4-token chunk over a cache, cropped back, giving the logits of decoding those tokens one at a time."""
+        cache croppable, and a 4-token chunk over a cache, cropped back, giving the logits of decoding those tokens
+        one at a time."""
         if not self.own_cache:
             return None
         if "_chain_refusal" not in self.__dict__:
