@@ -25,41 +25,29 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from eaglekit.fileio import write_json, write_safetensors
 from eaglekit.heads.config import MTP
-from eaglekit.heads.mtp import QWEN_NAMES, qwen_layout
+from eaglekit.heads.mtp import layout, renames
 
 MTP_FILE = "mtp.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
 def shipped_tensors(head, target, dtype=None) -> dict[str, torch.Tensor]:
-    """The head's MTP layers under the names and in the layout the target's checkpoint ships them."""
-    out = _qwen_tensors(head) if qwen_layout(head.config) else _nextn_tensors(head, target)
-    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-            for k, v in out.items()}
-
-
-def _qwen_tensors(head) -> dict[str, torch.Tensor]:
-    """Qwen3.5 / Qwen3-Next: mtp.fc, mtp.pre_fc_norm_*, mtp.layers.0.*, mtp.norm (``QWEN_NAMES``)."""
-    layer = head.layers[0]
-    return {f"mtp.{theirs}{name}": v for theirs, ours in QWEN_NAMES.items()
-            for name, v in getattr(layer, ours.rstrip(".")).state_dict().items()}
-
-
-def _nextn_tensors(head, target) -> dict[str, torch.Tensor]:
-    """DeepSeek / GLM: ``model.layers.{L+k}.*``, the block through the target's own weight conversions reversed."""
-    L, out = target.num_layers, {}
-    for k, layer in enumerate(head.layers):
-        prefix = f"model.layers.{L + k}."
-        block = {prefix + name: v for name, v in layer.mtp_block.state_dict().items()}
-        out.update(revert_weight_conversion(target.model, block))
-        for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
-                             ("post_norm", "shared_head.norm")):
-            out[f"{prefix}{theirs}.weight"] = getattr(layer, ours).weight
+    """The head's MTP layers under the names and in the layout the target's checkpoint ships them (``renames``
+    backwards; the block through the target's own weight conversions reversed: experts one tensor each)."""
+    pairs = renames(head.config, target.num_layers)
+    out, block = {}, {}
+    for name, value in head.layers.state_dict().items():
+        theirs, ours = next((t, o) for t, o in pairs if name.startswith(o))
+        (block if ".mtp_block." in ours else out)[theirs + name[len(ours):]] = value
+    out.update(revert_weight_conversion(target.model, block))
+    if layout(head.config) == "nextn":
         # DeepSeek ships the embedding and the lm_head again beside each next-n layer (the engines take the
         # target's; a checkpoint that lacks them is not what they read)
-        out[f"{prefix}shared_head.head.weight"] = target.lm_head.weight
-        out[f"{prefix}embed_tokens.weight"] = target.embed_tokens.weight
-    return out
+        for k in range(head.config.num_layers):
+            out[f"model.layers.{target.num_layers + k}.shared_head.head.weight"] = target.lm_head.weight
+            out[f"model.layers.{target.num_layers + k}.embed_tokens.weight"] = target.embed_tokens.weight
+    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in out.items()}
 
 
 def write_checkpoint(head, target, out_dir, source=None, dtype=None, overwrite: bool = False) -> Path:
@@ -75,12 +63,12 @@ def write_checkpoint(head, target, out_dir, source=None, dtype=None, overwrite: 
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty (overwrite=True to write into it)")
     out.mkdir(parents=True, exist_ok=True)
-    L, n, qwen = target.num_layers, head.config.num_layers, qwen_layout(head.config)
+    L, n, kind = target.num_layers, head.config.num_layers, layout(head.config)
     old = re.compile(r"^model\.layers\.(\d+)\.")
 
-    def is_mtp(key):  # the target's own MTP layers (Qwen's mtp.*, next-n layers past the decoder): replaced
+    def is_mtp(key):  # the target's own MTP layers (mtp.*, next-n layers past the decoder): replaced
         m = old.match(key)
-        return key.startswith("mtp.") if qwen else m is not None and int(m.group(1)) >= L
+        return key.startswith("mtp.") if kind != "nextn" else m is not None and int(m.group(1)) >= L
 
     index = {}
     for f in sorted(src.glob("*.safetensors")):
@@ -103,7 +91,7 @@ def write_checkpoint(head, target, out_dir, source=None, dtype=None, overwrite: 
             _link(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
     text = config.get("text_config", config)  # a VL checkpoint keeps it with its language model's
-    text["mtp_num_hidden_layers" if qwen else "num_nextn_predict_layers"] = n
+    text["mtp_num_hidden_layers" if kind == "qwen" else "num_nextn_predict_layers"] = n
     write_json(out / "config.json", config)
     return out
 

@@ -1,8 +1,9 @@
 """MTP heads: the next-n layer a DeepSeek-V3 / GLM-4.5 checkpoint ships (``model.layers.{L}.*``: enorm, hnorm,
 eh_proj, the block, shared_head.norm; its experts stored one tensor each), read from a tiny random checkpoint
-written in that layout. Loaded by eaglekit, the layer gives transformers' ``MtpModel`` logits (prefill and a
+written in that layout (Qwen3.5 / Qwen3-Next's ``mtp.*`` and Nemotron-H's ``mtp.layers.*`` further down). Loaded by eaglekit, the layer gives transformers' ``MtpModel`` logits (prefill and a
 cached continuation); decoding with it is the target's own greedy decoding, chains and trees; a checkpoint
 without the layer is one error naming it."""
+import dataclasses
 import json
 
 import pytest
@@ -131,7 +132,7 @@ def test_a_checkpoint_without_its_mtp_layer_is_one_error(shipped, tmp_path):
     full_target.tokenizer.save_pretrained(bare)
     target = load_target(str(bare))
     head = build_head(HeadConfig.from_target(target, kind="mtp"), target)
-    with pytest.raises(ValueError, match=f"{bare}: no MTP layers model.layers.2..2"):
+    with pytest.raises(ValueError, match=f"{bare}: no MTP layers model.layers.2.eh_proj"):
         load_shipped(head, target)
 
 
@@ -272,34 +273,37 @@ def test_an_mtp_head_exports_into_the_targets_own_checkpoint(shipped, tmp_path, 
 
 
 # ---- Qwen3.5's layout: mtp.fc, mtp.pre_fc_norm_{embedding,hidden}, mtp.layers.0.*, mtp.norm -------------------
-@pytest.fixture(scope="module")
-def qwen35(tmp_path_factory):
-    """A tiny Qwen3.5 (Gated DeltaNet + attention) checkpoint with an MTP layer as Qwen ships it (``mtp.*``,
-    config mtp_num_hidden_layers 1): the block a full-attention Qwen3.5 layer, the norms (1 + w). Returns (folder,
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+def qwen35(request, tmp_path_factory):
+    """A tiny Qwen3.5 (Gated DeltaNet + attention; Qwen3-Next: and MoE) checkpoint with an MTP layer as Qwen ships
+    it (``mtp.*``, config mtp_num_hidden_layers 1): the block a full-attention layer of the target's (written by
+    save_pretrained as a 5-layer model's layer 4: MoE experts one tensor each), the norms (1 + w). Returns (folder,
     the MTP modules by their checkpoint names)."""
     from arch_matrix import FAMILIES
     from helpers import tiny_tokenizer
 
-    path = tmp_path_factory.mktemp("qwen35-mtp")
-    cfg = config(FAMILIES["qwen3_5_text"])
+    path = tmp_path_factory.mktemp(f"{request.param}-mtp")
+    arch = FAMILIES[request.param]
+    cfg = config(arch)
+    L = cfg.num_hidden_layers
+    cfg.num_hidden_layers, cfg.layer_types = L + 1, [*cfg.layer_types, "full_attention"]
     torch.manual_seed(0)
-    transformers.Qwen3_5ForCausalLM(cfg).eval().save_pretrained(path)
+    full = getattr(transformers, arch.model_class)(cfg).eval()
+    full.save_pretrained(path)
     tiny_tokenizer(cfg.vocab_size).save_pretrained(path)
-    one = config(FAMILIES["qwen3_5_text"])
-    one.num_hidden_layers, one.layer_types = 1, ["full_attention"]
-    block = transformers.Qwen3_5ForCausalLM(one).model.layers[0].eval()
     g = torch.Generator().manual_seed(1)
-    norm = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5RMSNorm
-    parts = {"block": block, "fc": torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)}
+    parts = {"block": full.model.layers[L], "fc": torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)}
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        parts[name] = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        parts[name] = type(full.model.norm)(cfg.hidden_size, eps=cfg.rms_norm_eps)
         parts[name].weight.data = 0.1 * torch.randn(cfg.hidden_size, generator=g)
-    mtp = {f"mtp.layers.0.{k}": v for k, v in block.state_dict().items()}
-    mtp.update({f"mtp.{k}.weight": parts[k].weight.detach() for k in ("fc", "pre_fc_norm_embedding",
-                                                                      "pre_fc_norm_hidden", "norm")})
-    save_file({**load_file(path / "model.safetensors"), **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    block = f"model.layers.{L}."
+    tensors = {("mtp.layers.0." + k[len(block):] if k.startswith(block) else k): v
+               for k, v in load_file(path / "model.safetensors").items()}
+    tensors.update({f"mtp.{k}.weight": parts[k].weight.detach() for k in ("fc", "pre_fc_norm_embedding",
+                                                                          "pre_fc_norm_hidden", "norm")})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     conf = json.loads((path / "config.json").read_text())
-    conf["mtp_num_hidden_layers"] = 1
+    conf.update(num_hidden_layers=L, layer_types=conf["layer_types"][:L], mtp_num_hidden_layers=1)
     (path / "config.json").write_text(json.dumps(conf))
     return path, parts
 
@@ -312,7 +316,7 @@ def test_qwen35_mtp_layer_computes_what_vllm_reads_and_decodes_exactly(qwen35, t
     path, parts = qwen35
     target = load_target(str(path))
     head = mtp_head(target)
-    assert head.config.mtp_block.endswith(":Qwen3_5DecoderLayer")
+    assert head.config.mtp_block.endswith(":" + type(parts["block"]).__name__)
     ids = torch.randint(7, 512, (1, 14), generator=torch.Generator().manual_seed(7))
     last = target.forward(ids, layer_ids=(), logits=False).last
     S = ids.shape[1] - 1
@@ -330,6 +334,95 @@ def test_qwen35_mtp_layer_computes_what_vllm_reads_and_decodes_exactly(qwen35, t
     for tree in (TreeSpec(3, 1, 3), TreeSpec(2, 2, 4)):
         out = decode.generate(target, head, torch.tensor([prompt]), 10, eos_token_id=False, tree=tree)
         assert out.sequences[0, len(prompt):].tolist() == ref, tree
+    from eaglekit.export.mtp_checkpoint import write_checkpoint
+
+    out = write_checkpoint(head, target, tmp_path / "stitched")
+    names = {k for f in out.glob("*.safetensors") for k in load_file(f)}
+    assert names == set(load_file(path / "model.safetensors"))
+    again = mtp_head(load_target(str(out)))
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
+
+
+# ---- Nemotron-H's layout: mtp.layers.{0: fusion + attention block, 1: MoE block + final_layernorm} -------------
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    """A tiny Nemotron-H (Mamba-2 + attention + MLP, MoE for the MTP layer) checkpoint whose MTP layer is written
+    as Nemotron 3 ships it and vLLM's nemotron_h_mtp reads it (config num_nextn_predict_layers 1,
+    mtp_layers_block_type [attention, moe]): ``mtp.layers.0.{enorm, hnorm, eh_proj, norm, mixer.*}``,
+    ``mtp.layers.1.{norm, mixer.* (experts one tensor each), final_layernorm}`` — a 6-layer model's blocks 4 and 5
+    as save_pretrained writes them. Returns (folder, the MTP modules)."""
+    from arch_matrix import FAMILIES
+    from helpers import tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("nemotron-h-mtp")
+    moe = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "moe_shared_expert_intermediate_size": 32, "n_group": 1, "topk_group": 1}
+    arch = FAMILIES["nemotron_h"]
+    cfg = config(dataclasses.replace(arch, kw={**arch.kw, **moe, "hybrid_override_pattern":
+                                               arch.kw["hybrid_override_pattern"] + "*E"}))
+    L = cfg.num_hidden_layers - 2
+    torch.manual_seed(0)
+    full = transformers.NemotronHForCausalLM(cfg).eval()
+    full.save_pretrained(path)
+    tiny_tokenizer(cfg.vocab_size).save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    H = cfg.hidden_size
+    norm = type(full.model.norm_f)
+    parts = {"blocks": [full.model.layers[L], full.model.layers[L + 1]],
+             "eh_proj": torch.nn.Linear(2 * H, H, bias=False)}
+    for name in ("enorm", "hnorm", "final_layernorm"):
+        parts[name] = norm(H, eps=cfg.layer_norm_epsilon)
+        parts[name].weight.data = 1 + 0.1 * torch.randn(H, generator=g)
+    tensors = {}
+    for k, v in load_file(path / "model.safetensors").items():
+        for j in (0, 1):
+            k = k.replace(f"backbone.layers.{L + j}.", f"mtp.layers.{j}.")
+        tensors[k] = v
+    tensors.update({f"mtp.layers.0.{n}.weight": parts[n].weight.detach() for n in ("enorm", "hnorm", "eh_proj")})
+    tensors["mtp.layers.1.final_layernorm.weight"] = parts["final_layernorm"].weight.detach()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((path / "config.json").read_text())
+    conf.update(num_hidden_layers=L, layers_block_type=conf["layers_block_type"][:L], num_nextn_predict_layers=1,
+                mtp_layers_block_type=["attention", "moe"])
+    (path / "config.json").write_text(json.dumps(conf))
+    return path, parts
+
+
+def test_nemotron_h_mtp_layer_computes_what_vllm_reads_and_decodes_exactly(nemotron, tmp_path):
+    """Nemotron-H's MTP layer read from ``mtp.layers.*``: logits equal to vLLM's nemotron_h_mtp computation written
+    out by hand (eh_proj over [enorm(E(x_{t+1})), hnorm(h_t)], the attention block, the MoE block, final_layernorm,
+    the target's lm_head); a chain and a tree decode as the target does; exported back into a copy of the
+    checkpoint, the same tensor names and a bit-identical reload."""
+    path, parts = nemotron
+    target = load_target(str(path))
+    head = mtp_head(target)
+    ids = torch.randint(7, 512, (1, 14), generator=torch.Generator().manual_seed(8))
+    last = target.forward(ids, layer_ids=(), logits=False).last
+    S = ids.shape[1] - 1
+    with torch.no_grad():
+        e = target.embed_tokens(ids[:, 1:])
+        y = parts["eh_proj"](torch.cat([parts["enorm"](e), parts["hnorm"](last[:, :-1])], -1))
+        mask = torch.full((S, S), torch.finfo(y.dtype).min).triu(1)[None, None]
+        for block in parts["blocks"]:
+            y = block(y, attention_mask=mask, position_ids=torch.arange(S)[None])
+        want = target.lm_head(parts["final_layernorm"](y))
+        _, got = head.step(ids[:, 1:], last[:, :-1], torch.arange(S)[None], cache=HeadCache())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    prompt = ids[0].tolist()
+    ref = hf_greedy(target, prompt, 10)[0, len(prompt):].tolist()
+    from eaglekit.heads.objectives import Teacher
+    from eaglekit.train.config import LossConfig
+
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "last": last}  # the TTT objective runs the stack
+    loss, _ = head.training_loss(Teacher.build(target.lm_head.weight, head.t2d), batch, LossConfig(ttt_steps=2), steps=2)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in head.layers[0].mtp_block.blocks[1].parameters()
+                                        if p.requires_grad and p.dim() > 1)
+    fit_mtp(head, target, [prompt + ref], steps=5)  # drafts partly accepted: the rejected tail rolled back
+    for tree in (TreeSpec(3, 1, 3), TreeSpec(2, 2, 4)):
+        out = decode.generate(target, head, torch.tensor([prompt]), 10, eos_token_id=False, tree=tree)
+        assert out.sequences[0, len(prompt):].tolist() == ref, tree
+        assert max(out.stats.accept_lengths) > 1, tree
     from eaglekit.export.mtp_checkpoint import write_checkpoint
 
     out = write_checkpoint(head, target, tmp_path / "stitched")
