@@ -110,3 +110,54 @@ def test_vllm_server_keeps_the_bytecode_it_compiles(tmp_path, monkeypatch):
     s = vllm_cpu.Server(tmp_path / "model", threads=1, root=tmp_path)
     assert "PYTHONDONTWRITEBYTECODE" not in s.env and s.env["OMP_NUM_THREADS"] == "1"
     assert s.env["HF_HUB_OFFLINE"] == "1" and s.cmd[0] == str(tmp_path / "bin" / "vllm")
+
+
+@pytest.mark.real
+@pytest.mark.slow  # ~40 s with the vLLM environment made (one server)
+def test_vllm_real_server_drafts_with_an_exported_mtp_layer(tmp_path):
+    """A tiny random GLM-4.5 shipping an MTP layer (``helpers.nextn_checkpoint``; head_dim 64 and experts 128 wide,
+    widths vLLM's CPU kernels take): its layer loaded by eaglekit, fitted a little on the target's greedy answers,
+    written back into a copy of the checkpoint (``write_checkpoint``) and served by `vllm serve` with method "mtp"
+    (vLLM's glm4_moe_mtp reads the copy with its own loader). Its output is transformers' greedy; it drafts as
+    many steps per prompt as eaglekit's chain decoding with the head (depth 2), and its acceptance length is
+    eaglekit's within 3% (on 2026-12-06: steps [16, 14, 14] on both sides, τ 2.114; 52 of 88 drafts
+    accepted by vLLM)."""
+    from arch_matrix import MATRIX, config
+    from helpers import fit_mtp, nextn_checkpoint, tiny_tokenizer
+
+    from eaglekit import decode
+    from eaglekit.decode.drafters import TreeSpec
+    from eaglekit.export.mtp_checkpoint import write_checkpoint
+    from eaglekit.heads.mtp import shipped_head
+    from eaglekit.target import load_target
+
+    root = vllm_cpu.require()
+    arch = MATRIX["glm4_moe"]
+    cfg = config(arch)
+    cfg.num_hidden_layers, cfg.head_dim, cfg.moe_intermediate_size, cfg.architectures = 3, 64, 128, [arch.model_class]
+    nextn_checkpoint(tmp_path / "glm45", cfg, tiny_tokenizer(cfg.vocab_size))
+    target = load_target(str(tmp_path / "glm45"))
+    prompts = [torch.randint(7, 512, (12,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
+    n = 32
+    refs = [hf_greedy(target, ids, n)[0, len(ids):].tolist() for ids in prompts]
+    head = shipped_head(target)
+    fit_mtp(head, target, [ids + ref for ids, ref in zip(prompts, refs)], steps=8)
+    head.eval()
+    chain = TreeSpec(depth=2, top_k=1, total_tokens=2)
+    ours = [decode.generate(target, head, torch.tensor([ids]), n, tree=chain, eos_token_id=False) for ids in prompts]
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with vllm_cpu.Server(write_checkpoint(head, target, tmp_path / "fitted"), speculative=spec, threads=SERVER_THREADS,
+                         root=root, max_model_len=256) as s:
+        outs = [s.complete(ids, n) for ids in prompts]
+    for i, (ids, ref) in enumerate(zip(prompts, refs)):
+        assert outs[i].tokens == ref, f"prompt {i}: vLLM with the MTP layer differs from transformers' greedy"
+        assert ours[i].sequences[0, len(ids):].tolist() == ref, f"prompt {i}: eaglekit's chain decoding differs"
+    # verify steps per prompt (vLLM: those that drafted; its last may accept drafts past max_tokens, so τ counts
+    # the tokens given: the first comes from the prefill on both sides)
+    steps = ([o.drafts for o in outs], [len(o.stats.accept_lengths) for o in ours])
+    drafted, accepted = sum(o.draft_tokens for o in outs), sum(o.accepted for o in outs)
+    tau_vllm, tau_ours = (sum(len(r) - 1 for r in refs) / sum(s) for s in steps)
+    print(f"glm45 mtp: vLLM tau {tau_vllm:.3f} ({accepted} of {drafted} drafts accepted), eaglekit {tau_ours:.3f}; "
+          f"steps per prompt {steps}")
+    assert abs(tau_vllm - tau_ours) <= 0.03 * tau_ours, steps
+    assert 0.3 < accepted / drafted < 1, (accepted, drafted)

@@ -31,27 +31,13 @@ def shipped(request, tmp_path_factory):
     3-layer model's layer 2 (MoE, experts one tensor each) plus enorm / hnorm / eh_proj / shared_head (norm, head)
     and an embed_tokens copy under ``model.layers.2.``; config num_hidden_layers 2, num_nextn_predict_layers 1.
     Returns (folder, the 3-layer model, the extra tensors)."""
+    from helpers import nextn_checkpoint, tiny_tokenizer
+
     path = tmp_path_factory.mktemp(f"{request.param}-mtp")
     arch = MATRIX[request.param]
     cfg = config(arch)
-    cfg.num_hidden_layers = 3
-    torch.manual_seed(0)
-    full = getattr(transformers, arch.model_class)(cfg).eval()
-    full.save_pretrained(path)
-    from helpers import tiny_tokenizer
-
-    tiny_tokenizer(cfg.vocab_size).save_pretrained(path)
-    H = cfg.hidden_size
-    g = torch.Generator().manual_seed(1)
-    extras = {f"model.layers.2.{n}.weight": 1 + 0.1 * torch.randn(H, generator=g) for n in EXTRAS}
-    extras["model.layers.2.eh_proj.weight"] = 0.05 * torch.randn(H, 2 * H, generator=g)
-    extras["model.layers.2.shared_head.head.weight"] = full.lm_head.weight.detach().clone()
-    extras["model.layers.2.embed_tokens.weight"] = full.model.embed_tokens.weight.detach().clone()
-    tensors = {**load_file(path / "model.safetensors"), **extras}
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    conf = json.loads((path / "config.json").read_text())
-    conf.update(num_hidden_layers=2, num_nextn_predict_layers=1)
-    (path / "config.json").write_text(json.dumps(conf))
+    cfg.num_hidden_layers, cfg.architectures = 3, [arch.model_class]
+    full, extras = nextn_checkpoint(path, cfg, tiny_tokenizer(cfg.vocab_size))
     return path, full, extras
 
 
