@@ -164,9 +164,9 @@ def test_training_unrolls_what_the_mtp_layer_drafts(shipped):
 
 
 def test_an_mtp_head_fine_tunes_from_the_shipped_layer(shipped, tmp_path):
-    """`eaglekit prepare` (the last hidden state only) then offline training of head.kind=mtp started from the
-    shipped layer (head.init_from_target): two steps move it, held-out τ_sim is reported, and the saved head
-    decodes as the target does."""
+    """Training head.kind=mtp started from the shipped layer (head.init_from_target) on the target's features,
+    offline (DeepSeek-V3: `eaglekit prepare`, the last hidden state only) or online (GLM-4.5: computed as it
+    trains): two steps move it, held-out τ_sim is reported, and the saved head decodes as the target does."""
     from helpers import tiny_conversations
 
     from eaglekit.cli import main
@@ -176,10 +176,13 @@ def test_an_mtp_head_fine_tunes_from_the_shipped_layer(shipped, tmp_path):
     path, *_ = shipped
     tiny_conversations(tmp_path / "convs.jsonl", n=10)
     prep = tmp_path / "prep"
-    assert main(["prepare", f"target={path}", f"data={tmp_path / 'convs.jsonl'}", f"output_dir={prep}", "kind=mtp",
-                 "num_conversations=0", "max_length=64", "progress=false"]) == 0
+    if "deepseek" in path.name:
+        assert main(["prepare", f"target={path}", f"data={tmp_path / 'convs.jsonl'}", f"output_dir={prep}",
+                     "kind=mtp", "num_conversations=0", "max_length=64", "progress=false"]) == 0
+    data = [f"data.features_dir={prep}"] if "deepseek" in path.name else [
+        f"data.conversations={tmp_path / 'convs.jsonl'}", "data.max_length=64"]
     cfg = load_train_config(None, [
-        f"target={path}", f"data.features_dir={prep}", "data.eval_samples=3", "data.batch_size=2",
+        f"target={path}", *data, "data.eval_samples=3", "data.batch_size=2",
         "head.kind=mtp", "head.init_from_target=true", "loss.ttt_steps=2", "optim.max_steps=2", "progress=false",
         "trackers=[]", "eval_interval=0", "save_interval=0", f"output_dir={tmp_path / 'out'}"])
     final = train(cfg)
