@@ -301,12 +301,12 @@ def fit_mtp(head, target, seqs: list[list[int]], steps: int) -> None:
             opt.step()
 
 
-def nextn_checkpoint(path, cfg, tokenizer) -> tuple:
-    """A DeepSeek-V3 / GLM-4.5 checkpoint shipping one MTP layer as they do, from the config ``cfg`` of its class
-    (``cfg.num_hidden_layers`` = L + 1): layer L of an (L + 1)-layer random model (its MoE experts one tensor each,
-    as save_pretrained writes them) plus enorm / hnorm / eh_proj / shared_head (norm, head) and an embed_tokens copy
-    under ``model.layers.{L}.``; config num_hidden_layers L, num_nextn_predict_layers 1. Returns (the full model,
-    the extra tensors by name)."""
+def nextn_checkpoint(path, cfg, tokenizer, layers: int = 1) -> tuple:
+    """A DeepSeek-V3 / GLM-4.5 checkpoint shipping ``layers`` MTP layers as they do, from the config ``cfg`` of its
+    class (``cfg.num_hidden_layers`` = L + layers): layers L.. of a random model of that depth (MoE experts one
+    tensor each, as save_pretrained writes them), each with enorm / hnorm / eh_proj / shared_head (norm, head) and
+    an embed_tokens copy under ``model.layers.{L + k}.``; config num_hidden_layers L, num_nextn_predict_layers
+    ``layers``. Returns (the full model, the extra tensors by name)."""
     import json
 
     import transformers
@@ -316,14 +316,16 @@ def nextn_checkpoint(path, cfg, tokenizer) -> tuple:
     full = getattr(transformers, cfg.architectures[0])(cfg).eval()
     full.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    L, H, g = cfg.num_hidden_layers - 1, cfg.hidden_size, torch.Generator().manual_seed(1)
-    extras = {f"model.layers.{L}.{n}.weight": 1 + 0.1 * torch.randn(H, generator=g)
-              for n in ("enorm", "hnorm", "shared_head.norm")}
-    extras[f"model.layers.{L}.eh_proj.weight"] = 0.05 * torch.randn(H, 2 * H, generator=g)
-    extras[f"model.layers.{L}.shared_head.head.weight"] = full.lm_head.weight.detach().clone()
-    extras[f"model.layers.{L}.embed_tokens.weight"] = full.model.embed_tokens.weight.detach().clone()
+    L, H, g = cfg.num_hidden_layers - layers, cfg.hidden_size, torch.Generator().manual_seed(1)
+    extras = {}
+    for i in range(L, L + layers):
+        extras.update({f"model.layers.{i}.{n}.weight": 1 + 0.1 * torch.randn(H, generator=g)
+                       for n in ("enorm", "hnorm", "shared_head.norm")})
+        extras[f"model.layers.{i}.eh_proj.weight"] = 0.05 * torch.randn(H, 2 * H, generator=g)
+        extras[f"model.layers.{i}.shared_head.head.weight"] = full.lm_head.weight.detach().clone()
+        extras[f"model.layers.{i}.embed_tokens.weight"] = full.model.embed_tokens.weight.detach().clone()
     save_file({**load_file(path / "model.safetensors"), **extras}, path / "model.safetensors", metadata={"format": "pt"})
     conf = json.loads((path / "config.json").read_text())
-    conf.update(num_hidden_layers=L, num_nextn_predict_layers=1)
+    conf.update(num_hidden_layers=L, num_nextn_predict_layers=layers)
     (path / "config.json").write_text(json.dumps(conf))
     return full, extras

@@ -12,7 +12,14 @@ import torch
 
 from eaglekit.decode.cost import Plan, auto_plan
 from eaglekit.decode.draft_model import ModelDrafter
-from eaglekit.decode.drafters import Drafter, EagleDrafter, ParallelDrafter, PlainDrafter, TreeSpec
+from eaglekit.decode.drafters import (
+    Drafter,
+    EagleDrafter,
+    MtpWalkDrafter,
+    ParallelDrafter,
+    PlainDrafter,
+    TreeSpec,
+)
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput, Sampling, run
 from eaglekit.decode.stats import BatchStats
@@ -196,6 +203,8 @@ def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, 
         spec = plan.spec if plan is not None else tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {}))
         if getattr(drafter, "parallel", False):  # a head that samples its block takes the sampling
             return ParallelDrafter(target, drafter, spec, sampling, generator), plan
+        if getattr(drafter, "walks", False):  # an MTP head of several layers: one per depth, chains
+            return MtpWalkDrafter(target, drafter, spec), plan
         return EagleDrafter(target, drafter, spec), plan
     if hasattr(drafter, "draft") and hasattr(drafter, "commit"):  # anything following the protocol
         return drafter, None

@@ -43,9 +43,10 @@ def shipped_tensors(head, target, dtype=None) -> dict[str, torch.Tensor]:
     if layout(head.config) == "nextn":
         # DeepSeek ships the embedding and the lm_head again beside each next-n layer (the engines take the
         # target's; a checkpoint that lacks them is not what they read)
-        for k in range(head.config.num_layers):
-            out[f"model.layers.{target.num_layers + k}.shared_head.head.weight"] = target.lm_head.weight
-            out[f"model.layers.{target.num_layers + k}.embed_tokens.weight"] = target.embed_tokens.weight
+        for k in range(head.config.num_layers):  # each layer its own copy (safetensors stores no shared memory)
+            copy = (lambda w: w) if k == 0 else torch.clone
+            out[f"model.layers.{target.num_layers + k}.shared_head.head.weight"] = copy(target.lm_head.weight)
+            out[f"model.layers.{target.num_layers + k}.embed_tokens.weight"] = copy(target.embed_tokens.weight)
     return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
             for k, v in out.items()}
 

@@ -42,11 +42,11 @@ class BlockCache:
     """A head cache (``HeadCache``, a decode row's, a ``RowsStep``) seen through the one method a transformers
     decoder layer calls on its cache: ``update(keys, values, layer_idx)`` → every key and value it holds."""
 
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, cache, offset: int = 0):
+        self.cache, self.offset = cache, offset  # offset: MTP layer k's block numbers its attention k
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        return self.cache.update(layer_idx, key_states, value_states)
+        return self.cache.update(layer_idx - self.offset, key_states, value_states)
 
 
 def mtp_config(config: HeadConfig):
@@ -139,25 +139,43 @@ class MtpHead(LastHead):
         """Start from the MTP layers the target's checkpoint ships (``load_shipped``): fine-tuning them."""
         load_shipped(self, target)
 
-    def step(self, input_ids, g, position_ids, cache=None, attn_mask=None):
-        """→ (the layer's normed output [B, S, H], fed back as the next step's h; logits over the target vocabulary
-        through the target's lm_head). One MTP layer drafts every depth, as the engines run it."""
+    @property
+    def walks(self) -> bool:
+        """Several MTP layers walked one per draft depth (layer k drafts depth k, each over a cache of its own, its
+        element t reading layer k-1's output at t and token t+k+1: DeepSeek's sequential MTP modules), as vLLM's
+        multi-module MTP proposer drafts a checkpoint shipping several (``decode.drafters.MtpWalkDrafter``, chains).
+        One layer is reused at every depth, feeding its own cache, as every engine drafts a single one."""
+        return self.config.num_layers > 1
+
+    def step(self, input_ids, g, position_ids, cache=None, attn_mask=None, layer: int = 0):
+        """→ (MTP layer ``layer``'s normed output [B, S, H], fed back as the next step's h; logits over the target
+        vocabulary through the target's lm_head). One layer drafts every depth unless the head ``walks``."""
         self._check_step(input_ids, g, position_ids, cache, attn_mask)
         dtype, dev = self.dtype, self.device
         S = input_ids.shape[1]
-        if isinstance(cache, TTTCache):  # training's unroll: every step's keys kept, its anchored pattern a mask
+        if isinstance(cache, TTTCache):  # training's unroll (ttt_unroll): step k is depth k
             if cache.rows is not None:
                 raise ValueError("MtpHead: training an MTP head takes every position at every step (no anchors)")
-            cache = cache.__dict__.setdefault("mtp", HeadCache())
-            attn_mask = ttt_mask(S, cache.length // S, dtype, dev)
+            if self.walks:  # layer k over keys of its own: causal (the unroll shifts their positions alike)
+                walked = cache.__dict__.setdefault("mtp_walk", [])
+                if len(walked) == self.config.num_layers:
+                    raise ValueError(f"MtpHead: {len(walked)} MTP layers walk {len(walked)} depths: train at most "
+                                     f"loss.ttt_steps={len(walked)}")
+                layer, cache = len(walked), HeadCache()
+                walked.append(cache)
+            else:  # one layer reused: every step's keys kept, the drafted chain's pattern a mask
+                cache = cache.__dict__.setdefault("mtp", HeadCache())
+                attn_mask = ttt_mask(S, cache.length // S, dtype, dev)
         past = cache.length if cache is not None else 0
         # always a mask: a transformers attention given none is causal from the first key, not after the cache
         mask = causal_mask(S, past, dtype, dev) if attn_mask is None else attn_mask.to(dev, dtype)
         pos = position_ids.to(dev)
         e = self.embed(input_ids)
         rope = None if self.rotary_emb is None else self.rotary_emb(e, pos)
+        block = self.layers[layer]
+        offset = 0 if isinstance(block.mtp_block, BlockStack) else layer
         # positional: the cache argument is `cache` in transformers 5.24+, `past_key_values` in 5.17
-        out = self.layers[0](e, g.to(dtype), rope, mask, pos, None if cache is None else BlockCache(cache))
+        out = block(e, g.to(dtype), rope, mask, pos, None if cache is None else BlockCache(cache, offset))
         lm_head = self.target_module("lm_head")
         return out, lm_head(out.to(lm_head.weight.device, lm_head.weight.dtype))
 

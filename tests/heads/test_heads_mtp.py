@@ -5,6 +5,7 @@ cached continuation); decoding with it is the target's own greedy decoding, chai
 without the layer is one error naming it."""
 import dataclasses
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -418,4 +419,76 @@ def test_nemotron_h_mtp_layer_computes_what_vllm_reads_and_decodes_exactly(nemot
     names = {k for f in out.glob("*.safetensors") for k in load_file(f)}
     assert names == set(load_file(path / "model.safetensors"))
     again = mtp_head(load_target(str(out)))
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
+
+
+# ---- several MTP layers walked one per depth (DeepSeek's sequential modules, vLLM's multi-module proposer) ------
+def test_two_mtp_layers_draft_and_train_one_layer_per_depth(tmp_path):
+    """A DeepSeek-V3 checkpoint shipping 2 MTP layers (``nextn_checkpoint(layers=2)``): the head walks them
+    (layer k drafts depth k over a cache of its own; its element t reads layer k-1's output at t and token t+k+1).
+    At every round of decoding the drafted chain is the one transformers' ``MtpModel`` gives running each layer over
+    the whole sequence (``forward_layer``, layer k-1's outputs fed to layer k, drafts appended): as shipped (drafts
+    rejected) and fitted a little (partly accepted), the output being the target's greedy. Training's unroll gives
+    the same layers' logits at every element; a third TTT step is one error; the export reloads bit-identically."""
+    from arch_matrix import MATRIX, config
+    from helpers import nextn_checkpoint, tiny_tokenizer
+
+    from eaglekit.decode import drafters
+    from eaglekit.export.mtp_checkpoint import write_checkpoint
+    from eaglekit.heads.objectives import ttt_unroll
+
+    arch = MATRIX["deepseek_v3"]
+    cfg = config(arch)
+    cfg.num_hidden_layers, cfg.architectures = 4, [arch.model_class]
+    nextn_checkpoint(tmp_path / "ds", cfg, tiny_tokenizer(cfg.vocab_size), layers=2)
+    target = load_target(str(tmp_path / "ds"))
+    head = mtp_head(target)
+    assert head.walks and head.config.num_layers == 2
+    ref = MtpModel(target.model, 2).eval()
+
+    def chain(seq, depth):  # each layer over the whole sequence, the chain's own drafts appended
+        T, s, q = len(seq) - 1, list(seq), []
+        h = target.forward(torch.tensor([seq[:T]]), layer_ids=(), logits=False).last
+        for m in range(depth):
+            h = ref.forward_layer(m, h, torch.arange(T)[None], None, input_ids=torch.tensor([s[m + 1:T + m + 1]]))
+            p = torch.softmax(ref._project_to_logits(h)[0, -1], -1)
+            s.append(int(p.argmax()))
+            q.append(float(p.max()))
+        return s[T + 1:], q
+
+    rounds, draft = [], drafters.MtpWalkDrafter.draft
+
+    def spy(self, max_depth):
+        tree = draft(self, max_depth)
+        rounds.append((self.tokens.tolist(), tree.tokens.tolist(), tree.q_token.tolist()))
+        return tree
+
+    prompt = torch.randint(7, 512, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = hf_greedy(target, prompt, 20)[0, 12:].tolist()
+    with mock.patch.object(drafters.MtpWalkDrafter, "draft", spy), torch.no_grad():
+        for fitted in (False, True):
+            if fitted:
+                with torch.enable_grad():
+                    fit_mtp(head, target, [prompt + want], steps=6)
+            ref.layers.load_state_dict(head.layers.state_dict())
+            rounds.clear()
+            out = decode.generate(target, head, torch.tensor([prompt]), 20, eos_token_id=False, tree=TreeSpec(2, 1, 2))
+            assert out.sequences[0, 12:].tolist() == want
+            assert max(out.stats.accept_lengths) == (2 if fitted else 1), out.stats.accept_lengths
+            for seq, tokens, q in rounds:  # the drafts and their probabilities
+                want_tokens, want_q = chain(seq, len(tokens))
+                assert tokens == want_tokens, (seq, tokens, want_tokens)
+                torch.testing.assert_close(torch.tensor(q), torch.tensor(want_q), rtol=1e-4, atol=0)
+    ids = torch.randint(7, 512, (1, 12), generator=torch.Generator().manual_seed(4))
+    last = target.forward(ids, layer_ids=(), logits=False).last
+    with torch.no_grad():
+        unrolled = [logits for _, _, logits in ttt_unroll(head, ids, head.fuse(last), 2)]
+        h = last[:, :11]
+        for m in range(2):
+            n = 11 - m  # elements 0..n-1 take x_{t+m+1}
+            h = ref.forward_layer(m, h[:, :n], torch.arange(n)[None], None, input_ids=ids[:, m + 1:m + 1 + n])
+            torch.testing.assert_close(unrolled[m][0, :n], ref._project_to_logits(h)[0], rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match="2 MTP layers walk 2 depths: train at most loss.ttt_steps=2"):
+            list(ttt_unroll(head, ids, head.fuse(last), 3))
+    again = mtp_head(load_target(str(write_checkpoint(head, target, tmp_path / "stitched"))))
     assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
