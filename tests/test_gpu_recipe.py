@@ -1,5 +1,5 @@
 """The GPU recipe (benchmarks/gpu/): its two steps run end to end on the CPU with tiny sizes (regenerate →
-carry the JSONL → train EAGLE-3, P-EAGLE and DFlash heads, score, bench each, bring a head back), and the
+carry the JSONL → train EAGLE-3 and DFlash heads (``--kinds``), score, bench each, bring a head back), and the
 pieces that move files on and off a lent machine (parts under 16 MiB, a gzip cap on whole lines, the
 data-scaling record, the bench runs, the per-kind budget and bench summary)."""
 import gzip
@@ -202,12 +202,12 @@ def test_gpu_recipe_two_steps_on_cpu(tmp_path):
     # the decode tests' business; here they would only add time)
     shutil.copytree(out1, dev / "regen")
     _run_step("train", dev, tmp_path / "out2",
-              "--eval-interval 2 --benches main --bench-prompts 1 --bench-tokens 4 --bench-min-s 0 "
+              "--kinds eagle3,dflash --eval-interval 2 --benches main --bench-prompts 1 --bench-tokens 4 --bench-min-s 0 "
               "--bench-set threads=1 lookup_tokens=0 tree=2,2,3 hf_baselines=false --train-set optim.max_steps=4 data.eval_samples=1 data.batch_size=1 "
               "data.max_length=64 loss.ttt_steps=2")
     out2 = tmp_path / "out2"
     summary = json.loads((out2 / "summary.json").read_text())
-    assert list(summary["kinds"]) == ["eagle3", "peagle", "dflash"]
+    assert list(summary["kinds"]) == ["eagle3", "dflash"]  # an autoregressive kind and a parallel one
     for kind, record in summary["kinds"].items():  # every arm trained, was scored and decoded losslessly
         held = record["held_out"]
         assert held["step"] == 4 and held["eval_tau_sim"] >= 1.0 and held["tau_sim_first_4"] >= 1.0, kind
@@ -217,9 +217,9 @@ def test_gpu_recipe_two_steps_on_cpu(tmp_path):
         assert main["ours"]["identical_to_plain"] == "1/1" and main["ours"]["tau"] >= 1.0, kind
         assert main["ours"]["verify_ms_per_forward"] > 0 and "vs_plain" in main["ours"], kind
         assert not record.get("benches_failed") and not record.get("benches_skipped"), kind
-    # the depths each kind scores: EAGLE-3 and P-EAGLE the 2 asked, DFlash its whole block of 8 (7 depths)
+    # the depths each kind scores: EAGLE-3 the 2 asked, DFlash its whole block of 8 (7 depths)
     assert [sum(k.startswith("eval_acc_") for k in summary["kinds"][kind]["held_out"])
-            for kind in ("eagle3", "peagle", "dflash")] == [2, 2, 7]
+            for kind in ("eagle3", "dflash")] == [2, 7]
     assert all((out2 / n).stat().st_size <= 16 << 20 for n in summary["kinds"]["eagle3"]["head_files"])
     assert "head_files" not in summary["kinds"]["dflash"]  # --bring-heads: eagle3 only (8 files come back)
     (tmp_path / "head.tar").write_bytes(gpu_io.join_parts(out2, "head-eagle3.tar"))
@@ -241,6 +241,6 @@ def test_gpu_recipe_two_steps_on_cpu(tmp_path):
         report = json.load(tar.extractfile(next(n for n in names if n.startswith("bench/eagle3/main/")
                                                 and n.endswith(".json"))))
     assert {k: (c["kind"], c.get("block_size", 1)) for k, c in configs.items()} == {
-        "eagle3": ("eagle3", 1), "peagle": ("peagle", 4), "dflash": ("dflash", 8)}
+        "eagle3": ("eagle3", 1), "dflash": ("dflash", 8)}
     assert {f"heads/{k}/log.jsonl" for k in configs} | {"data/prepare.json", "scaling/dflash.json"} <= set(names)
     assert {"plain", "ours"} <= set(report["results"]["0.0"]) and "hf" not in report["results"]["0.0"]

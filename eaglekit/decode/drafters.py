@@ -473,7 +473,8 @@ class MtpWalkDrafter:
                 root_logits = logits[0, -1]
             else:
                 self.outs[k - 1] = self.outs[k - 1][new:]  # read by layer k
-            self.outs[k] = below = torch.cat([self.outs[k], hidden[0]])
+            # the last layer's outputs feed no layer: none kept (its cache grows with the text, they would too)
+            self.outs[k] = below = torch.cat([self.outs[k], hidden[0]]) if k + 1 < len(self.caches) else hidden[0, :0]
         self.pending = self.pending[:0]
         return root_logits
 

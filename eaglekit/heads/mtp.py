@@ -186,12 +186,16 @@ def shipped_head(target, path=None) -> MtpHead:
     return load_shipped(head.bind(target), target, path)
 
 
+# the model types whose checkpoints keep MTP layers as mtp.* (vLLM's qwen3_5_mtp / qwen3_next_mtp)
+QWEN_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
 def layout(config: HeadConfig) -> str:
     """Where the target's checkpoint keeps its MTP layers: ``"qwen"`` (Qwen3.5 / Qwen3-Next: ``mtp.*``,
     ``mtp_num_hidden_layers``), ``"nemotron"`` (Nemotron-H: ``mtp.layers.{P k + j}.*``, each MTP layer P of the
     target's blocks, ``mtp_layers_block_type``) or ``"nextn"`` (DeepSeek / GLM: ``model.layers.{L + k}.*``)."""
     tc = config.target_config or {}
-    if "mtp_num_hidden_layers" in tc:
+    if "mtp_num_hidden_layers" in tc or tc.get("model_type") in QWEN_TYPES:  # a config saved without it: its type
         return "qwen"
     return "nemotron" if stacked(tc) else "nextn"
 
