@@ -14,6 +14,7 @@ Modules, each importing only modules on the lines below it:
     cost                    measured costs and tree="auto"'s plan (auto_plan, Plan)
     lookup, draft_model     the prompt-lookup wrapper; a draft model's chain (ModelDrafter) and tree
                             (ModelTreeDrafter), through its ModelProposer
+    mtp_walk                an MTP head of several layers, one per depth (MtpWalkDrafter: vLLM's multi-module chain)
     loop                    the loop for one row or many (Decoder.step: draft, verify, accept, keep, commit);
                             Sampling and the acceptance rules
     drafters                Drafter protocol: PlainDrafter, TreeDrafter (EagleDrafter: a head's EAGLE-2 tree,

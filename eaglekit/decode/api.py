@@ -15,13 +15,13 @@ from eaglekit.decode.draft_model import ModelDrafter
 from eaglekit.decode.drafters import (
     Drafter,
     EagleDrafter,
-    MtpWalkDrafter,
     ParallelDrafter,
     PlainDrafter,
     TreeSpec,
 )
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput, Sampling, run
+from eaglekit.decode.mtp_walk import MtpWalkDrafter
 from eaglekit.decode.stats import BatchStats
 from eaglekit.target import CompileError
 from eaglekit.target.architectures import UnsupportedArchitecture, check_decodable

@@ -143,7 +143,7 @@ class MtpHead(LastHead):
     def walks(self) -> bool:
         """Several MTP layers walked one per draft depth (layer k drafts depth k, each over a cache of its own, its
         element t reading layer k-1's output at t and token t+k+1: DeepSeek's sequential MTP modules), as vLLM's
-        multi-module MTP proposer drafts a checkpoint shipping several (``decode.drafters.MtpWalkDrafter``, chains).
+        multi-module MTP proposer drafts a checkpoint shipping several (``decode.mtp_walk.MtpWalkDrafter``, chains).
         One layer is reused at every depth, feeding its own cache, as every engine drafts a single one."""
         return self.config.num_layers > 1
 

@@ -11,7 +11,7 @@ LAYERS = [  # lowest first
     {"stats", "stops"},
     {"drafters"},
     {"loop"},
-    {"draft_model"},
+    {"draft_model", "mtp_walk"},
     {"lookup"},
     {"cost"},
     {"api"},

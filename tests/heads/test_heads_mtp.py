@@ -433,7 +433,7 @@ def test_two_mtp_layers_draft_and_train_one_layer_per_depth(tmp_path):
     from arch_matrix import MATRIX, config
     from helpers import nextn_checkpoint, tiny_tokenizer
 
-    from eaglekit.decode import drafters
+    from eaglekit.decode import mtp_walk
     from eaglekit.export.mtp_checkpoint import write_checkpoint
     from eaglekit.heads.objectives import ttt_unroll
 
@@ -456,7 +456,7 @@ def test_two_mtp_layers_draft_and_train_one_layer_per_depth(tmp_path):
             q.append(float(p.max()))
         return s[T + 1:], q
 
-    rounds, draft = [], drafters.MtpWalkDrafter.draft
+    rounds, draft = [], mtp_walk.MtpWalkDrafter.draft
 
     def spy(self, max_depth):
         tree = draft(self, max_depth)
@@ -465,7 +465,7 @@ def test_two_mtp_layers_draft_and_train_one_layer_per_depth(tmp_path):
 
     prompt = torch.randint(7, 512, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     want = hf_greedy(target, prompt, 20)[0, 12:].tolist()
-    with mock.patch.object(drafters.MtpWalkDrafter, "draft", spy), torch.no_grad():
+    with mock.patch.object(mtp_walk.MtpWalkDrafter, "draft", spy), torch.no_grad():
         for fitted in (False, True):
             if fitted:
                 with torch.enable_grad():
