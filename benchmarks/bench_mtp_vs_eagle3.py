@@ -126,7 +126,9 @@ def summarize(argv: list[str], path: str, wall: float) -> None:
         "data": {"samples": len(lengths), "tokens": sum(lengths), "train_samples": len(lengths) - n_eval,
                  "train_tokens": sum(lengths[:-n_eval]), "held_out_samples": n_eval,
                  "held_out_tokens": sum(lengths[-n_eval:]), "longest_sample": max(lengths), "extra": manifest.get("extra")},
-        "budget": {"tokens_target": a.tokens, "steps": report["steps"], "epochs": report["epochs"], "ttt": a.ttt,
+        # minutes > 0: equal time (each run's training stopped after that many minutes; steps set only the warm-up)
+        "budget": {"minutes": a.minutes, "tokens_target": a.tokens, "steps": report["steps"], "epochs": report["epochs"],
+                   "ttt": a.ttt,
                    "bf16_autocast": a.bf16, "threads": a.threads, "parallel": a.parallel},
         "params": param_counts(list(a.arms), a),
         "arms": {arm: {"tau_sim": report["arms"][arm]["tau_sim"], "tau_chain": report["arms"][arm].get("tau_chain"),
