@@ -602,16 +602,22 @@ def test_llama_cpp_real_server_drafts_for_a_qwen35_target(tmp_path):
             outs = [s.complete(ids, n) for ids in prompts]
         ours = [decode.generate(target, drafter, torch.tensor([ids]), n, tree=chain, eos_token_id=False)
                 for ids in prompts]
-        for i, (ids, ref, out) in enumerate(zip(prompts, refs, outs)):
-            assert out.tokens == ref, f"{name}, prompt {i}: llama-server with the drafter differs from plain"
-            assert ours[i].sequences[0, len(ids):].tolist() == ref, f"{name}, prompt {i}: eaglekit's chain differs"
-        steps = ([o.steps for o in outs], [len(o.stats.accept_lengths) for o in ours])  # verify forwards per prompt
-        tau_server, tau_ours = (sum(len(o.tokens) - 1 for o in outs) / sum(s) for s in steps)
-        drafted, accepted = sum(o.draft_n for o in outs), sum(o.accepted for o in outs)
-        print(f"qwen35 {name}: tau llama-server {tau_server:.3f}, eaglekit {tau_ours:.3f}; steps per prompt {steps}; "
-              f"{accepted} of {drafted} drafts accepted")
-        assert abs(tau_server - tau_ours) <= 0.03 * tau_ours, (name, steps)
-        assert tau_server > 1.5 and accepted / drafted > 0.3, (name, tau_server, accepted, drafted)
+        same_chain(f"qwen35 {name}", prompts, refs, outs, ours)
+
+
+def same_chain(name, prompts, refs, outs, ours) -> None:
+    """llama-server's outputs with a drafter (``outs``) and eaglekit's chain decoding with the same one (``ours``):
+    both the reference tokens; τ (tokens per verify forward) within 3%; drafts partly accepted."""
+    for i, (ids, ref, out) in enumerate(zip(prompts, refs, outs)):
+        assert out.tokens == ref, f"{name}, prompt {i}: llama-server with the drafter differs from plain"
+        assert ours[i].sequences[0, len(ids):].tolist() == ref, f"{name}, prompt {i}: eaglekit's chain differs"
+    steps = ([o.steps for o in outs], [len(o.stats.accept_lengths) for o in ours])  # verify forwards per prompt
+    tau_server, tau_ours = (sum(len(o.tokens) - 1 for o in outs) / sum(s) for s in steps)
+    drafted, accepted = sum(o.draft_n for o in outs), sum(o.accepted for o in outs)
+    print(f"{name}: tau llama-server {tau_server:.3f}, eaglekit {tau_ours:.3f}; steps per prompt {steps}; "
+          f"llama-server accepted {accepted} of {drafted} drafts")
+    assert abs(tau_server - tau_ours) <= 0.03 * tau_ours, (name, steps)
+    assert tau_server > 1.5 and 0.3 < accepted / drafted < 1, (name, tau_server, accepted, drafted)
 
 
 def tiny_glm45_mtp(path, tokenizer_dir):
@@ -668,17 +674,8 @@ def test_llama_cpp_real_server_drafts_with_an_exported_mtp_layer(tmp_path):
         outs = [s.complete(ids, n) for ids in prompts]
     chain = TreeSpec(depth=3, top_k=1, total_tokens=3)
     ours = [decode.generate(target, head, torch.tensor([ids]), n, tree=chain, eos_token_id=False) for ids in prompts]
-    for i, (ids, ref) in enumerate(zip(prompts, refs)):
-        assert plains[i] == ref, f"prompt {i}: llama-server != transformers"
-        assert outs[i].tokens == ref, f"prompt {i}: llama-server with draft-mtp differs from plain llama-server"
-        assert ours[i].sequences[0, len(ids):].tolist() == ref, f"prompt {i}: eaglekit's chain decoding differs"
-    steps = ([o.steps for o in outs], [len(o.stats.accept_lengths) for o in ours])  # verify forwards per prompt
-    tau_server, tau_ours = (sum(len(o.tokens) - 1 for o in outs) / sum(s) for s in steps)
-    drafted, accepted = sum(o.draft_n for o in outs), sum(o.accepted for o in outs)
-    print(f"glm45 mtp: tau llama-server {tau_server:.3f}, eaglekit {tau_ours:.3f}; steps per prompt {steps}; "
-          f"llama-server accepted {accepted} of {drafted} drafts")
-    assert abs(tau_server - tau_ours) <= 0.03 * tau_ours, steps
-    assert tau_server > 1.5 and 0.3 < accepted / drafted < 1, (tau_server, accepted, drafted)
+    assert plains == refs, "llama-server != transformers"
+    same_chain("glm45 mtp", prompts, refs, outs, ours)
 
 def test_llama_cpp_bench_gives_an_ngram_configuration_a_fresh_server_each_repeat(monkeypatch):
     """llama.cpp's n-gram stores learn from every answer their server gave: a configuration with an n-gram type
