@@ -12,13 +12,7 @@ import torch
 
 from eaglekit.decode.cost import Plan, auto_plan
 from eaglekit.decode.draft_model import ModelDrafter
-from eaglekit.decode.drafters import (
-    Drafter,
-    EagleDrafter,
-    ParallelDrafter,
-    PlainDrafter,
-    TreeSpec,
-)
+from eaglekit.decode.drafters import Drafter, EagleDrafter, ParallelDrafter, PlainDrafter, TreeSpec
 from eaglekit.decode.lookup import LookupDrafter
 from eaglekit.decode.loop import GenerateOutput, Sampling, run
 from eaglekit.decode.mtp_walk import MtpWalkDrafter

@@ -280,8 +280,8 @@ def load_shipped(head: MtpHead, target, path=None) -> MtpHead:
     where = str(path or target.model.config.name_or_path or "")
     if not where:
         raise ValueError("load_shipped: the target was not loaded from a checkpoint folder: pass path=")
-    n = head.config.num_layers
-    if layout(head.config) == "qwen" and n != 1:
+    n, kind = head.config.num_layers, layout(head.config)
+    if kind == "qwen" and n != 1:
         raise ValueError(f"{where}: {n} MTP layers in Qwen's layout (fc and its norms shared by them): eaglekit reads one")
     pairs = renames(head.config, target.num_layers)
     found = checkpoint_tensors(Path(where), lambda key: key.startswith(tuple(theirs for theirs, _ in pairs)))
@@ -294,7 +294,7 @@ def load_shipped(head: MtpHead, target, path=None) -> MtpHead:
         rest = key[len(theirs):]
         if ".mtp_block." not in ours:
             state[ours + rest] = value
-        elif not (layout(head.config) == "nextn" and rest.startswith(NEXTN_COPIES)):
+        elif not (kind == "nextn" and rest.startswith(NEXTN_COPIES)):
             block[ours + rest] = value
     state.update(convert_weights(target.model, block))
     try:

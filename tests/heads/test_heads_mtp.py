@@ -59,6 +59,18 @@ def mtp_head(target):
     return load_shipped(head, target)
 
 
+def exports_as_shipped(head, target, shipped, out) -> None:
+    """``write_checkpoint``'s copy of the target's folder holds the tensor names of the ``shipped`` checkpoint (the
+    head in the target's own layout) and reads back into a head bit-identical to ``head``."""
+    from eaglekit.export.mtp_checkpoint import write_checkpoint
+
+    out = write_checkpoint(head, target, out)
+    names = {k for f in out.glob("*.safetensors") for k in load_file(f)}
+    assert names == {k for f in shipped.glob("*.safetensors") for k in load_file(f)}
+    again = mtp_head(load_target(str(out)))
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
+
+
 def test_the_cli_decodes_with_the_targets_own_mtp_layers(shipped, capsys):
     """``eaglekit generate head=mtp``: the target checkpoint's MTP layer drafts; the text is plain decoding's."""
     from eaglekit.cli import main
@@ -324,13 +336,7 @@ def test_qwen35_mtp_layer_computes_what_vllm_reads_and_decodes_exactly(qwen35, t
     for tree in (TreeSpec(3, 1, 3), TreeSpec(2, 2, 4)):
         out = decode.generate(target, head, torch.tensor([prompt]), 10, eos_token_id=False, tree=tree)
         assert out.sequences[0, len(prompt):].tolist() == ref, tree
-    from eaglekit.export.mtp_checkpoint import write_checkpoint
-
-    out = write_checkpoint(head, target, tmp_path / "stitched")
-    names = {k for f in out.glob("*.safetensors") for k in load_file(f)}
-    assert names == set(load_file(path / "model.safetensors"))
-    again = mtp_head(load_target(str(out)))
-    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
+    exports_as_shipped(head, target, path, tmp_path / "stitched")
 
 
 # ---- Nemotron-H's layout: mtp.layers.{0: fusion + attention block, 1: MoE block + final_layernorm} -------------
@@ -413,13 +419,7 @@ def test_nemotron_h_mtp_layer_computes_what_vllm_reads_and_decodes_exactly(nemot
         out = decode.generate(target, head, torch.tensor([prompt]), 10, eos_token_id=False, tree=tree)
         assert out.sequences[0, len(prompt):].tolist() == ref, tree
         assert max(out.stats.accept_lengths) > 1, tree
-    from eaglekit.export.mtp_checkpoint import write_checkpoint
-
-    out = write_checkpoint(head, target, tmp_path / "stitched")
-    names = {k for f in out.glob("*.safetensors") for k in load_file(f)}
-    assert names == set(load_file(path / "model.safetensors"))
-    again = mtp_head(load_target(str(out)))
-    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
+    exports_as_shipped(head, target, path, tmp_path / "stitched")
 
 
 # ---- several MTP layers walked one per depth (DeepSeek's sequential modules, vLLM's multi-module proposer) ------
@@ -434,7 +434,6 @@ def test_two_mtp_layers_draft_and_train_one_layer_per_depth(tmp_path):
     from helpers import nextn_checkpoint, tiny_tokenizer
 
     from eaglekit.decode import mtp_walk
-    from eaglekit.export.mtp_checkpoint import write_checkpoint
     from eaglekit.heads.objectives import ttt_unroll
 
     arch = MATRIX["deepseek_v3"]
@@ -490,5 +489,4 @@ def test_two_mtp_layers_draft_and_train_one_layer_per_depth(tmp_path):
             torch.testing.assert_close(unrolled[m][0, :n], ref._project_to_logits(h)[0], rtol=0, atol=1e-5)
         with pytest.raises(ValueError, match="2 MTP layers walk 2 depths: train at most loss.ttt_steps=2"):
             list(ttt_unroll(head, ids, head.fuse(last), 3))
-    again = mtp_head(load_target(str(write_checkpoint(head, target, tmp_path / "stitched"))))
-    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
+    exports_as_shipped(head, target, tmp_path / "ds", tmp_path / "stitched")
