@@ -84,7 +84,7 @@ def test_greedy_decode_on_a_packed_tiny_target_equals_hf():
 
 @pytest.mark.real
 def test_packed_smollm2_greedy_matches_unpacked_hf(smollm2):
-    """The session's SmolLM2 (packed, as every real test decodes it: tests/conftest.py) decoding 4 MT-bench
+    """The session's SmolLM2 (packed, as every real test decodes it: tests/conftest.py) decoding 3 MT-bench
     prompts, plain and with a random packed EAGLE-3 head, must match transformers' greedy decoding on a second,
     unpacked SmolLM2 (near-tie rule of test_decode_real)."""
     from decode.test_decode_real import assert_same_or_near_tie, mt_bench_prompts, random_head
@@ -96,10 +96,10 @@ def test_packed_smollm2_greedy_matches_unpacked_hf(smollm2):
     head = random_head(smollm2)
     pack_linears(head)
     ties = 0
-    for i, ids in enumerate(mt_bench_prompts(unpacked, 4)):
+    for i, ids in enumerate(mt_bench_prompts(unpacked, 3)):
         ref = unpacked.model.generate(ids, max_new_tokens=24, do_sample=False, num_beams=1, repetition_penalty=1.0,
                                       temperature=None, top_p=None, top_k=None)  # 24 tokens, not the 40 others share
         for name, drafter in (("plain", None), ("eagle3", head)):
             out = decode.generate(smollm2, drafter, ids, 24, tree=TreeSpec(depth=3, top_k=4, total_tokens=10))
             ties += assert_same_or_near_tie(unpacked, ref, out.sequences, f"packed {name} prompt {i}")
-    assert ties <= 1, f"{ties} near-tie divergences in 8 decodes"
+    assert ties <= 1, f"{ties} near-tie divergences in 6 decodes"
