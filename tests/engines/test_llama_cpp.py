@@ -565,11 +565,12 @@ def test_llama_cpp_real_server_drafts_for_a_qwen35_target(tmp_path):
     """A tiny random Qwen3.5 (hybrid: Gated DeltaNet and full attention; Qwen2.5-Coder's tokenizer) with an MTP
     layer eaglekit trained from scratch (``fit_mtp`` on its greedy answers) and wrote back in Qwen's layout
     (``write_checkpoint``: mtp.*), converted by ``convert`` to an f32 GGUF (its MTP layer kept): plain llama-server
-    decodes what transformers does greedily. With an EAGLE-3 head memorised on those answers (``memorise``),
-    exported for llama.cpp, and with the GGUF's own MTP layer (``--spec-type draft-mtp``), llama-server's output is
-    plain's and so is eaglekit's chain decoding with the same drafter (depth 3), and τ of the two agree within 3%
-    (on 2026-12-06: EAGLE-3 3.720 both sides; MTP steps per prompt [11, 13, 12] both sides, 57 of 103 drafts
-    accepted)."""
+    decodes what transformers does greedily. With an EAGLE-3 head memorised on those answers (``memorise``) and a
+    DFlash head (``memorise_block``), each exported for llama.cpp, and with the GGUF's own MTP layer (``--spec-type
+    draft-mtp``), llama-server's output is plain's and so is eaglekit's chain decoding with the same drafter (depth 3;
+    llama.cpp takes each DFlash slot's argmax), and τ of the two agree within 3% (on 2026-12-06: EAGLE-3 3.720 both
+    sides; DFlash steps per prompt [10, 11, 12] both sides, 60 of 93 drafts accepted; MTP [11, 13, 12] both sides,
+    57 of 103 accepted)."""
     from eaglekit import decode
     from eaglekit.decode.drafters import TreeSpec
     from eaglekit.export.mtp_checkpoint import write_checkpoint
@@ -595,14 +596,48 @@ def test_llama_cpp_real_server_drafts_for_a_qwen35_target(tmp_path):
                                              aux_layer_ids=[1, 2, 3]), target)
     memorise(target, head, list(zip(prompts, refs)), steps=60)
     gguf = export_head(head, tmp_path / "head", "llama.cpp", gguf_type="f32", target_dir=folder)
+    torch.manual_seed(0)  # DFlash: llama.cpp reads the full vocabulary and distinct taps
+    dflash = build_head(HeadConfig.from_target(target, kind="dflash", block_size=4, num_layers=1,
+                                               draft_vocab_size=target.vocab_size, aux_layer_ids=[1, 2, 3]), target)
+    memorise_block(target, dflash, list(zip(prompts, refs)), steps=20)
+    dflash_gguf = export_head(dflash, tmp_path / "dflash", "llama.cpp", gguf_type="f32", target_dir=folder)
     chain = TreeSpec(depth=3, top_k=1, total_tokens=3)
     for name, drafter, server in (("eagle3", head, {"draft": gguf, "spec_type": "draft-eagle3"}),
+                                  ("dflash", dflash, {"draft": dflash_gguf, "spec_type": "draft-dflash"}),
                                   ("mtp", mtp, {"spec_type": "draft-mtp"})):
         with llama_cpp.Server(model, n_max=3, root=root, threads=SERVER_THREADS, **server) as s:
             outs = [s.complete(ids, n) for ids in prompts]
         ours = [decode.generate(target, drafter, torch.tensor([ids]), n, tree=chain, eos_token_id=False)
                 for ids in prompts]
         same_chain(f"qwen35 {name}", prompts, refs, outs, ours)
+
+
+def memorise_block(target, head, seqs: list[tuple[list[int], list[int]]], steps: int) -> None:
+    """Fit a parallel (block) head to the target's greedy answers ``seqs`` ((prompt, answer) pairs) through its own
+    training objective (``head.training_loss`` in ``TTTModel``, the trainer's default loss settings), AdamW, one
+    sequence per step."""
+    from eaglekit.heads.objectives import Teacher, TTTModel
+    from eaglekit.train.config import LossConfig
+
+    head.init_from_target(target)
+    model = TTTModel(head, Teacher.build(target.lm_head.weight, head.t2d), LossConfig())
+    data = []
+    with torch.no_grad():
+        for p, a in seqs:
+            seq = torch.tensor([p + a])
+            out = target.forward(seq, layer_ids=head.taps, logits=False)
+            mask = torch.zeros_like(seq)
+            mask[0, len(p):] = 1  # the answer is supervised
+            data.append((seq, mask, out.last, out.taps))
+    opt = torch.optim.AdamW([w for w in head.parameters() if w.requires_grad], lr=3e-3)
+    head.train()
+    for _ in range(steps):
+        for seq, mask, last, taps in data:
+            loss, _ = model(seq, mask, last, taps, steps=3)
+            opt.zero_grad()
+            (loss / mask.sum()).backward()
+            opt.step()
+    head.eval()
 
 
 def same_chain(name, prompts, refs, outs, ours) -> None:
