@@ -139,7 +139,8 @@ REPEATS = PROMPTS[1][:5] * 3 + PROMPTS[1][:2]  # prompt lookup finds its n-grams
 def test_family_chains_decode_as_the_target_does(name):
     """Greedy chains on the model's own cache, its recurrent state recorded and the rejected tail rolled back:
     an oracle chain wrong at depth 3 (two nodes accepted, two rolled back, every step), an EAGLE-3 and a DFlash
-    head's chains, prompt lookup and a draft model's chain, all giving transformers' greedy tokens."""
+    head's chains, prompt lookup and a draft model's chain, all giving transformers' greedy tokens; a batch with the
+    oracle, its rows ending apart (an EOS), each row its own greedy answer."""
     from helpers import tiny_target
 
     t = target(name)
@@ -158,6 +159,17 @@ def test_family_chains_decode_as_the_target_does(name):
             assert out.sequences[0, len(prompt):].tolist() == ref, (name, label)
             if label == "oracle":  # 3 tokens per full step: 2 accepted nodes and the correction
                 assert max(out.stats.accept_lengths) == 3 and out.stats.tau > 2, out.stats.accept_lengths
+    # a batch of two prompts (on this cache each row decodes alone), the first row ending at an EOS: every row is
+    # its own greedy answer up to its end
+    refs = [t.model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    eos = refs[0][3]
+    out = decode.generate(t, [GreedyChain(t, depth=4, wrong=2) for _ in PROMPTS], PROMPTS, NEW, eos_token_id=eos)
+    width = out.sequences.shape[1] - NEW
+    for b, ref in enumerate(refs):
+        want = ref[:ref.index(eos) + 1] if eos in ref else ref
+        assert out.sequences[b, width:width + out.stats.rows[b].new_tokens].tolist() == want, (name, b)
+    assert out.stats.rows[0].new_tokens <= 4 < out.stats.rows[1].new_tokens or eos in refs[1][:4], name
 
 
 @pytest.mark.parametrize("name", INDEXED)
