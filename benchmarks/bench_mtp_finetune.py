@@ -5,7 +5,8 @@ scratch (bench_mtp_vs_eagle3's ``mtp`` arm) on the first ``--stage1-samples`` tr
 Stage 2 then trains, per seed and at equal tokens, on the other training samples (disjoint from stage 1's):
 
 - ``scratch``: an MTP layer from scratch;
-- ``finetune``: the same, started from stage 1's final layer (``head.init_from``).
+- ``finetune``: the same, started from stage 1's final layer (``head.init_from``);
+- ``finetune_lr<lr>`` (``--finetune-lrs``): finetune at another learning rate.
 
 Both are scored on the capture's last ``--eval-samples`` samples (never trained on in either stage), with
 bench_recipes' per-sample scoring and paired bootstrap (``finetune - scratch``; and each against the stage-1
@@ -106,6 +107,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     ap.add_argument("--summary", default="benchmarks/results/cpu/mtp-finetune/summary.json")
+    ap.add_argument("--finetune-lrs", nargs="*", type=float, default=[],
+                    help="more finetune arms at these learning rates (arm finetune_lr<lr>; the config's is 1e-3)")
     a = ap.parse_args()
     import torch
 
@@ -122,10 +125,14 @@ def main() -> None:
     shipped = (out / "stage1" / f"mtp-s{a.stage1_seed}" / "final").resolve()
     br.ARMS["scratch"] = br.ARMS["mtp"]
     br.ARMS["finetune"] = [*br.ARMS["mtp"], f"head.init_from={shipped}"]
-    r2 = run_stage(f2, out / "stage2", ["scratch", "finetune"], a.seeds, a.stage2_tokens, a)
+    tuned = ["finetune"]
+    for lr in a.finetune_lrs:
+        tuned.append(f"finetune_lr{lr:g}")
+        br.ARMS[tuned[-1]] = [*br.ARMS["finetune"], f"optim.lr={lr:g}"]
+    r2 = run_stage(f2, out / "stage2", ["scratch", *tuned], a.seeds, a.stage2_tokens, a)
 
     rows = {arm: {s: json.loads((out / "stage2" / f"{arm}-s{s}" / "per_sample.json").read_text()) for s in a.seeds}
-            for arm in ("scratch", "finetune")}
+            for arm in ("scratch", *tuned)}
     rows["shipped"] = {a.stage1_seed: json.loads((shipped.parent / "per_sample.json").read_text())}
     vs_shipped = br.compare(rows, "shipped")  # the same 32 held-out samples in the same order in both captures
     lengths = json.loads((src / MANIFEST).read_text())["lengths"]
@@ -134,7 +141,6 @@ def main() -> None:
         return {"tau_sim": report["arms"][arm]["tau_sim_per_seed"][str(seed)], "acc_per_depth": mve.depth_acc(per),
                 **report["runs"][f"{arm}-s{seed}"]}
 
-    ft = r2["arms"]["finetune"]
     summary = {
         "issue": 67, "target": mve.TARGET, "features": str(src), "eaglekit": str(Path(br.__file__).parents[1]),
         "data": {"samples": n, "held_out": {"samples": [held[0], held[-1]], "tokens": sum(lengths[i] for i in held)},
@@ -152,12 +158,13 @@ def main() -> None:
                            **run_info(r1, "mtp", a.stage1_seed, rows["shipped"][a.stage1_seed])},
         "arms": {arm: {"tau_sim": r2["arms"][arm]["tau_sim"], "tau_chain": r2["arms"][arm]["tau_chain"],
                        "per_seed": {str(s): run_info(r2, arm, s, rows[arm][s]) for s in a.seeds}}
-                 for arm in ("scratch", "finetune")},
-        "diff_finetune_minus_scratch": {"tau_sim": ft["tau_sim_diff"], "tau_sim_ci95": ft["tau_sim_ci95"],
-                                        "tau_chain": ft["tau_chain_diff"], "tau_chain_ci95": ft["tau_chain_ci95"]},
+                 for arm in ("scratch", *tuned)},
+        **{f"diff_{arm}_minus_scratch": {k: r2["arms"][arm][k] for k in ("tau_sim_diff", "tau_sim_ci95",
+                                                                        "tau_chain_diff", "tau_chain_ci95")}
+           for arm in tuned},
         **{f"diff_{arm}_minus_shipped": {"tau_sim": vs_shipped[arm]["tau_sim_diff"],
                                          "tau_sim_ci95": vs_shipped[arm]["tau_sim_ci95"]}
-           for arm in ("finetune", "scratch")},
+           for arm in (*tuned, "scratch")},
         "bootstrap": "paired over the held-out samples, 10000 draws, arm value = mean over its seeds",
         "script_wall_seconds": time.time() - t0,
         "reports": [str(out / "stage1" / "report.json"), str(out / "stage2" / "report.json")],
