@@ -31,12 +31,13 @@ def generate(target, drafter, input_ids, max_new_tokens: int = 128, temperature:
     a draft Target sharing the tokenizer (a chain of ``gamma`` tokens), an EAGLE head, or a ``Drafter``
     (e.g. ``ModelTreeDrafter``, ``LookupDrafter``).
 
-    ``tree`` (heads): a ``TreeSpec``, a dict of its fields, a ``cost.Plan``, or ``"auto"`` (sized from
-    measured costs, plain decoding where no tree pays; with ``prompt_lookup`` it also keeps fewer head
-    nodes on steps that have a lookup branch). ``prompt_lookup=N`` adds a branch of up to N tokens copied
-    from the context after its last matching n-gram (``lookup.LookupDrafter``; with ``drafter=None`` this
-    is prompt lookup decoding); ``prompt_lookup=(2, 5, 10)`` (``lookup.BY_MATCH``, the measured best) sizes
-    the branch by the match: 2 tokens after a 1-gram match, 5 after a 2-gram, 10 after a 3-gram.
+    ``tree`` (heads): a ``TreeSpec``, a dict of its fields, "depth,top_k,total_tokens" (e.g. "5,8,48"), a
+    ``cost.Plan``, or ``"auto"`` (sized from measured costs, plain decoding where no tree pays; with
+    ``prompt_lookup`` it also keeps fewer head nodes on steps that have a lookup branch). ``prompt_lookup=N``
+    adds a branch of up to N tokens copied from the context after its last matching n-gram
+    (``lookup.LookupDrafter``; with ``drafter=None`` this is prompt lookup decoding); ``prompt_lookup=(2, 5,
+    10)`` (``lookup.BY_MATCH``, the measured best) sizes the branch by the match: 2 tokens after a 1-gram
+    match, 5 after a 2-gram, 10 after a 3-gram.
     ``eos_token_id`` defaults to the model's generation config (``False`` disables it); ``stop`` strings
     end the generation too. ``seed`` seeds a generator on the target's device. ``streamer`` (a
     transformers streamer) gets the tokens as they are accepted. ``max_new_tokens=0`` returns the prompt
@@ -194,7 +195,8 @@ def _inner(target, drafter, sampling, generator, tree, gamma) -> tuple[Drafter, 
                           f"tokens/s, plain decoding at {plan.plain_tokens_per_s:.1f} on this device: "
                           "decoding without drafting (pass an explicit tree to draft anyway)", stacklevel=4)
             return PlainDrafter(), None
-        spec = plan.spec if plan is not None else tree if isinstance(tree, TreeSpec) else TreeSpec(**(tree or {}))
+        spec = (plan.spec if plan is not None else tree if isinstance(tree, TreeSpec)
+                else TreeSpec.parse(tree) if isinstance(tree, str) else TreeSpec(**(tree or {})))
         if getattr(drafter, "parallel", False):  # a head that samples its block takes the sampling
             return ParallelDrafter(target, drafter, spec, sampling, generator), plan
         if getattr(drafter, "walks", False):  # an MTP head of several layers: one per depth, chains

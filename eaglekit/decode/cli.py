@@ -151,14 +151,7 @@ def run(args) -> int:
 
 def parse_tree(text: str):
     """``tree=``/``draft_tree=``: "auto" or "depth,top_k,total_tokens" (e.g. "5,8,48") as a ``TreeSpec``."""
-    if text == "auto":
-        return "auto"
-    try:
-        depth, top_k, total = (int(x) for x in str(text).split(","))
-    except ValueError:
-        raise ValueError(f"tree={text!r}: expected 'auto' or 'depth,top_k,total_tokens' (e.g. 5,8,48)") \
-            from None
-    return TreeSpec(depth, top_k, total)
+    return "auto" if text == "auto" else TreeSpec.parse(text)
 
 
 def load_drafter(cfg, target):

@@ -54,6 +54,15 @@ class TreeSpec:
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
             raise ValueError(f"TreeSpec needs depth, top_k, total_tokens >= 1, got {self}")
 
+    @classmethod
+    def parse(cls, text: str) -> TreeSpec:
+        """"depth,top_k,total_tokens" (e.g. "5,8,48"), as the CLIs' ``tree=`` spells it."""
+        try:
+            depth, top_k, total = (int(x) for x in str(text).split(","))
+        except ValueError:
+            raise ValueError(f"tree={text!r}: expected 'auto' or 'depth,top_k,total_tokens' (e.g. 5,8,48)") from None
+        return cls(depth, top_k, total)
+
 
 @dataclass
 class Tree:

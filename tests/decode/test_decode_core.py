@@ -176,6 +176,14 @@ def test_decode_bad_input():
     assert out.sequences.tolist() == [PROMPTS[0]] and out.stats.accept_lengths == []
     with pytest.raises(ValueError, match="TreeSpec"):
         TreeSpec(depth=0)
+    # a tree spelled as the CLIs spell it: the same decoding as its TreeSpec; a malformed one named
+    head = tiny_head(t, "eagle3", 32)
+    spelled = decode.generate(t, head, torch.tensor([PROMPTS[0]]), 6, tree="2,2,3")
+    assert spelled.sequences.tolist() == decode.generate(t, head, torch.tensor([PROMPTS[0]]), 6,
+                                                         tree=TreeSpec(2, 2, 3)).sequences.tolist()
+    assert max(spelled.stats.tree_sizes) == 3
+    with pytest.raises(ValueError, match=r"tree='2,2': expected 'auto' or 'depth,top_k,total_tokens'"):
+        decode.generate(t, head, torch.tensor([PROMPTS[0]]), 4, tree="2,2")
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
