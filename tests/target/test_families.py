@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 from arch_matrix import FAMILIES, tiny_model, tiny_target_of, tiny_vl_model
-from helpers import GreedyChain, TreeOracle, tiny_conversations, tiny_tokenizer
+from helpers import GreedyChain, TreeOracle, hf_greedy, tiny_conversations, tiny_tokenizer
 
 from eaglekit import decode
 from eaglekit.heads import KINDS, HeadConfig, build_head
@@ -161,8 +161,7 @@ def test_family_chains_decode_as_the_target_does(name):
                 assert max(out.stats.accept_lengths) == 3 and out.stats.tau > 2, out.stats.accept_lengths
     # a batch of two prompts (on this cache each row decodes alone), the first row ending at an EOS: every row is
     # its own greedy answer up to its end
-    refs = [t.model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    refs = [hf_greedy(t, p, NEW)[0, len(p):].tolist() for p in PROMPTS]
     eos = refs[0][3]
     out = decode.generate(t, [GreedyChain(t, depth=4, wrong=2) for _ in PROMPTS], PROMPTS, NEW, eos_token_id=eos)
     width = out.sequences.shape[1] - NEW
